@@ -1,0 +1,358 @@
+"""Attention over packed rows, with the mask given as per-query key ranges plus segment ids.
+
+For batch row b and query position t, key position j is visible iff
+
+    k_start[b, t] <= j < k_end[b, t]
+    and q_segment_ids[b, t] == kv_segment_ids[b, j]
+    and q_segment_ids[b, t] != 0            (segment id 0 is padding)
+
+Why this form: BAGEL packs several samples into one row and, inside each sample, mixes causal
+text with bidirectional image blocks ("causal + full" split). Every such mask is, per query, one
+contiguous key interval: a text token sees [segment start, t + 1), a token of an image block sees
+[segment start, block end). So two integers per query describe it exactly, and the segment ids
+only have to cut off neighbouring samples (and padding) that fall inside the interval. This lets
+the chunked kernel build each (query block, key block) tile of the mask on the fly, and skip key
+blocks that lie outside every query interval, without ever holding a [T, S] mask in memory.
+
+Queries whose visible set is empty (padding, or k_end <= k_start) return exactly 0 and get zero
+gradient, with no NaN on the way.
+
+Backends:
+  "chunked"   (default) flash-style online softmax with a custom VJP; memory linear in T and S.
+  "reference" dense mask and plain softmax in float32; small, obviously correct, used by tests.
+  "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") with the dense mask; GPU only,
+              fp16/bf16 only, never the default.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import operator
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BACKENDS = ("chunked", "reference", "cudnn")
+
+_F32 = jnp.float32
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    q_segment_ids,
+    kv_segment_ids,
+    k_start,
+    k_end,
+    backend: str = "chunked",
+    q_block: int = 512,
+    kv_block: int = 512,
+) -> jax.Array:
+    """Masked multi-head attention over packed rows (see the module docstring for the mask).
+
+    Args:
+      q: [B, T, Hq, D] queries.
+      k, v: [B, S, Hkv, D] keys and values; Hq % Hkv == 0 and query head h reads kv head
+        h // (Hq // Hkv).
+      q_segment_ids, k_start, k_end: [B, T] int32, per query.
+      kv_segment_ids: [B, S] int32, per key.
+      backend: "chunked", "reference" or "cudnn".
+      q_block, kv_block: tile sizes of the chunked backend (clamped to the sequence lengths).
+
+    Returns:
+      [B, T, Hq, D] in q.dtype. Logits and softmax statistics are float32 whatever the input dtype.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    q_segment_ids, kv_segment_ids, k_start, k_end = _check_inputs(
+        q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end, q_block, kv_block
+    )
+    if backend == "reference":
+        return _reference(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
+    if backend == "cudnn":
+        return _cudnn(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
+    return _chunked(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end, q_block, kv_block)
+
+
+def dense_mask(q_segment_ids, kv_segment_ids, k_start, k_end) -> jax.Array:
+    """The full boolean mask [B, 1, T, S] (broadcast over heads). Only for small inputs."""
+    j = jnp.arange(kv_segment_ids.shape[1])
+    in_range = (k_start[:, :, None] <= j) & (j < k_end[:, :, None])
+    same_segment = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    not_padding = (q_segment_ids != 0)[:, :, None]
+    return (in_range & same_segment & not_padding)[:, None]
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checking
+
+
+def _check_inputs(q, k, v, q_seg, kv_seg, k_start, k_end, q_block, kv_block):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, S, Hkv, D], got shape {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+    B, T, Hq, D = q.shape
+    Bk, S, Hkv, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k batch size {Bk} does not match q batch size {B}")
+    if Dk != D:
+        raise ValueError(f"k head dim {Dk} does not match q head dim {D}")
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv})")
+    named = {
+        "q_segment_ids": (q_seg, (B, T)),
+        "k_start": (k_start, (B, T)),
+        "k_end": (k_end, (B, T)),
+        "kv_segment_ids": (kv_seg, (B, S)),
+    }
+    out = []
+    for name, (x, shape) in named.items():
+        x = jnp.asarray(x)
+        if x.shape != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {x.dtype}")
+        out.append(x.astype(jnp.int32))
+    for name, blk in (("q_block", q_block), ("kv_block", kv_block)):
+        try:
+            ok = operator.index(blk) > 0  # block sizes fix shapes, so they must be static ints
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be a positive int, got {blk!r}")
+    q_seg, k_start, k_end, kv_seg = out
+    return q_seg, kv_seg, k_start, k_end
+
+
+# --------------------------------------------------------------------------------------------
+# Reference and cuDNN backends (dense mask)
+
+
+def _reference(q, k, v, q_seg, kv_seg, k_start, k_end):
+    B, T, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    mask = dense_mask(q_seg, kv_seg, k_start, k_end)  # [B, 1, T, S]
+    qf = q.astype(_F32)
+    kf = jnp.repeat(k.astype(_F32), group, axis=2)  # repeat-interleave: head h -> kv h // group
+    vf = jnp.repeat(v.astype(_F32), group, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", qf, kf) / math.sqrt(D)
+    s = jnp.where(mask, s, -jnp.inf)
+    # An all-masked row has max -inf; shifting by 0 instead keeps exp() at exactly 0, and the
+    # guarded denominator then gives p = 0 (output 0, gradient 0) rather than 0/0.
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.exp(s - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    p = e / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("bhts,bshd->bthd", p, vf).astype(q.dtype)
+
+
+def _cudnn(q, k, v, q_seg, kv_seg, k_start, k_end):
+    if jax.default_backend() != "gpu":
+        raise ValueError(
+            f"backend='cudnn' needs a CUDA GPU; the default JAX backend is "
+            f"{jax.default_backend()!r}. Use backend='chunked' instead."
+        )
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"backend='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}")
+    mask = dense_mask(q_seg, kv_seg, k_start, k_end)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    # cuDNN's value for a fully masked row is not specified; the contract here is exactly 0.
+    has_keys = jnp.any(mask, axis=-1)[:, 0, :, None, None]  # [B, T, 1, 1]
+    return jnp.where(has_keys, out, jnp.zeros((), out.dtype)).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Chunked (flash-style) backend
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _chunked(q, k, v, q_seg, kv_seg, k_start, k_end, q_block, kv_block):
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if T == 0 or S == 0:
+        return jnp.zeros(q.shape, q.dtype)
+    bq, bk = min(operator.index(q_block), T), min(operator.index(kv_block), S)
+    Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+
+    # Padded queries and keys get segment 0, which the tile mask already excludes, so padding
+    # needs no special case inside the kernel. Clipping the ranges to [0, S] changes nothing
+    # about which keys are visible but keeps the kv block bounds inside the array.
+    def pad_seq(x, n):
+        return jnp.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+    q5 = pad_seq(q, Tp).reshape(B, Tp, Hkv, Hq // Hkv, D)  # head h = kv_head * group + g
+    out = _flash(
+        q5,
+        pad_seq(k, Sp),
+        pad_seq(v, Sp),
+        pad_seq(q_seg, Tp),
+        pad_seq(kv_seg, Sp),
+        pad_seq(jnp.clip(k_start, 0, S), Tp),
+        pad_seq(jnp.clip(k_end, 0, S), Tp),
+        bq,
+        bk,
+    )
+    return out.reshape(B, Tp, Hq, D)[:, :T]
+
+
+def _block_plan(q_seg, k_start, k_end, bq, bk, Sp):
+    """Flattened per-(batch, q block) inputs for lax.map/scan, with each block's kv block range.
+
+    A q block only needs kv blocks that intersect the union of its queries' intervals, i.e.
+    [min k_start, max k_end) over the queries that see anything at all.
+    """
+    B, Tp = q_seg.shape
+    nq = Tp // bq
+    seg = q_seg.reshape(B * nq, bq)
+    ks = k_start.reshape(B * nq, bq)
+    ke = k_end.reshape(B * nq, bq)
+    live = (seg != 0) & (ke > ks)
+    lo = jnp.min(jnp.where(live, ks, Sp), axis=1) // bk
+    hi = -(-jnp.max(jnp.where(live, ke, 0), axis=1) // bk)  # a dead block gets lo > hi: no work
+    batch_index = jnp.repeat(jnp.arange(B, dtype=jnp.int32), nq)
+    return batch_index, seg, ks, ke, lo, hi
+
+
+def _kv_tile(x, b, kb, bk):
+    """Rows [kb*bk, (kb+1)*bk) of batch row b of a [B, Sp, ...] array."""
+    start = (b, kb * bk) + (0,) * (x.ndim - 2)
+    return lax.dynamic_slice(x, start, (1, bk) + x.shape[2:])[0]
+
+
+def _add_kv_tile(acc, tile, b, kb, bk):
+    """acc[b, kb*bk : (kb+1)*bk] += tile, in place inside the loop."""
+    updated = _kv_tile(acc, b, kb, bk) + tile
+    return lax.dynamic_update_slice(acc, updated[None], (b, kb * bk) + (0,) * (acc.ndim - 2))
+
+
+def _tile_logits(q_blk, k_blk, seg, ks, ke, kv_seg_blk, kb, bk, scale):
+    """Scaled float32 logits of one tile, [Hkv, G, bq, bk], with invisible entries at -inf."""
+    j = kb * bk + jnp.arange(bk)
+    visible = (
+        (ks[:, None] <= j)
+        & (j < ke[:, None])
+        & (seg[:, None] == kv_seg_blk[None, :])
+        & (seg[:, None] != 0)
+    )
+    s = jnp.einsum("qhgd,khd->hgqk", q_blk, k_blk, preferred_element_type=_F32) * scale
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _flash_forward(q, k, v, q_seg, kv_seg, k_start, k_end, bq, bk):
+    """Returns out [B, Tp, Hkv, G, D] (q.dtype) and lse [B, Tp, Hkv, G] (float32)."""
+    B, Tp, Hkv, G, D = q.shape
+    Sp = k.shape[1]
+    scale = 1.0 / math.sqrt(D)
+    plan = _block_plan(q_seg, k_start, k_end, bq, bk, Sp)
+    q_blocks = q.reshape(B * (Tp // bq), bq, Hkv, G, D)
+
+    def one_q_block(xs):
+        b, seg, ks, ke, lo, hi, q_blk = xs
+
+        def kv_step(kb, carry):
+            m, l, acc = carry
+            k_blk, v_blk = _kv_tile(k, b, kb, bk), _kv_tile(v, b, kb, bk)
+            s = _tile_logits(q_blk, k_blk, seg, ks, ke, _kv_tile(kv_seg, b, kb, bk), kb, bk, scale)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            # Rows with nothing visible so far keep m = -inf; shifting them by 0 makes every
+            # exp() below exactly 0 instead of exp(-inf - -inf) = NaN.
+            shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+            p = jnp.exp(s - shift[..., None])
+            rescale = jnp.exp(m - shift)
+            l = rescale * l + jnp.sum(p, axis=-1)
+            pv = jnp.einsum("hgqk,khd->hgqd", p.astype(v.dtype), v_blk, preferred_element_type=_F32)
+            return m_new, l, rescale[..., None] * acc + pv
+
+        init = (
+            jnp.full((Hkv, G, bq), -jnp.inf, _F32),
+            jnp.zeros((Hkv, G, bq), _F32),
+            jnp.zeros((Hkv, G, bq, D), _F32),
+        )
+        m, l, acc = lax.fori_loop(lo, hi, kv_step, init)
+        seen = l > 0
+        out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+        # Empty rows get lse 0: any finite value works, since their logits are all -inf and the
+        # backward's exp(s - lse) is then exactly 0.
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), 0.0)
+        return (jnp.einsum("hgqd->qhgd", out).astype(q.dtype), jnp.einsum("hgq->qhg", lse))
+
+    out, lse = lax.map(one_q_block, plan + (q_blocks,))
+    return out.reshape(B, Tp, Hkv, G, D), lse.reshape(B, Tp, Hkv, G)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _flash(q, k, v, q_seg, kv_seg, k_start, k_end, bq, bk):
+    return _flash_forward(q, k, v, q_seg, kv_seg, k_start, k_end, bq, bk)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, k_start, k_end, bq, bk):
+    out, lse = _flash_forward(q, k, v, q_seg, kv_seg, k_start, k_end, bq, bk)
+    # Only O(T + S) residuals: the inputs, the output and one float32 logsumexp per query row.
+    return out, (q, k, v, q_seg, kv_seg, k_start, k_end, out, lse)
+
+
+def _flash_bwd(bq, bk, residuals, d_out):
+    q, k, v, q_seg, kv_seg, k_start, k_end, out, lse = residuals
+    B, Tp, Hkv, G, D = q.shape
+    Sp = k.shape[1]
+    nq = Tp // bq
+    scale = 1.0 / math.sqrt(D)
+    d_out = d_out.astype(q.dtype)
+    # rowsum(dO * O) = sum_j P_ij dP_ij, the softmax Jacobian's correction term per query row.
+    delta = jnp.einsum("bthgd,bthgd->bthg", d_out.astype(_F32), out.astype(_F32))
+
+    def blocks(x):
+        return x.reshape((B * nq, bq) + x.shape[2:])
+
+    plan = _block_plan(q_seg, k_start, k_end, bq, bk, Sp)
+    xs = plan + (blocks(q), blocks(d_out), blocks(lse), blocks(delta))
+
+    # dK and dV are accumulated into full-size float32 buffers carried through the (sequential)
+    # loop over q blocks; they are O(S), so this keeps memory linear while every tile is visited
+    # once, exactly as in the forward.
+    def one_q_block(carry, xs):
+        dk_acc, dv_acc = carry
+        b, seg, ks, ke, lo, hi, q_blk, do_blk, lse_blk, delta_blk = xs
+        lse_blk = jnp.einsum("qhg->hgq", lse_blk)
+        delta_blk = jnp.einsum("qhg->hgq", delta_blk)
+
+        def kv_step(kb, carry):
+            dq, dk_acc, dv_acc = carry
+            k_blk, v_blk = _kv_tile(k, b, kb, bk), _kv_tile(v, b, kb, bk)
+            s = _tile_logits(q_blk, k_blk, seg, ks, ke, _kv_tile(kv_seg, b, kb, bk), kb, bk, scale)
+            p = jnp.exp(s - lse_blk[..., None])  # invisible entries: exp(-inf) = 0
+            dv = jnp.einsum(
+                "hgqk,qhgd->khd", p.astype(do_blk.dtype), do_blk, preferred_element_type=_F32
+            )
+            dp = jnp.einsum("qhgd,khd->hgqk", do_blk, v_blk, preferred_element_type=_F32)
+            ds = p * (dp - delta_blk[..., None])
+            dq = dq + scale * jnp.einsum(
+                "hgqk,khd->qhgd", ds.astype(k.dtype), k_blk, preferred_element_type=_F32
+            )
+            dk = scale * jnp.einsum(
+                "hgqk,qhgd->khd", ds.astype(q.dtype), q_blk, preferred_element_type=_F32
+            )
+            return dq, _add_kv_tile(dk_acc, dk, b, kb, bk), _add_kv_tile(dv_acc, dv, b, kb, bk)
+
+        dq0 = jnp.zeros((bq, Hkv, G, D), _F32)
+        dq, dk_acc, dv_acc = lax.fori_loop(lo, hi, kv_step, (dq0, dk_acc, dv_acc))
+        return (dk_acc, dv_acc), dq.astype(q.dtype)
+
+    zeros = jnp.zeros(k.shape, _F32)
+    (dk, dv), dq = lax.scan(one_q_block, (zeros, zeros), xs)
+    dq = dq.reshape(q.shape)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,308 @@
+"""Model configuration: the language model, the vision encoder, and the BAGEL composition.
+
+Three frozen dataclasses, one per network, with named presets:
+
+* `BagelConfig.tiny()` — a few layers and small widths; runs in seconds on a CPU (tests, the
+    default training config).
+* `BagelConfig.bagel_7b()` — BAGEL-7B-MoT / ThinkMorph-7B (bagel_spec.md §1).
+* `BagelConfig.from_hf_json(llm_config.json, vit_config.json)` — read a checkpoint directory's
+    configs and apply the overrides every upstream loader applies in code (bagel_spec.md §1): QK-norm
+    on, untied lm_head, the MoT layer, one ViT layer fewer than the json says, no ViT rope.
+
+Runtime choices that are not part of the checkpoint (compute dtype, attention backend, remat)
+live in the same dataclasses so one object describes how a model is built and run; they are
+never read from or written to the HF json files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from models import attention, layers
+
+MOT_LAYER = "Qwen2MoTDecoderLayer"
+PLAIN_LAYER = "Qwen2DecoderLayer"
+_LAYER_MODULES = (MOT_LAYER, PLAIN_LAYER)
+_DTYPES = ("float32", "bfloat16", "float16")
+# The per-layer remat switch: "none" or a jax.checkpoint policy name from models/layers.py.
+REMAT_CHOICES = ("none",) + tuple(layers.REMAT_POLICIES)
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"{owner}.{name}={value!r}; allowed values: {', '.join(map(repr, allowed))}"
+        )
+
+
+def _check_positive(owner: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{owner}.{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+    """BAGEL's language model: Qwen2 with per-head QK-norm and (optionally) MoT gen experts."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    qk_norm: bool = True
+    tie_word_embeddings: bool = False
+    layer_module: str = MOT_LAYER
+    # Build the `*_moe_gen` weights of the MoT layer. Understanding-only work (OPSD) never routes
+    # a token to them, and at 7B they are ~6.5B parameters, so they are off unless asked for.
+    build_gen_expert: bool = False
+    # --- runtime (not in the checkpoint) ---
+    compute_dtype: str = "bfloat16"
+    attention_backend: str = "chunked"
+    remat: str = "full"
+
+    def __post_init__(self):
+        owner = "Qwen2Config"
+        _check_positive(
+            owner,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+        )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{owner}.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{owner}.num_attention_heads={self.num_attention_heads} is not divisible "
+                f"by num_key_value_heads={self.num_key_value_heads} (GQA)"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"{owner}: head_dim={self.head_dim} must be even for rotary embeddings"
+            )
+        _check_choice(owner, "layer_module", self.layer_module, _LAYER_MODULES)
+        _check_choice(owner, "compute_dtype", self.compute_dtype, _DTYPES)
+        _check_choice(owner, "attention_backend", self.attention_backend, attention.BACKENDS)
+        _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
+        if self.tie_word_embeddings:
+            raise ValueError(
+                f"{owner}.tie_word_embeddings=True is not supported: BAGEL's lm_head is "
+                "untied (every upstream loader forces False)"
+            )
+        if self.build_gen_expert and self.layer_module != MOT_LAYER:
+            raise ValueError(
+                f"{owner}.build_gen_expert=True needs layer_module={MOT_LAYER!r}, "
+                f"got {self.layer_module!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_group_size(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class SiglipConfig:
+    """SigLIP NaViT vision encoder. `num_hidden_layers` is the number of layers actually built."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    patch_size: int = 14
+    image_size: int = 980
+    num_channels: int = 3
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+    rope: bool = False
+
+    def __post_init__(self):
+        owner = "SiglipConfig"
+        _check_positive(
+            owner,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_hidden_layers=self.num_hidden_layers,
+            patch_size=self.patch_size,
+            image_size=self.image_size,
+            num_channels=self.num_channels,
+        )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"{owner}.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        _check_choice(owner, "hidden_act", self.hidden_act, ("gelu_pytorch_tanh",))
+        if self.rope:
+            raise ValueError(
+                f"{owner}.rope=True is not supported: BAGEL checkpoints use the learned "
+                "position table (every upstream loader forces rope=False)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Features of one flattened patch, (py, px, c) order: 14*14*3 = 588."""
+        return self.patch_size * self.patch_size * self.num_channels
+
+    @property
+    def num_patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class BagelConfig:
+    """The whole model: LM + ViT + connector, and the BAGEL-level switches (bagel_spec.md §1.3)."""
+
+    llm: Qwen2Config
+    vit: SiglipConfig
+    visual_und: bool = True
+    visual_gen: bool = False
+    vit_max_num_patch_per_side: int = 70
+    connector_act: str = "gelu_pytorch_tanh"
+    interpolate_pos: bool = False
+    latent_patch_size: int = 2
+    max_latent_size: int = 64
+    timestep_shift: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("BagelConfig", vit_max_num_patch_per_side=self.vit_max_num_patch_per_side)
+        _check_choice("BagelConfig", "connector_act", self.connector_act, ("gelu_pytorch_tanh",))
+
+    def replace(self, **changes) -> "BagelConfig":
+        """A copy with top-level fields changed; `llm=dict(...)`/`vit=dict(...)` change sub-fields."""
+        for sub in ("llm", "vit"):
+            if isinstance(changes.get(sub), dict):
+                changes[sub] = dataclasses.replace(getattr(self, sub), **changes[sub])
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def tiny(cls, **changes) -> "BagelConfig":
+        """A few layers, small widths, GQA; every sharded width divisible by 8 (8-device tests)."""
+        config = cls(
+            llm=Qwen2Config(
+                vocab_size=1024,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rope_theta=10_000.0,
+                max_position_embeddings=4096,
+            ),
+            vit=SiglipConfig(
+                hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2
+            ),
+        )
+        return config.replace(**changes)
+
+    @classmethod
+    def bagel_7b(cls, **changes) -> "BagelConfig":
+        """BAGEL-7B-MoT / ThinkMorph-7B, understanding-only by default (no gen expert built)."""
+        config = cls(
+            llm=Qwen2Config(
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_hidden_layers=28,
+                num_attention_heads=28,
+                num_key_value_heads=4,
+                rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0,
+                max_position_embeddings=32768,
+            ),
+            vit=SiglipConfig(
+                hidden_size=1152,
+                intermediate_size=4304,
+                num_attention_heads=16,
+                num_hidden_layers=26,
+                patch_size=14,
+                image_size=980,
+            ),
+        )
+        return config.replace(**changes)
+
+    @classmethod
+    def from_hf_json(
+        cls, llm_json_path: str | os.PathLike, vit_json_path: str | os.PathLike, **changes
+    ) -> "BagelConfig":
+        """Read a BAGEL/ThinkMorph checkpoint's configs, applying the upstream loader overrides."""
+        llm_json = _read_json(llm_json_path)
+        vit_json = _read_json(vit_json_path)
+
+        def need(source: dict, path, key):
+            if key not in source:
+                raise KeyError(f"{os.fspath(path)}: missing required key {key!r}")
+            return source[key]
+
+        if llm_json.get("rope_scaling"):
+            raise ValueError(
+                f"{os.fspath(llm_json_path)}: rope_scaling={llm_json['rope_scaling']!r} is "
+                "not supported (BAGEL uses plain RoPE)"
+            )
+        if llm_json.get("use_sliding_window"):
+            raise ValueError(
+                f"{os.fspath(llm_json_path)}: use_sliding_window=true is not supported"
+            )
+        llm = Qwen2Config(
+            vocab_size=need(llm_json, llm_json_path, "vocab_size"),
+            hidden_size=need(llm_json, llm_json_path, "hidden_size"),
+            intermediate_size=need(llm_json, llm_json_path, "intermediate_size"),
+            num_hidden_layers=need(llm_json, llm_json_path, "num_hidden_layers"),
+            num_attention_heads=need(llm_json, llm_json_path, "num_attention_heads"),
+            num_key_value_heads=llm_json.get(
+                "num_key_value_heads", need(llm_json, llm_json_path, "num_attention_heads")
+            ),
+            rms_norm_eps=llm_json.get("rms_norm_eps", 1e-6),
+            rope_theta=float(llm_json.get("rope_theta", 1_000_000.0)),
+            max_position_embeddings=llm_json.get("max_position_embeddings", 32768),
+            # Loader overrides (bagel_spec.md §1.1): set in code whatever the json says.
+            qk_norm=True,
+            tie_word_embeddings=False,
+            layer_module=MOT_LAYER,
+        )
+        json_vit_layers = need(vit_json, vit_json_path, "num_hidden_layers")
+        vit = SiglipConfig(
+            hidden_size=need(vit_json, vit_json_path, "hidden_size"),
+            intermediate_size=need(vit_json, vit_json_path, "intermediate_size"),
+            num_attention_heads=need(vit_json, vit_json_path, "num_attention_heads"),
+            # The loaders drop the last layer (equivalent to training's vit_select_layer=-2).
+            num_hidden_layers=json_vit_layers - 1,
+            patch_size=vit_json.get("patch_size", 14),
+            image_size=vit_json.get("image_size", 980),
+            num_channels=vit_json.get("num_channels", 3),
+            hidden_act=vit_json.get("hidden_act", "gelu_pytorch_tanh"),
+            layer_norm_eps=vit_json.get("layer_norm_eps", 1e-6),
+            rope=False,
+        )
+        return cls(llm=llm, vit=vit).replace(**changes)
+
+
+def _read_json(path: str | os.PathLike) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"model config not found: {os.fspath(path)}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{os.fspath(path)} is not valid JSON: {e}") from None

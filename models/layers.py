@@ -1,0 +1,118 @@
+"""Building blocks shared by the language model and the vision encoder.
+
+Parameters carry logical axis names (`out_sharding` metadata) and are created unsharded
+(`eager_sharding=False`): a model can be built anywhere, and placement on a mesh is the job of a
+jitted init with out_shardings (opsd_jax/mesh.py maps the logical names to mesh axes).
+
+Layer stacks are built once with `nnx.vmap` (a leading 'layers' axis on every weight) and run
+with `nnx.scan`, so compile time does not grow with depth; each layer can be rematerialised
+under a `jax.checkpoint` policy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+INIT_STD = 0.02  # HF's initializer_range; only matters for training from scratch.
+
+# Per-layer rematerialisation policies by config name ("none" = keep every activation).
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def param(value: jax.Array, names: tuple[str, ...]) -> nnx.Param:
+    """A parameter with logical axis names, placed later by the mesh rules (not eagerly)."""
+    if len(names) != value.ndim:
+        raise ValueError(f"logical names {names} do not match parameter shape {value.shape}")
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...]) -> nnx.Param:
+    return param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), names)
+
+
+class Projection(nnx.Module):
+    """A linear map written as an einsum; the kernel is stored [in..., out...] (PyTorch W^T)."""
+
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        equation: str,
+        kernel_shape: tuple[int, ...],
+        kernel_names: tuple[str, ...],
+        bias_shape: tuple[int, ...] | None = None,
+        bias_names: tuple[str, ...] | None = None,
+    ):
+        self.equation = equation
+        self.kernel = normal_param(rngs, kernel_shape, kernel_names)
+        self.bias = (
+            None if bias_shape is None else param(jnp.zeros(bias_shape, jnp.float32), bias_names)
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.equation, x, self.kernel[...].astype(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(x.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) in fp32, cast back to x's dtype, then times `scale`."""
+
+    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("norm",)):
+        self.eps = eps
+        self.scale = param(jnp.ones((dim,), jnp.float32), names)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with scale and bias; statistics in fp32, result in x's dtype."""
+
+    def __init__(self, dim: int, eps: float, names: tuple[str, ...] = ("norm",)):
+        self.eps = eps
+        self.scale = param(jnp.ones((dim,), jnp.float32), names)
+        self.bias = param(jnp.zeros((dim,), jnp.float32), names)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        return (normed * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, rngs: nnx.Rngs):
+    """`num_layers` independently initialised layers stacked on a leading 'layers' axis."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+        return make_layer(rngs)
+
+    return make(rngs)
+
+
+def scan_layers(layers, carry: jax.Array, *broadcast, remat: str = "none") -> jax.Array:
+    """carry <- layer(carry, *broadcast) for each layer of a stack, in order.
+
+    `broadcast` arguments (positions, masks, ...) are the same for every layer; None is allowed.
+    """
+
+    def body(layer, carry, *broadcast):
+        return layer(carry, *broadcast)
+
+    if remat != "none":
+        body = nnx.remat(body, policy=REMAT_POLICIES[remat])
+    in_axes = (0, nnx.Carry) + (None,) * len(broadcast)
+    return nnx.scan(body, in_axes=in_axes, out_axes=nnx.Carry)(layers, carry, *broadcast)

@@ -1,0 +1,187 @@
+"""BAGEL's language model: Qwen2 with per-head QK-norm and Mixture-of-Transformers experts.
+
+Exactly bagel_spec.md §2-3:
+
+* q/k/v projections with bias, o_proj and the SwiGLU MLP without;
+* RMSNorm over each head's features on q and k (one weight shared by all heads), *before* RoPE;
+* rotate-half RoPE from explicit position ids (an image block shares one id), cos/sin computed
+  in fp32 and cast to the activation dtype as upstream does;
+* GQA: query head h reads kv head h // group (repeat-interleave);
+* RMSNorm statistics in fp32, cast back to the input dtype *before* the weight multiplies;
+* untied lm_head, final norm.
+
+MoT: each layer holds the und expert and, when `build_gen_expert`, a gen expert with the same
+shapes (BAGEL's `*_moe_gen` weights). A token with `gen_mask=True` goes through the gen
+expert's layer norms, q/k/v/o projections, q/k norms and MLP, and through `norm_moe_gen` at the
+end; attention itself is shared by all tokens. Routing evaluates both experts on every token and
+selects per token, which keeps shapes static; it costs the gen expert's FLOPs only in models
+built with it (image generation), never in understanding-only training.
+
+Layers are stacked on a leading 'layers' axis and run with `nnx.scan`, each under a
+`jax.checkpoint` policy chosen by `Qwen2Config.remat`. Every parameter carries logical axis names
+(`out_sharding` metadata); opsd_jax/mesh.py maps them to mesh axes. Parameters are created
+unsharded (`eager_sharding=False`) so the model can be built anywhere; placement on a mesh is
+the job of a jitted init with out_shardings.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import attention as attention_lib
+from models.layers import Projection, RMSNorm, normal_param, scan_layers, stack_layers
+from models.configs import Qwen2Config
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, Dh]; positions: [B, T] integer ids."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # broadcast over heads
+    # Upstream computes cos/sin in fp32 and casts them to the activation dtype before use.
+    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+class Expert(nnx.Module):
+    """One MoT expert's per-token weights for a decoder layer (BAGEL's und or `*_moe_gen` set)."""
+
+    def __init__(self, config: Qwen2Config, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        h, kv, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
+        self.q_proj = Projection(
+            rngs, "btd,dhk->bthk", (d, h, dh), ("embed", "q_heads", "head_dim"),
+            (h, dh), ("q_heads", "head_dim"))  # fmt: skip
+        self.k_proj = Projection(
+            rngs, "btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
+            (kv, dh), ("kv_heads", "head_dim"))  # fmt: skip
+        self.v_proj = Projection(
+            rngs, "btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
+            (kv, dh), ("kv_heads", "head_dim"))  # fmt: skip
+        self.o_proj = Projection(
+            rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "embed"))  # fmt: skip
+        self.q_norm = RMSNorm(dh, eps, names=("head_dim",)) if config.qk_norm else None
+        self.k_norm = RMSNorm(dh, eps, names=("head_dim",)) if config.qk_norm else None
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.gate_proj = Projection(rngs, "btd,df->btf", (d, f), ("embed", "mlp"))
+        self.up_proj = Projection(rngs, "btd,df->btf", (d, f), ("embed", "mlp"))
+        self.down_proj = Projection(rngs, "btf,fd->btd", (f, d), ("mlp", "embed"))
+
+    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Projections of the input-normed x, with QK-norm applied (RoPE comes after)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def mlp(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(gen_mask: jax.Array | None, und_out, gen_fn=None):
+    """Per-token choice between the und output and gen_fn()'s output (pytrees of [B, T, ...])."""
+    if gen_fn is None or gen_mask is None:
+        return und_out
+
+    def pick(u, g):
+        mask = gen_mask.reshape(gen_mask.shape + (1,) * (u.ndim - gen_mask.ndim))
+        return jnp.where(mask, g, u)
+
+    return jax.tree.map(pick, und_out, gen_fn())
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer with shared attention and per-token expert routing."""
+
+    def __init__(self, config: Qwen2Config, rngs: nnx.Rngs):
+        self.config = config
+        self.und = Expert(config, rngs)
+        self.gen = Expert(config, rngs) if config.build_gen_expert else None
+
+    def _routed(self, gen_mask, fn):
+        gen_fn = None if self.gen is None else (lambda: fn(self.gen))
+        return route(gen_mask, fn(self.und), gen_fn)
+
+    def __call__(self, h, positions, segment_ids, k_start, k_end, gen_mask):
+        config = self.config
+        x = self._routed(gen_mask, lambda e: e.input_layernorm(h))
+        q, k, v = self._routed(gen_mask, lambda e: e.qkv(x))
+        q = apply_rope(q, positions, config.rope_theta)
+        k = apply_rope(k, positions, config.rope_theta)
+        out = attention_lib.attention(
+            q, k, v,
+            q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+            k_start=k_start, k_end=k_end,
+            backend=config.attention_backend)  # fmt: skip
+        h = h + self._routed(gen_mask, lambda e: e.o_proj(out))
+        x = self._routed(gen_mask, lambda e: e.post_attention_layernorm(h))
+        return h + self._routed(gen_mask, lambda e: e.mlp(x))
+
+
+class Qwen2MoT(nnx.Module):
+    """Token embedding, the stacked MoT decoder layers, final norm(s) and the untied lm_head."""
+
+    def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = normal_param(
+            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"))  # fmt: skip
+
+        self.layers = stack_layers(
+            lambda rngs: DecoderLayer(config, rngs), config.num_hidden_layers, rngs
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_moe_gen = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if config.build_gen_expert else None
+        )
+        self.lm_head = normal_param(
+            rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"))  # fmt: skip
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.config.compute_dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """[B, T] ids -> [B, T, D] embeddings in the compute dtype."""
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute_dtype)
+
+    def __call__(
+        self,
+        embeddings: jax.Array,
+        *,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        k_start: jax.Array,
+        k_end: jax.Array,
+        gen_mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """Run the decoder over packed rows; returns final-normed hidden states [B, T, D]."""
+        if self.config.build_gen_expert is False:
+            gen_mask = None  # no gen weights: every token is und (understanding-only model)
+
+        h = scan_layers(
+            self.layers,
+            embeddings.astype(self.compute_dtype),
+            positions, segment_ids, k_start, k_end, gen_mask,
+            remat=self.config.remat,
+        )  # fmt: skip
+        gen_norm = None if self.norm_moe_gen is None else (lambda: self.norm_moe_gen(h))
+        return route(gen_mask, self.norm(h), gen_norm)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """lm_head over the last axis: [..., D] -> [..., V] in the hidden states' dtype."""
+        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(hidden.dtype))
+
+    def init_moe(self) -> None:
+        """Copy every und weight into its gen counterpart (BAGEL's `init_moe`)."""
+        if self.norm_moe_gen is None:
+            raise ValueError("init_moe needs a model built with build_gen_expert=True")
+        und_state = nnx.state(self.layers.und)
+        nnx.update(self.layers.gen, jax.tree.map(jnp.copy, und_state))
+        nnx.update(self.norm_moe_gen, jax.tree.map(jnp.copy, nnx.state(self.norm)))
