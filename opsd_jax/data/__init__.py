@@ -1,0 +1,1 @@
+"""Host-side data preparation (numpy + PIL only): image preprocessing, patchify, packing."""
