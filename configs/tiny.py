@@ -18,8 +18,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.num_shard = -1
     config.num_tensor = 1
     config.global_seed = 0
-    # The forward-pass job (until the trainer lands): packed rows of generated samples.
+    # The forward-pass job (until the trainer lands): rows of generated [image, question,
+    # answer] samples; forward_rows must be divisible by the mesh's data x fsdp size.
     config.forward_rows = 4
-    config.forward_tokens = 256
+    config.forward_tokens = 512
     config.lock()
     return config

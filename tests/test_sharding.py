@@ -87,3 +87,40 @@ def test_mesh_that_does_not_divide_the_devices_fails():
         mesh_lib.make_mesh(num_replicate=3)
     with pytest.raises(ValueError, match="does not match the 8 available devices"):
         mesh_lib.make_mesh(num_replicate=2, num_shard=2)
+
+
+def test_sharded_multimodal_forward_matches_single_device():
+    from models.bagel import Bagel
+    from opsd_jax.data.image_transform import patchify, vit_position_ids
+    from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
+
+    config = BagelConfig.tiny(llm=dict(compute_dtype="float32"))
+    mesh = mesh_lib.make_mesh()
+    model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
+    table = model.vit_pos_embed[...]
+    assert table.sharding.shard_shape(table.shape) == (4900, config.llm.hidden_size // 8)
+    patch_kernel = model.vit_model.layers.fc1.kernel[...]  # [layers, vit_embed, mlp]
+    assert patch_kernel.sharding.shard_shape(patch_kernel.shape)[1] == config.vit.hidden_size // 8
+
+    rng = np.random.default_rng(0)
+    special = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
+    samples = []
+    for i in range(8):
+        h, w = 1 + i % 3, 2 + i % 2
+        pixels = rng.uniform(-1, 1, (14 * h, 14 * w, 3)).astype(np.float32)
+        samples.append([Image(patchify(pixels), vit_position_ids(h, w)), Text([3 + i, 4, 5]),
+                        Text([6, 7], loss=True)])  # fmt: skip
+    pack = pack_samples(samples, row_length=24, num_rows=8, special=special)
+    graphdef, state = nnx.split(model)
+
+    def forward(state, pack):
+        m = nnx.merge(graphdef, state)
+        return m.logits_at(m(pack), pack.loss_rows)
+
+    with jax.set_mesh(mesh):
+        sharded_pack = jax.tree.map(
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), pack
+        )
+        logits = jax.jit(forward)(state, sharded_pack)
+    ref = jax.jit(forward)(jax.device_get(state), pack)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,121 @@
+"""BAGEL for understanding: ViT -> connector -> + 2-D sin-cos table, scattered into the LM's rows.
+
+`Bagel(config, rngs=...)(pack)` runs one packed forward (bagel_spec.md §5.2):
+
+1. text and image-marker ids are embedded with the LM's table;
+2. the ViT encodes every image's patches (attending within each image), the connector
+   (Linear, tanh-GELU, Linear) maps them to the LM width, the fixed sin-cos table is added at
+   the patches' r*70 + c ids, and the result replaces the rows' patch slots;
+3. the LM runs over the rows with the Pack's positions and key ranges (no [T, T] mask);
+4. the final-normed hidden states come back; `logits_at` applies lm_head only where asked.
+
+Image generation (VAE latents, time embedder, flow head) is not ported; `visual_gen=True` is
+refused. The MoT gen expert weights can still be built (`llm.build_gen_expert`) and routed with
+`Pack.gen_mask`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.configs import BagelConfig
+from models.layers import Projection
+from models.pack import Pack
+from models.qwen2_mot import Qwen2MoT
+from models.siglip import SiglipVisionEncoder
+
+
+class FixedTable(nnx.Variable):
+    """A non-trainable table stored in the checkpoint (optimizers only see nnx.Param)."""
+
+
+def sincos_2d_table(grid_size: int, dim: int) -> np.ndarray:
+    """BAGEL's fixed position table [grid^2, dim] (bagel_spec.md §4.7).
+
+    Row r*grid + c = [sin(c*w), cos(c*w), sin(r*w), cos(r*w)] with w_k = 10000^(-k/(dim/4)):
+    the first half encodes the column, the second half the row. Computed in float64 as
+    upstream, returned as float32.
+    """
+    if dim % 4:
+        raise ValueError(f"the 2-D sin-cos table needs a width divisible by 4, got {dim}")
+    omega = 1.0 / 10000.0 ** (np.arange(dim // 4, dtype=np.float64) / (dim / 4))
+    rows, cols = np.meshgrid(np.arange(grid_size), np.arange(grid_size), indexing="ij")
+    col_angles = cols.reshape(-1, 1) * omega
+    row_angles = rows.reshape(-1, 1) * omega
+    table = np.concatenate(
+        [np.sin(col_angles), np.cos(col_angles), np.sin(row_angles), np.cos(row_angles)], axis=1
+    )
+    return table.astype(np.float32)
+
+
+class Connector(nnx.Module):
+    """ViT width -> LM width: fc1, tanh-GELU, fc2 (BAGEL's `connector`)."""
+
+    def __init__(self, vit_dim: int, llm_dim: int, rngs: nnx.Rngs):
+        self.fc1 = Projection(rngs, "...i,io->...o", (vit_dim, llm_dim), ("vit_embed", "mlp"),
+                              (llm_dim,), ("mlp",))  # fmt: skip
+        self.fc2 = Projection(rngs, "...i,io->...o", (llm_dim, llm_dim), ("mlp", "embed"),
+                              (llm_dim,), ("norm",))  # fmt: skip
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
+
+
+class Bagel(nnx.Module):
+    def __init__(self, config: BagelConfig, *, rngs: nnx.Rngs):
+        if config.visual_gen:
+            raise ValueError("BagelConfig.visual_gen=True: image generation (VAE, time embedder, "
+                             "flow head) is not ported; use visual_gen=False")  # fmt: skip
+        self.config = config
+        llm = config.llm
+        self.language_model = Qwen2MoT(llm, rngs=rngs)
+        if config.visual_und:
+            self.vit_model = SiglipVisionEncoder(
+                config.vit, compute_dtype=llm.compute_dtype,
+                attention_backend=llm.attention_backend, remat=llm.remat, rngs=rngs)  # fmt: skip
+            self.connector = Connector(config.vit.hidden_size, llm.hidden_size, rngs)
+            table = sincos_2d_table(config.vit_max_num_patch_per_side, llm.hidden_size)
+            self.vit_pos_embed = FixedTable(
+                jnp.asarray(table), out_sharding=("vit_positions", "embed"), eager_sharding=False)  # fmt: skip
+        else:
+            self.vit_model = self.connector = self.vit_pos_embed = None
+
+    def image_embeddings(self, patches, position_ids, image_ids) -> jax.Array:
+        """ViT -> connector -> + sin-cos table: [R, P, 588] patches -> [R, P, D] (compute dtype)."""
+        features = self.connector(self.vit_model(patches, position_ids, image_ids))
+        table = self.vit_pos_embed[...].astype(features.dtype)
+        return features + jnp.take(table, position_ids, axis=0)
+
+    def embed(self, pack: Pack) -> jax.Array:
+        """The LM's input rows [R, T, D]: token embeddings with patch slots filled by the ViT."""
+        embeddings = self.language_model.embed(pack.tokens)
+        if pack.vit_patches is None:
+            return embeddings
+        if self.vit_model is None:
+            raise ValueError("the Pack has images but the model was built with visual_und=False")
+        patch_embeddings = self.image_embeddings(
+            pack.vit_patches, pack.vit_pos_ids, pack.vit_image_ids).astype(embeddings.dtype)  # fmt: skip
+        num_rows, length = pack.tokens.shape
+        # Padding patches (slot -1) are sent past the row end and dropped by the scatter.
+        slots = jnp.where(pack.vit_slots >= 0, pack.vit_slots, length)
+        rows = jnp.arange(num_rows)[:, None]
+        return embeddings.at[rows, slots].set(patch_embeddings, mode="drop")
+
+    def __call__(self, pack: Pack) -> jax.Array:
+        """One packed forward: final-normed hidden states [R, T, D]."""
+        return self.language_model(
+            self.embed(pack),
+            positions=pack.positions,
+            segment_ids=pack.segment_ids,
+            k_start=pack.k_start,
+            k_end=pack.k_end,
+            gen_mask=pack.gen_mask,
+        )
+
+    def logits_at(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
+        """lm_head only at the requested row positions: hidden [R, T, D], rows [R, C] -> [R, C, V]."""
+        selected = jnp.take_along_axis(hidden, rows[..., None].astype(jnp.int32), axis=1)
+        return self.language_model.logits(selected)

@@ -1,0 +1,101 @@
+"""SigLIP NaViT vision encoder as BAGEL uses it (bagel_spec.md §4.2-4.6).
+
+* Patch embedding is a Linear over 588 = 14*14*3 features in (py, px, c) order (the checkpoint
+  stores the conv already flattened that way), plus a learned position table indexed by the
+  r*70 + c ids of each patch, so a smaller image uses the top-left block of the 70x70 table.
+* Pre-LN encoder layers: h += out_proj(MHA(LN1(h))); h += fc2(gelu_tanh(fc1(LN2(h)))).
+* Images are packed along the patch axis without padding between them; attention is
+  bidirectional within an image and never across images (block-diagonal, NaNViT varlen).
+* The configured number of layers is what BAGEL keeps (json - 1), and `post_layernorm` is
+  applied to the last layer's output: that is the ViT output.
+
+Input is a packed [R, P, 588] batch of patches with per-patch position ids and image ids
+(1.. per row, 0 = padding patch); images are contiguous runs of equal image id.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import attention as attention_lib
+from models.configs import SiglipConfig
+from models.layers import LayerNorm, Projection, normal_param, scan_layers, stack_layers
+
+
+def image_ranges(image_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[k_start, k_end) of each patch's own image, for runs of equal ids along the last axis."""
+    length = image_ids.shape[-1]
+    index = jnp.arange(length, dtype=jnp.int32)
+    starts_run = jnp.concatenate(
+        [jnp.ones_like(image_ids[..., :1], bool), image_ids[..., 1:] != image_ids[..., :-1]], -1
+    )
+    ends_run = jnp.concatenate(
+        [image_ids[..., 1:] != image_ids[..., :-1], jnp.ones_like(image_ids[..., :1], bool)], -1
+    )
+    k_start = jax.lax.cummax(jnp.where(starts_run, index, 0), axis=image_ids.ndim - 1)
+    k_end = jax.lax.cummin(jnp.where(ends_run, index + 1, length), axis=image_ids.ndim - 1,
+                           reverse=True)  # fmt: skip
+    return k_start, k_end
+
+
+class EncoderLayer(nnx.Module):
+    def __init__(self, config: SiglipConfig, compute_dtype: str, attention_backend: str,
+                 rngs: nnx.Rngs):  # fmt: skip
+        d, f = config.hidden_size, config.intermediate_size
+        h, dh = config.num_attention_heads, config.head_dim
+        eps = config.layer_norm_eps
+        self.attention_backend = attention_backend
+        self.layer_norm1 = LayerNorm(d, eps)
+        self.q_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
+                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
+        self.k_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
+                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
+        self.v_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
+                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
+        self.out_proj = Projection(rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "vit_embed"),
+                                   (d,), ("norm",))  # fmt: skip
+        self.layer_norm2 = LayerNorm(d, eps)
+        self.fc1 = Projection(rngs, "btd,df->btf", (d, f), ("vit_embed", "mlp"), (f,), ("mlp",))
+        self.fc2 = Projection(rngs, "btf,fd->btd", (f, d), ("mlp", "vit_embed"), (d,), ("norm",))
+
+    def __call__(self, h, image_ids, k_start, k_end):
+        x = self.layer_norm1(h)
+        out = attention_lib.attention(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x),
+            q_segment_ids=image_ids, kv_segment_ids=image_ids, k_start=k_start, k_end=k_end,
+            backend=self.attention_backend)  # fmt: skip
+        h = h + self.out_proj(out)
+        return h + self.fc2(jax.nn.gelu(self.fc1(self.layer_norm2(h)), approximate=True))
+
+
+class SiglipVisionEncoder(nnx.Module):
+    """Packed patches -> post-layernormed features [R, P, hidden]."""
+
+    def __init__(self, config: SiglipConfig, *, compute_dtype: str = "bfloat16",
+                 attention_backend: str = "chunked", remat: str = "full", rngs: nnx.Rngs):  # fmt: skip
+        self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self.remat = remat
+        d = config.hidden_size
+        self.patch_embedding = Projection(rngs, "bpi,id->bpd", (config.patch_dim, d),
+                                          ("patch", "vit_embed"), (d,), ("norm",))  # fmt: skip
+        self.position_embedding = normal_param(
+            rngs, (config.num_patches_per_side**2, d), ("vit_positions", "vit_embed"))  # fmt: skip
+        self.layers = stack_layers(
+            lambda rngs: EncoderLayer(config, compute_dtype, attention_backend, rngs),
+            config.num_hidden_layers, rngs)  # fmt: skip
+        self.post_layernorm = LayerNorm(d, config.layer_norm_eps)
+
+    def __call__(self, patches: jax.Array, position_ids: jax.Array, image_ids: jax.Array):
+        """patches [R, P, 588]; position_ids, image_ids [R, P] -> features [R, P, hidden]."""
+        if patches.shape[-1] != self.config.patch_dim:
+            raise ValueError(f"patches have {patches.shape[-1]} features per patch, expected "
+                             f"{self.config.patch_dim} (patch_size^2 * channels)")  # fmt: skip
+        h = self.patch_embedding(patches.astype(self.compute_dtype))
+        table = self.position_embedding[...].astype(self.compute_dtype)
+        h = h + jnp.take(table, position_ids, axis=0)
+        k_start, k_end = image_ranges(image_ids)
+        h = scan_layers(self.layers, h, image_ids, k_start, k_end, remat=self.remat)
+        return self.post_layernorm(h)

@@ -1,0 +1,188 @@
+"""Sequence plans -> Packs: BAGEL's sample layout (bagel_spec.md §5.3) in fixed-shape arrays.
+
+A sample is an ordered list of items:
+
+* `Text(ids, loss)` becomes `<|im_start|> ids <|im_end|>` with consecutive RoPE ids, causal.
+  With `loss=True` the outputs at `<|im_start|>` and every text token are scored, with targets
+  `ids + [<|im_end|>]` (the model learns to close the segment); the `<|im_end|>` position is not.
+* `Image(patches, position_ids)` becomes `<|vision_start|> N patch slots <|vision_end|>`, every
+  token at one RoPE id (the counter then advances by 1), attending bidirectionally within the
+  block and to everything before it.
+
+Samples are placed first-fit into rows of `row_length` tokens; each sample keeps its own
+segment id, RoPE ids restart at 0 per sample, and the key range [k_start, k_end) of every
+token encodes BAGEL's causal/full split mask exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from models.pack import Pack
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    """BAGEL's structural ids (Qwen2.5 values by default; a toy tokenizer has its own)."""
+
+    im_start: int = 151644
+    im_end: int = 151645
+    vision_start: int = 151652
+    vision_end: int = 151653
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+    ids: Sequence[int]
+    loss: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    patches: np.ndarray  # [N, 588]
+    position_ids: np.ndarray  # [N] r*70 + c
+
+    def __post_init__(self):
+        if self.patches.ndim != 2 or self.patches.shape[0] != len(self.position_ids):
+            raise ValueError(f"Image: patches {self.patches.shape} and position_ids "
+                             f"{np.shape(self.position_ids)} disagree")  # fmt: skip
+
+
+def sample_length(items: Sequence[Text | Image]) -> int:
+    """Tokens the sample occupies in a row (markers included)."""
+    return sum(len(it.ids) + 2 if isinstance(it, Text) else len(it.patches) + 2 for it in items)
+
+
+def _place_rows(lengths: list[int], row_length: int, num_rows: int | None) -> list[int]:
+    """First-fit: the row index of every sample, in input order within each row."""
+    free: list[int] = []
+    assignment = []
+    for i, n in enumerate(lengths):
+        if n > row_length:
+            raise ValueError(f"sample {i} needs {n} tokens, more than row_length={row_length}")
+        row = next((r for r, space in enumerate(free) if space >= n), None)
+        if row is None:
+            free.append(row_length)
+            row = len(free) - 1
+        free[row] -= n
+        assignment.append(row)
+    if num_rows is not None and len(free) > num_rows:
+        raise ValueError(f"the samples need {len(free)} rows of {row_length} tokens, "
+                         f"only num_rows={num_rows} allowed")  # fmt: skip
+    return assignment
+
+
+def pack_samples(
+    samples: Sequence[Sequence[Text | Image]],
+    row_length: int,
+    *,
+    num_rows: int | None = None,
+    max_patches: int | None = None,
+    max_loss_entries: int | None = None,
+    special: SpecialTokens = SpecialTokens(),
+) -> Pack:
+    """Lay samples out in fixed-shape rows. Sizes left as None are fitted to the content.
+
+    Loss entries are listed per row in sample order and, within a sample, in sequence order;
+    `loss_sample` holds the sample's index in `samples`.
+    """
+    lengths = [sample_length(s) for s in samples]
+    assignment = _place_rows(lengths, row_length, num_rows)
+    rows = num_rows if num_rows is not None else max(assignment, default=-1) + 1
+    row_patches = [0] * rows
+    row_loss = [0] * rows
+    for sample, row in zip(samples, assignment):
+        for item in sample:
+            if isinstance(item, Image):
+                row_patches[row] += len(item.patches)
+            elif item.loss:
+                row_loss[row] += len(item.ids) + 1
+    has_images = any(row_patches)
+    num_patches = max(row_patches, default=0) if max_patches is None else max_patches
+    num_loss = max(row_loss, default=0) if max_loss_entries is None else max_loss_entries
+    if max(row_patches, default=0) > num_patches:
+        raise ValueError(f"a row needs {max(row_patches)} patches, max_patches={num_patches}")
+    if max(row_loss, default=0) > num_loss:
+        raise ValueError(f"a row needs {max(row_loss)} loss entries, "
+                         f"max_loss_entries={num_loss}")  # fmt: skip
+
+    def zeros(shape, dtype=np.int32):
+        return np.zeros(shape, dtype)
+
+    tokens, positions, segment_ids = (
+        zeros((rows, row_length)),
+        zeros((rows, row_length)),
+        zeros((rows, row_length)),
+    )
+    k_start, k_end = zeros((rows, row_length)), zeros((rows, row_length))
+    patch_dim = next(
+        (it.patches.shape[1] for s in samples for it in s if isinstance(it, Image)), 588
+    )
+    vit_patches = np.zeros((rows, num_patches, patch_dim), np.float32)
+    vit_pos_ids, vit_image_ids = zeros((rows, num_patches)), zeros((rows, num_patches))
+    vit_slots = np.full((rows, num_patches), -1, np.int32)
+    loss_rows, loss_targets, loss_sample = (
+        zeros((rows, num_loss)),
+        zeros((rows, num_loss)),
+        zeros((rows, num_loss)),
+    )
+    loss_mask = np.zeros((rows, num_loss), bool)
+    cursor, patch_cursor, loss_cursor = [0] * rows, [0] * rows, [0] * rows
+    segments, images = [0] * rows, [0] * rows
+
+    for sample_index, (sample, row) in enumerate(zip(samples, assignment)):
+        segments[row] += 1
+        start = t = cursor[row]
+        rope = 0
+        for item in sample:
+            if isinstance(item, Text):
+                ids = [special.im_start, *item.ids, special.im_end]
+                n = len(ids)
+                span = slice(t, t + n)
+                tokens[row, span] = ids
+                positions[row, span] = rope + np.arange(n)
+                k_end[row, span] = np.arange(t, t + n) + 1
+                if item.loss:
+                    c = loss_cursor[row]
+                    entries = slice(c, c + n - 1)
+                    loss_rows[row, entries] = np.arange(t, t + n - 1)
+                    loss_targets[row, entries] = ids[1:]
+                    loss_mask[row, entries] = True
+                    loss_sample[row, entries] = sample_index
+                    loss_cursor[row] += n - 1
+                rope += n
+            else:
+                num = len(item.patches)
+                n = num + 2
+                span = slice(t, t + n)
+                tokens[row, span] = [special.vision_start] + [0] * num + [special.vision_end]
+                positions[row, span] = rope
+                k_end[row, span] = t + n
+                images[row] += 1
+                p = patch_cursor[row]
+                vit_patches[row, p : p + num] = item.patches
+                vit_pos_ids[row, p : p + num] = item.position_ids
+                vit_slots[row, p : p + num] = np.arange(t + 1, t + 1 + num)
+                vit_image_ids[row, p : p + num] = images[row]
+                patch_cursor[row] += num
+                rope += 1
+            segment_ids[row, span] = segments[row]
+            k_start[row, span] = start
+            t += n
+        cursor[row] = t
+
+    pack = Pack(
+        tokens=tokens, positions=positions, segment_ids=segment_ids, k_start=k_start, k_end=k_end,
+        gen_mask=np.zeros((rows, row_length), bool),
+        vit_patches=vit_patches if has_images else None,
+        vit_pos_ids=vit_pos_ids if has_images else None,
+        vit_slots=vit_slots if has_images else None,
+        vit_image_ids=vit_image_ids if has_images else None,
+        loss_rows=loss_rows, loss_targets=loss_targets, loss_mask=loss_mask,
+        loss_sample=loss_sample,
+    )  # fmt: skip
+    pack.validate()
+    return pack
