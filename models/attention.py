@@ -356,3 +356,30 @@ def _flash_bwd(bq, bk, residuals, d_out):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
+    """One query per row against a KV cache: the decode step's attention.
+
+    q: [B, Hq, D]; k_cache, v_cache: [B, S, Hkv, D]; key slot j is visible iff j < kv_lengths[b].
+    Every cached token precedes the query, so this plain length mask is the whole mask (image
+    blocks only occur in the prompt, whose ranges were applied when it was prefilled). A row
+    with kv_lengths 0 returns 0. Returns [B, Hq, D] in q.dtype; softmax in float32.
+    """
+    batch, num_slots, kv_heads, head_dim = k_cache.shape
+    q_heads = q.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(
+            f"decode_attention: q heads {q_heads} not a multiple of kv heads {kv_heads}"
+        )
+    grouped = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(k_cache.dtype)
+    scores = jnp.einsum("bhgd,bshd->bhgs", grouped, k_cache, preferred_element_type=_F32)
+    scores = scores / math.sqrt(head_dim)
+    visible = (jnp.arange(num_slots)[None, :] < kv_lengths[:, None])[:, None, None, :]
+    scores = jnp.where(visible, scores, -jnp.inf)
+    max_score = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(max_score), max_score, 0.0))
+    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("bhgs,bshd->bhgd", weights.astype(v_cache.dtype), v_cache,
+                     preferred_element_type=_F32)  # fmt: skip
+    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

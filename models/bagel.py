@@ -115,6 +115,31 @@ class Bagel(nnx.Module):
             gen_mask=pack.gen_mask,
         )
 
+    def prefill(self, pack: Pack):
+        """The packed forward that fills a KV cache: (hidden [R, T, D], (k, v) [L, R, T, Hkv, Dh]).
+
+        Keys are stored after k-norm and RoPE, as BAGEL's cache holds them."""
+        return self.language_model(
+            self.embed(pack),
+            positions=pack.positions,
+            segment_ids=pack.segment_ids,
+            k_start=pack.k_start,
+            k_end=pack.k_end,
+            gen_mask=pack.gen_mask,
+            return_kv=True,
+        )
+
+    def decode_step(self, tokens, positions, cache, write_slots, kv_lengths):
+        """Feed one text token per row: tokens, positions [B] -> (logits [B, V], cache).
+
+        The token's key/value go to `write_slots` (>= cache length: not written) and it attends
+        the cache's first `kv_lengths` slots (which include its own)."""
+        lm = self.language_model
+        hidden, cache = lm.decode_step(
+            lm.embed(tokens[:, None]), positions[:, None], cache, write_slots, kv_lengths
+        )
+        return lm.logits(hidden[:, 0]), cache
+
     def logits_at(self, hidden: jax.Array, rows: jax.Array) -> jax.Array:
         """lm_head only at the requested row positions: hidden [R, T, D], rows [R, C] -> [R, C, V]."""
         selected = jnp.take_along_axis(hidden, rows[..., None].astype(jnp.int32), axis=1)

@@ -103,16 +103,22 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
     return make(rngs)
 
 
-def scan_layers(layers, carry: jax.Array, *broadcast, remat: str = "none") -> jax.Array:
+def scan_layers(
+    layers, carry: jax.Array, *broadcast, remat: str = "none", collect: bool = False, **static
+):
     """carry <- layer(carry, *broadcast) for each layer of a stack, in order.
 
     `broadcast` arguments (positions, masks, ...) are the same for every layer; None is allowed.
+    With `collect`, each layer returns (carry, output) and the outputs come back stacked on a
+    leading layer axis: returns (carry, stacked outputs). `static` keyword arguments are passed
+    to every layer call as Python values (not traced).
     """
 
     def body(layer, carry, *broadcast):
-        return layer(carry, *broadcast)
+        return layer(carry, *broadcast, **static)
 
     if remat != "none":
         body = nnx.remat(body, policy=REMAT_POLICIES[remat])
     in_axes = (0, nnx.Carry) + (None,) * len(broadcast)
-    return nnx.scan(body, in_axes=in_axes, out_axes=nnx.Carry)(layers, carry, *broadcast)
+    out_axes = (nnx.Carry, 0) if collect else nnx.Carry
+    return nnx.scan(body, in_axes=in_axes, out_axes=out_axes)(layers, carry, *broadcast)

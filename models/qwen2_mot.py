@@ -109,20 +109,48 @@ class DecoderLayer(nnx.Module):
         gen_fn = None if self.gen is None else (lambda: fn(self.gen))
         return route(gen_mask, fn(self.und), gen_fn)
 
-    def __call__(self, h, positions, segment_ids, k_start, k_end, gen_mask):
-        config = self.config
+    def _qkv(self, h, positions, gen_mask):
+        """Input norm, q/k/v projections, QK-norm, then RoPE (keys are cached in this form)."""
         x = self._routed(gen_mask, lambda e: e.input_layernorm(h))
         q, k, v = self._routed(gen_mask, lambda e: e.qkv(x))
-        q = apply_rope(q, positions, config.rope_theta)
-        k = apply_rope(k, positions, config.rope_theta)
+        theta = self.config.rope_theta
+        return apply_rope(q, positions, theta), apply_rope(k, positions, theta), v
+
+    def _finish(self, h, attention_out, gen_mask):
+        """o_proj + residual, post-attention norm, MLP + residual."""
+        h = h + self._routed(gen_mask, lambda e: e.o_proj(attention_out))
+        x = self._routed(gen_mask, lambda e: e.post_attention_layernorm(h))
+        return h + self._routed(gen_mask, lambda e: e.mlp(x))
+
+    def __call__(self, h, positions, segment_ids, k_start, k_end, gen_mask, return_kv=False):
+        q, k, v = self._qkv(h, positions, gen_mask)
         out = attention_lib.attention(
             q, k, v,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
             k_start=k_start, k_end=k_end,
-            backend=config.attention_backend)  # fmt: skip
-        h = h + self._routed(gen_mask, lambda e: e.o_proj(out))
-        x = self._routed(gen_mask, lambda e: e.post_attention_layernorm(h))
-        return h + self._routed(gen_mask, lambda e: e.mlp(x))
+            backend=self.config.attention_backend)  # fmt: skip
+        h = self._finish(h, out, gen_mask)
+        return (h, (k, v)) if return_kv else h
+
+    def decode(self, h, positions, cache, layer_index, write_slots, kv_lengths):
+        """One new token per row against this layer's slice of the stacked KV cache.
+
+        h: [B, 1, D]; cache: (k, v) each [L, B, S, Hkv, Dh]. The new key/value is written at
+        `write_slots[b]` of layer `layer_index` in place (a slot >= S drops the write, for rows
+        that are done), then the query attends the first `kv_lengths[b]` slots.
+        """
+        q, k, v = self._qkv(h, positions, None)
+        cache_k, cache_v = cache
+        rows = jnp.arange(h.shape[0])
+        cache_k = cache_k.at[layer_index, rows, write_slots].set(k[:, 0].astype(cache_k.dtype),
+                                                                 mode="drop")  # fmt: skip
+        cache_v = cache_v.at[layer_index, rows, write_slots].set(v[:, 0].astype(cache_v.dtype),
+                                                                 mode="drop")  # fmt: skip
+        out = attention_lib.decode_attention(
+            q[:, 0], cache_k[layer_index], cache_v[layer_index], kv_lengths
+        )
+        h = self._finish(h, out[:, None].astype(h.dtype), None)
+        return h, (cache_k, cache_v)
 
 
 class Qwen2MoT(nnx.Module):
@@ -160,19 +188,47 @@ class Qwen2MoT(nnx.Module):
         k_start: jax.Array,
         k_end: jax.Array,
         gen_mask: jax.Array | None = None,
-    ) -> jax.Array:
-        """Run the decoder over packed rows; returns final-normed hidden states [B, T, D]."""
+        return_kv: bool = False,
+    ):
+        """Run the decoder over packed rows; returns final-normed hidden states [B, T, D].
+
+        With `return_kv`, also every layer's keys (after k-norm and RoPE) and values, each
+        [L, B, T, Hkv, Dh]: what a KV cache holds after prefilling these rows.
+        """
         if self.config.build_gen_expert is False:
             gen_mask = None  # no gen weights: every token is und (understanding-only model)
 
-        h = scan_layers(
-            self.layers,
-            embeddings.astype(self.compute_dtype),
-            positions, segment_ids, k_start, k_end, gen_mask,
-            remat=self.config.remat,
-        )  # fmt: skip
+        h = embeddings.astype(self.compute_dtype)
+        broadcast = (positions, segment_ids, k_start, k_end, gen_mask)
+        remat = self.config.remat
+        if return_kv:
+            h, kv = scan_layers(
+                self.layers, h, *broadcast, remat=remat, collect=True, return_kv=True
+            )
+        else:
+            h = scan_layers(self.layers, h, *broadcast, remat=remat)
         gen_norm = None if self.norm_moe_gen is None else (lambda: self.norm_moe_gen(h))
-        return route(gen_mask, self.norm(h), gen_norm)
+        hidden = route(gen_mask, self.norm(h), gen_norm)
+        return (hidden, kv) if return_kv else hidden
+
+    def decode_step(self, embeddings, positions, cache, write_slots, kv_lengths):
+        """One token per row through every layer with the KV cache (understanding tokens only).
+
+        embeddings [B, 1, D], positions [B, 1]; cache (k, v) each [L, B, S, Hkv, Dh], updated in
+        place at `write_slots` (slot >= S = no write); attention covers slots < kv_lengths.
+        Returns the final-normed hidden states [B, 1, D] and the cache.
+        """
+
+        def body(layer, carry):
+            h, cache, index = carry
+            h, cache = layer.decode(h, positions, cache, index, write_slots, kv_lengths)
+            return h, cache, index + 1
+
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        h, cache, _ = scan(
+            self.layers, (embeddings.astype(self.compute_dtype), cache, jnp.zeros((), jnp.int32))
+        )
+        return self.norm(h), cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head over the last axis: [..., D] -> [..., V] in the hidden states' dtype."""

@@ -56,14 +56,16 @@ def sample_length(items: Sequence[Text | Image]) -> int:
     return sum(len(it.ids) + 2 if isinstance(it, Text) else len(it.patches) + 2 for it in items)
 
 
-def _place_rows(lengths: list[int], row_length: int, num_rows: int | None) -> list[int]:
-    """First-fit: the row index of every sample, in input order within each row."""
+def _place_rows(
+    lengths: list[int], row_length: int, num_rows: int | None, one_per_row: bool
+) -> list[int]:
+    """First-fit (or one sample per row): the row of every sample, in input order per row."""
     free: list[int] = []
     assignment = []
     for i, n in enumerate(lengths):
         if n > row_length:
             raise ValueError(f"sample {i} needs {n} tokens, more than row_length={row_length}")
-        row = next((r for r, space in enumerate(free) if space >= n), None)
+        row = None if one_per_row else next((r for r, sp in enumerate(free) if sp >= n), None)
         if row is None:
             free.append(row_length)
             row = len(free) - 1
@@ -83,14 +85,16 @@ def pack_samples(
     max_patches: int | None = None,
     max_loss_entries: int | None = None,
     special: SpecialTokens = SpecialTokens(),
+    one_sample_per_row: bool = False,
 ) -> Pack:
     """Lay samples out in fixed-shape rows. Sizes left as None are fitted to the content.
 
     Loss entries are listed per row in sample order and, within a sample, in sequence order;
-    `loss_sample` holds the sample's index in `samples`.
+    `loss_sample` holds the sample's index in `samples`. `one_sample_per_row` gives every
+    sample its own row (sampler prompts).
     """
     lengths = [sample_length(s) for s in samples]
-    assignment = _place_rows(lengths, row_length, num_rows)
+    assignment = _place_rows(lengths, row_length, num_rows, one_sample_per_row)
     rows = num_rows if num_rows is not None else max(assignment, default=-1) + 1
     row_patches = [0] * rows
     row_loss = [0] * rows

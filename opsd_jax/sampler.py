@@ -1,0 +1,264 @@
+"""On-policy sampling: a batched, jitted KV-cache decode with BAGEL's image-skip rounds.
+
+`sample(model, prompt_pack, rng, ...)` takes B prompt rows (one prompt per row, left-aligned,
+with images) and returns each row's completion ids and the log-prob of every sampled token under
+the sampling distribution.
+
+1. Prefill: one packed forward over the prompts fills the cache ([L, B, S, Hkv, Dh] per k and
+   v; keys after k-norm and RoPE). Per row we track the cache length and the next RoPE id
+   separately: they diverge after an image block, whose tokens share one RoPE id.
+2. Decode: one jitted `lax.while_loop` per round. It feeds `<|im_start|>` first (BAGEL's
+   generate does), then each step writes the fed token's K/V in place, samples the next token
+   (temperature, or greedy), and stops a row at `<|im_end|>` (not appended) or when its budget
+   is spent; the loop ends when every row has stopped. Rows never read each other's cache, and
+   each row draws from `fold_in(fold_in(rng, row_id), step)`, so a row's tokens do not depend on
+   what else is in the batch. Vocabulary rows at or past `vocab_limit` are never sampled.
+3. Image-skip rounds (BAGEL/ThinkMorph quirk): a row that ended a round on `<|im_end|>` right
+   and whose round text contains `<image_start>` (detected by decoding: it is ordinary text) gets
+   `<|im_end|>` appended to its cache and samples another round, up to `max_image_skips` times.
+   The rounds' tokens are concatenated (each later round's leading `<|im_start|>` is not part
+   of the completion); `max_new_tokens` is the total over rounds, appended tokens included.
+
+Everything runs on the parameters as they are (sharded or not); the state is donated to each
+jitted call so the cache is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.pack import Pack
+from opsd_jax.packing import SpecialTokens
+
+IMAGE_SKIP_TEXT = "<image_start>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Completions:
+    """Host-side sampler output, one entry per prompt row."""
+
+    tokens: np.ndarray  # [B, max_new_tokens] int32, valid up to `lengths`
+    lengths: np.ndarray  # [B] completion tokens (no <|im_start|>, no closing <|im_end|>)
+    logprobs: np.ndarray  # [B, max_new_tokens] float32: log-prob of each token when sampled
+    finished: np.ndarray  # [B] bool: ended on <|im_end|> (False: ran out of budget)
+    rounds: np.ndarray  # [B] sampling rounds used (1 + image skips)
+
+    def row(self, b: int) -> list[int]:
+        return self.tokens[b, : self.lengths[b]].tolist()
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: tuple[jax.Array, jax.Array]  # k, v: [L, B, S, Hkv, Dh]
+    kv_length: jax.Array  # [B] filled cache slots
+    rope: jax.Array  # [B] RoPE id of the next fed token
+    tokens: jax.Array  # [B, N] completion ids over all rounds
+    logprobs: jax.Array  # [B, N]
+    length: jax.Array  # [B] completion tokens so far
+    budget: jax.Array  # [B] new tokens left (sampled + appended)
+    active: jax.Array  # [B] still sampling in this round
+    finished: jax.Array  # [B] the last round ended on <|im_end|>
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundSettings:
+    """Static (compile-time) sampling settings."""
+
+    temperature: float
+    do_sample: bool
+    bos_id: int
+    eos_id: int
+    vocab_limit: int
+    max_steps: int
+
+
+def _check_prompt_pack(pack: Pack) -> None:
+    segments = np.asarray(pack.segment_ids)
+    if segments.max(initial=0) > 1:
+        raise ValueError("sample(): every prompt row must hold exactly one prompt (segment id 1); "
+                         "build it with pack_samples(..., one_sample_per_row=True)")  # fmt: skip
+    real = segments > 0
+    if not real.any(axis=1).all():
+        raise ValueError("sample(): a prompt row is empty")
+    # Left-aligned: real tokens first, padding after.
+    if (np.diff(real.astype(np.int8), axis=1) > 0).any():
+        raise ValueError("sample(): prompt rows must be left-aligned (padding only at the end)")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype):
+    model = nnx.merge(graphdef, params)
+    _, (k, v) = model.prefill(pack)  # [L, B, T, Hkv, Dh]
+    layers, batch, length, kv_heads, head_dim = k.shape
+    shape = (layers, batch, cache_slots, kv_heads, head_dim)
+    cache = tuple(
+        jnp.zeros(shape, cache_dtype).at[:, :, :length].set(x.astype(cache_dtype)) for x in (k, v)
+    )
+    real = pack.segment_ids > 0
+    return DecodeState(
+        cache=cache,
+        kv_length=real.sum(axis=1).astype(jnp.int32),
+        rope=(jnp.max(jnp.where(real, pack.positions, -1), axis=1) + 1).astype(jnp.int32),
+        tokens=jnp.zeros((batch, max_new_tokens), jnp.int32),
+        logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
+        length=jnp.zeros((batch,), jnp.int32),
+        budget=jnp.full((batch,), max_new_tokens, jnp.int32),
+        active=jnp.ones((batch,), bool),
+        finished=jnp.zeros((batch,), bool),
+    )
+
+
+def _feed(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
+    """Write `tokens` (one per row, rows where `write`) into the cache; logits after them."""
+    num_slots = state.cache[0].shape[2]
+    slots = jnp.where(write, state.kv_length, num_slots)  # out of range: no write
+    kv_length = state.kv_length + write
+    logits, cache = model.decode_step(tokens, state.rope, state.cache, slots, kv_length)
+    state = state.replace(cache=cache, kv_length=kv_length, rope=state.rope + write)
+    return logits, state
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array):
+    """Append `token` to the cache of `rows` (it counts against their budget)."""
+    model = nnx.merge(graphdef, params)
+    _, state = _feed(model, state, jnp.broadcast_to(token, rows.shape), rows)
+    return state.replace(budget=state.budget - rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: _RoundSettings):
+    """Feed <|im_start|> to the active rows, then sample until every row has stopped."""
+    batch, capacity = state.tokens.shape
+    rows = jnp.arange(batch)
+    row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
+
+    def choose(logits, step):
+        logits = logits.astype(jnp.float32)
+        vocab = jnp.arange(logits.shape[-1])
+        logits = jnp.where(vocab < settings.vocab_limit, logits, -jnp.inf)
+        scaled = logits / settings.temperature if settings.do_sample else logits
+        log_probs = jax.nn.log_softmax(scaled, axis=-1)
+        if settings.do_sample:
+            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+            token = jax.vmap(jax.random.categorical)(step_keys, scaled)
+        else:
+            token = jnp.argmax(logits, axis=-1)
+        token = token.astype(jnp.int32)
+        return token, jnp.take_along_axis(log_probs, token[:, None], axis=1)[:, 0]
+
+    def cond(carry):
+        _, state, _, step = carry
+        return (step < settings.max_steps) & jnp.any(state.active)
+
+    def body(carry):
+        # The parameters ride in the loop carry (unchanged, not copied) so that the NNX model
+        # is merged from values of the loop's own trace, as NNX transforms require.
+        params, state, feed, step = carry
+        model = nnx.merge(graphdef, params)
+        logits, state = _feed(model, state, feed, state.active)
+        token, logprob = choose(logits, step)
+        is_eos = token == settings.eos_id
+        keep = state.active & ~is_eos & (state.budget > 0)
+        slot = jnp.where(keep, state.length, capacity)  # out of range: dropped
+        state = state.replace(
+            tokens=state.tokens.at[rows, slot].set(token, mode="drop"),
+            logprobs=state.logprobs.at[rows, slot].set(logprob, mode="drop"),
+            length=state.length + keep,
+            budget=state.budget - keep,
+            finished=jnp.where(state.active, is_eos, state.finished),
+        )
+        state = state.replace(active=keep & (state.budget > 0))
+        return params, state, token, step + 1
+
+    state = state.replace(finished=state.finished & ~state.active)  # re-decided this round
+    bos = jnp.full((batch,), settings.bos_id, jnp.int32)
+    _, state, _, _ = jax.lax.while_loop(cond, body, (params, state, bos, jnp.zeros((), jnp.int32)))
+    return state
+
+
+def sample(
+    model: nnx.Module,
+    prompt_pack: Pack,
+    rng: jax.Array,
+    *,
+    special: SpecialTokens,
+    vocab_limit: int,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    do_sample: bool = True,
+    max_image_skips: int = 0,
+    decode_text: Callable[[list[int]], str] | None = None,
+    row_ids: np.ndarray | None = None,
+    cache_dtype: str = "bfloat16",
+) -> Completions:
+    """Sample one completion per prompt row (see the module docstring).
+
+    special: the structural ids (`<|im_start|>` is fed first, `<|im_end|>` stops a row).
+    vocab_limit: the tokenizer length; logits rows at or past it are never sampled.
+    decode_text: ids -> text, needed when max_image_skips > 0 (to find `<image_start>`).
+    row_ids: per-row integers mixed into the randomness (default 0..B-1); give each sample a
+      stable id to make its draw independent of its batch position.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if max_image_skips < 0:
+        raise ValueError(f"max_image_skips must be >= 0, got {max_image_skips}")
+    if max_image_skips and decode_text is None:
+        raise ValueError("max_image_skips > 0 needs decode_text (the tokenizer's decode)")
+    _check_prompt_pack(prompt_pack)
+    batch = prompt_pack.num_rows
+    row_ids = np.arange(batch) if row_ids is None else np.asarray(row_ids)
+    if row_ids.shape != (batch,):
+        raise ValueError(f"row_ids has shape {row_ids.shape}, expected ({batch},)")
+
+    graphdef, params = nnx.split(model)
+    # Every round feeds <|im_start|>; each skip also appends <|im_end|> (counted in the budget).
+    cache_slots = prompt_pack.row_length + max_new_tokens + (max_image_skips + 1)
+    state = _prefill(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
+                     jnp.dtype(cache_dtype))  # fmt: skip
+    settings = _RoundSettings(
+        temperature=float(temperature), do_sample=bool(do_sample), bos_id=special.im_start,
+        eos_id=special.im_end, vocab_limit=int(vocab_limit), max_steps=max_new_tokens + 1,
+    )  # fmt: skip
+    row_ids = jnp.asarray(row_ids, jnp.int32)
+    rounds = np.ones(batch, np.int32)
+    round_start = np.zeros(batch, np.int64)
+    for round_index in range(max_image_skips + 1):
+        state = _decode_round(graphdef, params, state, jax.random.fold_in(rng, round_index),
+                              row_ids, settings)  # fmt: skip
+        if round_index == max_image_skips:
+            break
+        finished, length, budget = jax.device_get((state.finished, state.length, state.budget))
+        tokens = np.asarray(jax.device_get(state.tokens))
+        # A skip needs room for the appended <|im_end|> and at least one more token.
+        skip = np.array([
+            bool(finished[b]) and budget[b] >= 2
+            and IMAGE_SKIP_TEXT in decode_text(tokens[b, round_start[b] : length[b]].tolist())
+            for b in range(batch)
+        ])  # fmt: skip
+        if not skip.any():
+            break
+        state = _append_token(graphdef, params, state, jnp.int32(special.im_end), jnp.asarray(skip))
+        state = state.replace(active=jnp.asarray(skip))
+        rounds += skip
+        round_start = np.where(skip, length, round_start)
+
+    out = jax.device_get(state)
+    return Completions(
+        tokens=np.asarray(out.tokens),
+        lengths=np.asarray(out.length),
+        logprobs=np.asarray(out.logprobs),
+        finished=np.asarray(out.finished),
+        rounds=rounds,
+    )
