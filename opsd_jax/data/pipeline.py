@@ -1,0 +1,277 @@
+"""The grain input pipeline: a weighted mixture of datasets -> decoded, ViT-ready samples.
+
+What: per dataset `MapDataset.source -> shuffle(seed) -> slice[process_index::process_count] ->
+repeat()`, then `MapDataset.mix(weights)`, then one `.map` that decodes the row and runs the ViT
+image transform (patches + r*70+c position ids), then `to_iter_dataset` with a few read threads.
+`DataIterator` wraps the grain iterator: it drops bad rows, counts them per reason, and exposes a
+small JSON-able state (`get_state` / `set_state`) for our checkpoints.
+
+Why this order: shuffling before the per-process slice gives every host a disjoint shard of one
+global permutation; repeating before the mix keeps the mixture infinite (grain's mix stops at the
+shortest input) and reshuffles each epoch; mixing `MapDataset`s keeps the whole pipeline random
+access, so the iterator state is one integer (`next_index`) and restoring it is exact.
+
+Why the skip counting lives in the consumer: decode runs in grain's read threads (and could run in
+worker processes with `mp_prefetch`), where a counter would also count prefetched-but-unconsumed
+rows and would not survive a restore. Instead a bad row becomes a `Skipped(reason)` element, and
+`DataIterator.__next__` (the main thread) counts and drops it; the counts are part of the state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+
+from opsd_jax.data.image_transform import ImageTransform, VitImageInputs, prepare_vit_image
+from opsd_jax.data.sources import (
+    BAD_IMAGE,
+    DECODE_ERROR,
+    SKIP_REASONS,
+    DataConfig,
+    RawSample,
+    Skipped,
+    decode_row,
+    open_source,
+)
+
+log = logging.getLogger(__name__)
+_MAX_LOGGED_SKIPS_PER_REASON = 5
+_MAX_CONSECUTIVE_SKIPS = 10_000
+
+
+@dataclasses.dataclass
+class Sample:
+    """A training/eval element: the raw text fields plus ViT-ready images.
+
+    `problem_image` and each of `vt_images` are `VitImageInputs` (float32 patches [N, 588] in
+    [-1, 1], int32 position ids [N], grid_h, grid_w), ready for `opsd_jax.packing`.
+    """
+
+    pid: str
+    dataset: str
+    question: str
+    answer: str
+    problem_image: VitImageInputs
+    vt_images: list[VitImageInputs]
+    thoughts: list[str]
+    full_text_only_thought: str | None
+
+
+def prepare_sample(raw: RawSample, transform: ImageTransform) -> Sample | Skipped:
+    """Run the ViT transform on every image of a decoded row (a failure skips the row)."""
+    try:
+        problem = prepare_vit_image(raw.problem_image, transform)
+        vts = [prepare_vit_image(image, transform) for image in raw.vt_images]
+    except (ValueError, OSError) as e:  # e.g. a truncated image that decodes lazily, odd modes
+        return Skipped(BAD_IMAGE, raw.dataset, raw.pid, f"transform: {type(e).__name__}: {e}")
+    return Sample(
+        pid=raw.pid,
+        dataset=raw.dataset,
+        question=raw.question,
+        answer=raw.answer,
+        problem_image=problem,
+        vt_images=vts,
+        thoughts=raw.thoughts,
+        full_text_only_thought=raw.full_text_only_thought,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DecodeAndTransform:
+    """The pipeline's map function (a picklable object, so `mp_prefetch` could be used)."""
+
+    dataset_names: tuple[str, ...]
+    config: DataConfig
+
+    def __call__(self, tagged: tuple[int, dict[str, Any]]) -> Sample | Skipped:
+        dataset_idx, record = tagged
+        name = self.dataset_names[dataset_idx]
+        cfg = self.config
+        try:
+            raw = decode_row(
+                record,
+                name,
+                max_reference_rounds=cfg.max_reference_rounds,
+                max_question_chars=cfg.max_question_chars,
+                require_vt=cfg.require_vt,
+            )
+            if isinstance(raw, Skipped):
+                return raw
+            return prepare_sample(raw, cfg.image_transform)
+        except Exception as e:  # noqa: BLE001 — a bad row must never stop training
+            pid = record.get("pid") if isinstance(record, dict) else None
+            return Skipped(DECODE_ERROR, name, pid, f"{type(e).__name__}: {e}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tag:
+    """Pairs a row with its dataset index, so one map function serves the whole mixture."""
+
+    dataset_idx: int
+
+    def __call__(self, record: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return self.dataset_idx, record
+
+
+def _process_info(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    if process_index is None or process_count is None:
+        import jax  # deferred: the rest of the data code is numpy/PIL only
+
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index {process_index} not in [0, {process_count})")
+    return process_index, process_count
+
+
+def build_dataset(
+    config: DataConfig,
+    split: str = "train",
+    *,
+    shuffle: bool | None = None,
+    repeat: bool | None = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> tuple[grain.IterDataset, dict[str, Any]]:
+    """The grain IterDataset of `Sample | Skipped` elements, and a fingerprint of its layout.
+
+    Defaults: `split="train"` shuffles and repeats forever (datasets mixed by weight); other
+    splits read every row once, dataset after dataset, in file order.
+    `process_index` / `process_count` default to jax's (each host reads its own shard).
+    """
+    shuffle = (split == "train") if shuffle is None else shuffle
+    repeat = (split == "train") if repeat is None else repeat
+    process_index, process_count = _process_info(process_index, process_count)
+
+    parts, sizes = [], []
+    for i, spec in enumerate(config.datasets):
+        source = open_source(
+            spec,
+            split,
+            heldout_fraction=config.heldout_fraction,
+            max_reference_rounds=config.max_reference_rounds,
+            row_group_cache=config.row_group_cache,
+        )
+        if len(source) < process_count:
+            raise ValueError(
+                f"dataset {spec.name!r} ({spec.path}, split={split}) has {len(source)} rows, "
+                f"fewer than the {process_count} processes reading it"
+            )
+        ds = grain.MapDataset.source(source)
+        if shuffle:
+            # Distinct, fixed seeds per dataset: the same config gives the same order everywhere.
+            ds = ds.shuffle(seed=config.seed * 1_000_003 + i)
+        ds = ds[process_index::process_count]
+        ds = ds.map(_Tag(i))
+        if repeat:
+            ds = ds.repeat()  # reseeds the shuffle each epoch
+        parts.append(ds)
+        sizes.append(len(source))
+
+    if len(parts) == 1:
+        ds = parts[0]
+    elif repeat:
+        ds = grain.MapDataset.mix(parts, weights=[spec.weight for spec in config.datasets])
+    else:
+        # A single pass (evaluation) reads every row once; mixing would stop at the shortest
+        # dataset, and weights mean nothing for a full pass.
+        ds = grain.MapDataset.concatenate(parts)
+    ds = ds.map(_DecodeAndTransform(tuple(d.name for d in config.datasets), config))
+    read_options = grain.ReadOptions(
+        num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
+    )
+    fingerprint = {
+        "split": split,
+        "datasets": [d.name for d in config.datasets],
+        "sizes": sizes,
+        "seed": config.seed,
+        "process": [process_index, process_count],
+    }
+    return ds.to_iter_dataset(read_options), fingerprint
+
+
+class DataIterator:
+    """Iterator of `Sample`s that drops bad rows, counts them, and checkpoints as a small dict.
+
+    `skipped` -> {reason: count} (all reasons, zeros included); `num_yielded` -> samples returned.
+    `get_state()` -> {"grain": {...}, "skipped": {...}, "num_yielded": n, "fingerprint": {...}}
+    (JSON-able); `set_state(state)` continues with exactly the samples that would have followed.
+    """
+
+    def __init__(self, dataset: grain.IterDataset, fingerprint: dict[str, Any] | None = None):
+        self._iter = iter(dataset)
+        self._fingerprint = fingerprint or {}
+        self.skipped: dict[str, int] = {r: 0 for r in SKIP_REASONS}
+        self.num_yielded = 0
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self
+
+    def __next__(self) -> Sample:
+        consecutive = 0
+        while True:
+            element = next(self._iter)  # StopIteration ends a non-repeating pass
+            if not isinstance(element, Skipped):
+                self.num_yielded += 1
+                return element
+            count = self.skipped.get(element.reason, 0) + 1
+            self.skipped[element.reason] = count
+            consecutive += 1
+            if consecutive > _MAX_CONSECUTIVE_SKIPS:
+                # A repeating pipeline whose rows are all bad would otherwise spin forever.
+                raise RuntimeError(f"{consecutive} bad rows in a row, none usable: {self.skipped}")
+            if count <= _MAX_LOGGED_SKIPS_PER_REASON:
+                log.warning(
+                    "skipping row %s of %s: %s %s%s", element.pid, element.dataset,
+                    element.reason, element.detail,
+                    " (further skips for this reason are only counted)"
+                    if count == _MAX_LOGGED_SKIPS_PER_REASON else "",
+                )  # fmt: skip
+
+    def take(self, n: int) -> list[Sample]:
+        """The next n samples (fewer at the end of a non-repeating pass)."""
+        out = []
+        for sample in self:
+            out.append(sample)
+            if len(out) == n:
+                break
+        return out
+
+    def metrics(self) -> dict[str, int]:
+        """Flat counters for the metrics logger: data/num_yielded, data/skipped/<reason>."""
+        out = {"data/num_yielded": self.num_yielded}
+        out.update({f"data/skipped/{r}": n for r, n in self.skipped.items()})
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "grain": self._iter.get_state(),
+            "skipped": dict(self.skipped),
+            "num_yielded": self.num_yielded,
+            "fingerprint": dict(self._fingerprint),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        saved = state.get("fingerprint")
+        if saved and self._fingerprint and saved != self._fingerprint:
+            # Not fatal (e.g. a deliberate data change), but the resumed order is then not the
+            # continuation of the saved one.
+            log.warning("data iterator state from a different pipeline: saved %s, now %s",
+                        saved, self._fingerprint)  # fmt: skip
+        self._iter.set_state(state["grain"])
+        self.skipped.update(state.get("skipped", {}))
+        self.num_yielded = int(state.get("num_yielded", 0))
+
+
+def make_iterator(
+    config: DataConfig,
+    split: str = "train",
+    **kwargs: Any,
+) -> DataIterator:
+    """`DataIterator` over `build_dataset(config, split, **kwargs)`."""
+    dataset, fingerprint = build_dataset(config, split, **kwargs)
+    return DataIterator(dataset, fingerprint)

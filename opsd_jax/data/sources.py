@@ -1,0 +1,554 @@
+"""Random-access readers for Visual-OPSD training data: ThinkMorph parquet and JSONL + image files.
+
+What: a dataset config (`DatasetSpec`, `DataConfig`), two grain-compatible random-access sources
+(`__len__` / `__getitem__` returning one raw row as a dict), a deterministic held-out split by a
+hash of `pid`, and `decode_row`, which turns a raw row into a `RawSample` (PIL images + text) or a
+`Skipped(reason)` marker.
+
+Why this shape: the pipeline (pipeline.py) shuffles indices globally, so a source must serve any
+row by index without loading a whole file's images (ThinkMorph rows carry encoded PNG/JPEG bytes;
+a task is hundreds of MB). Parquet is read one row group at a time, only the needed columns, with
+a small LRU cache; only the `pid` column is read eagerly (to build the split). Decoding is kept
+out of the sources so that a bad row becomes a counted `Skipped` element downstream instead of an
+exception inside grain's worker threads.
+
+Layouts (opsd_loss_spec.md §c.1):
+
+* parquet: `<task>/data/*.parquet` (or a `.parquet` file, or a directory of them); columns
+  `pid`, `question`, `answer`, `problem_image_0`, `resoning_thought_k` (the misspelling is the
+  real column name), `reasoning_image_k`, `full_text_only_thought`; images are `{bytes, path}`
+  structs (a missing `bytes` falls back to `path`, relative to the parquet file).
+* jsonl: `*.jsonl` (a file or a directory, also `<dir>/data/*.jsonl`), one object per line with
+  the same field names; an image field is a path relative to the JSONL file (or a `{path}` /
+  `{bytes, path}` object).
+
+Splits: files with "train" in their name are train files (if no file has, all are). Rows of train
+files whose `pid` hashes below `heldout_fraction` (sha1, so identical on every machine and run) are
+held out. `split="train"` = train files minus held-out rows; `split="eval"` = held-out rows plus all
+rows of the other files (e.g. a `test-*.parquet`); `split="all"` = everything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import glob
+import hashlib
+import io
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from PIL import Image
+
+from opsd_jax.data.image_transform import ImageTransform
+
+SPLITS = ("train", "eval", "all")
+THOUGHT_PREFIX = "resoning_thought_"  # sic: the ThinkMorph column name
+THOUGHT_PREFIX_FIXED = "reasoning_thought_"  # accepted too, for hand-made JSONL
+VT_IMAGE_PREFIX = "reasoning_image_"
+PROBLEM_IMAGE = "problem_image_0"
+TEXT_FIELDS = ("pid", "question", "answer", "full_text_only_thought")
+
+# Skip reasons (keys of the pipeline's counters).
+MISSING_FIELD = "missing_field"
+EMPTY_QUESTION = "empty_question"
+BAD_IMAGE = "bad_image"
+MISSING_VT_IMAGE = "missing_vt_image"
+TOO_LONG = "too_long"
+READ_ERROR = "read_error"
+DECODE_ERROR = "decode_error"  # anything unexpected while decoding (counted, never raised)
+SKIP_REASONS = (
+    MISSING_FIELD,
+    EMPTY_QUESTION,
+    BAD_IMAGE,
+    MISSING_VT_IMAGE,
+    TOO_LONG,
+    READ_ERROR,
+    DECODE_ERROR,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """One dataset of the mixture.
+
+    `path`: a task directory (`<task>/data/*.parquet` or `*.jsonl`), a directory of files, or one
+    file. `num_used_data`: cap on rows used from this dataset after the split (-1 = all; the first
+    rows in file order, so the cap is deterministic). `weight`: relative mixture weight.
+    """
+
+    name: str
+    path: str
+    num_used_data: int = -1
+    weight: float = 1.0
+    format: str = "auto"  # auto | parquet | jsonl
+
+    def __post_init__(self):
+        if self.format not in ("auto", "parquet", "jsonl"):
+            raise ValueError(f"DatasetSpec.format must be auto|parquet|jsonl, got {self.format!r}")
+        if self.weight <= 0:
+            raise ValueError(f"DatasetSpec {self.name!r}: weight must be > 0, got {self.weight}")
+        if self.num_used_data < -1 or self.num_used_data == 0:
+            raise ValueError(f"DatasetSpec {self.name!r}: num_used_data must be -1 or > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Everything the data pipeline needs; `from_dict` accepts a plain dict or a ConfigDict."""
+
+    datasets: tuple[DatasetSpec, ...]
+    max_reference_rounds: int = 8  # VT images read per sample (released data has 1)
+    heldout_fraction: float = 0.05  # share of train-file pids held out for evaluation
+    max_question_chars: int = 8192  # cheap length guard; longer questions are skipped
+    require_vt: bool = True  # a row without VT image is skipped (the teacher needs one)
+    seed: int = 0
+    image_transform: ImageTransform = dataclasses.field(default_factory=ImageTransform.vit_chat)
+    num_threads: int = 2  # grain read threads (decode + image transform run there)
+    # Decoded images are big (a 980 px image is ~11 MB of float32 patches), so prefetch little;
+    # grain's default (500) would hold gigabytes.
+    prefetch_buffer_size: int = 4
+    row_group_cache: int = 4  # parquet row groups kept in memory per source
+
+    def __post_init__(self):
+        if not self.datasets:
+            raise ValueError("DataConfig.datasets is empty")
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate dataset names: {names}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.max_reference_rounds < 1:
+            raise ValueError("max_reference_rounds must be >= 1")
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> DataConfig:
+        """Build from a mapping (e.g. `config.data.to_dict()`).
+
+        `datasets` is either a list of dicts with `name`, `path`, optional `num_used_data`,
+        `weight`, `format`, or a mapping name -> {path, num_used_data, weight, format}.
+        `image_transform` is a preset name ("vit_chat", "vit_interleave", "vit_thinkmorph_train")
+        or a dict {max_size, min_size, stride, max_pixels}.
+        """
+        if hasattr(config, "to_dict"):
+            config = config.to_dict()
+        config = dict(config)
+        datasets = config.pop("datasets")
+        if isinstance(datasets, Mapping):
+            datasets = [dict(spec, name=name) for name, spec in datasets.items()]
+        specs = tuple(d if isinstance(d, DatasetSpec) else DatasetSpec(**dict(d)) for d in datasets)
+        if "image_transform" in config:
+            config["image_transform"] = image_transform_from(config["image_transform"])
+        return cls(datasets=specs, **config)
+
+
+def image_transform_from(value: str | Mapping[str, int] | ImageTransform) -> ImageTransform:
+    """A preset name, a dict of ImageTransform fields, or an ImageTransform."""
+    if isinstance(value, ImageTransform):
+        return value
+    if isinstance(value, str):
+        presets = ("vit_chat", "vit_interleave", "vit_thinkmorph_train", "vae_resize")
+        if value not in presets:
+            raise ValueError(f"unknown image transform preset {value!r}; one of {presets}")
+        return getattr(ImageTransform, value)()
+    return ImageTransform(**dict(value))
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoded sample and skip marker
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RawSample:
+    """One decoded row: RGB-convertible PIL images and the raw text fields."""
+
+    pid: str
+    dataset: str
+    question: str
+    answer: str
+    problem_image: Image.Image
+    vt_images: list[Image.Image]
+    thoughts: list[str]  # resoning_thought_0.. (text before VT 0, after VT 0, ...)
+    full_text_only_thought: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """Marker for a bad row; the consumer counts it by `reason` and drops it."""
+
+    reason: str
+    dataset: str = ""
+    pid: str | None = None
+    detail: str = ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out split
+# ----------------------------------------------------------------------------------------------
+
+
+def pid_fraction(pid: str) -> float:
+    """A number in [0, 1) from sha1(pid): the same on every machine, run and Python version."""
+    digest = hashlib.sha1(str(pid).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0**64
+
+
+def is_heldout(pid: str, fraction: float) -> bool:
+    return pid_fraction(pid) < fraction
+
+
+def _row_in_split(pid: str | None, key: str, is_train_file: bool, split: str, frac: float) -> bool:
+    if split == "all":
+        return True
+    if not is_train_file:
+        return split == "eval"
+    # A row without pid still needs a stable place; it is skipped later as missing_field anyway.
+    held = is_heldout(pid if pid is not None else key, frac)
+    return held if split == "eval" else not held
+
+
+# ----------------------------------------------------------------------------------------------
+# File discovery
+# ----------------------------------------------------------------------------------------------
+
+
+def find_files(path: str, format: str = "auto") -> tuple[str, list[str]]:
+    """(format, sorted files) for a dataset path: a file, `<dir>/data/*.ext` or `<dir>/*.ext`."""
+    path = os.path.expanduser(path)
+    formats = ("parquet", "jsonl") if format == "auto" else (format,)
+    if os.path.isfile(path):
+        ext = path.rsplit(".", 1)[-1]
+        if ext not in formats:
+            raise ValueError(f"{path}: expected a {' or '.join(formats)} file")
+        return ext, [path]
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"dataset path does not exist: {path}")
+    for fmt in formats:
+        for pattern in (os.path.join(path, "data", f"*.{fmt}"), os.path.join(path, f"*.{fmt}")):
+            files = sorted(glob.glob(pattern))
+            if files:
+                return fmt, files
+    raise FileNotFoundError(f"no {' or '.join(formats)} files under {path} (or {path}/data)")
+
+
+def _train_flags(files: Sequence[str]) -> list[bool]:
+    flags = ["train" in os.path.basename(f) for f in files]
+    # A dataset with no file named *train* (e.g. a single hand-made JSONL) is all train data.
+    return flags if any(flags) else [True] * len(files)
+
+
+def _wanted_columns(max_reference_rounds: int) -> list[str]:
+    cols = list(TEXT_FIELDS) + [PROBLEM_IMAGE]
+    for k in range(max_reference_rounds + 1):  # one more thought than VT images (the last one)
+        cols += [f"{THOUGHT_PREFIX}{k}", f"{THOUGHT_PREFIX_FIXED}{k}"]
+    cols += [f"{VT_IMAGE_PREFIX}{k}" for k in range(max_reference_rounds)]
+    return cols
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources
+# ----------------------------------------------------------------------------------------------
+
+
+class ParquetSource:
+    """Random access to the rows of some parquet files, one row group at a time.
+
+    `__getitem__(i)` returns a dict of the needed columns (image structs as {bytes, path}) plus
+    `_base_dir` (to resolve image paths). Reads take a lock (pyarrow file handles are not meant for
+    concurrent use) and keep the last `row_group_cache` row groups, so consecutive indices in one
+    row group cost one read. Picklable: handles and cache are dropped and reopened lazily.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        split: str = "all",
+        heldout_fraction: float = 0.05,
+        max_reference_rounds: int = 8,
+        num_used_data: int = -1,
+        row_group_cache: int = 4,
+    ):
+        import pyarrow.parquet as pq  # deferred: only parquet users need pyarrow
+
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        self._files = list(files)
+        self._cache_size = max(1, row_group_cache)
+        wanted = _wanted_columns(max_reference_rounds)
+        self._columns: list[list[str]] = []
+        self._group_starts: list[list[int]] = []  # cumulative row offsets of each row group
+        index: list[tuple[int, int]] = []  # (file, row within file)
+        for file_idx, (path, is_train) in enumerate(zip(self._files, _train_flags(self._files))):
+            meta = pq.ParquetFile(path)
+            names = set(meta.schema_arrow.names)
+            self._columns.append([c for c in wanted if c in names])
+            starts = [0]
+            for g in range(meta.metadata.num_row_groups):
+                starts.append(starts[-1] + meta.metadata.row_group(g).num_rows)
+            self._group_starts.append(starts)
+            # The pid column is small; reading it for every row is what makes the split possible.
+            if "pid" in names:
+                pids = meta.read(columns=["pid"]).column("pid").to_pylist()
+            else:
+                pids = [None] * starts[-1]
+            base = os.path.basename(path)
+            for row, pid in enumerate(pids):
+                if _row_in_split(pid, f"{base}:{row}", is_train, split, heldout_fraction):
+                    index.append((file_idx, row))
+        if num_used_data > 0:
+            index = index[:num_used_data]
+        self._index = index
+        self._lock = threading.Lock()
+        self._handles: dict[int, Any] = {}
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        file_idx, row = self._index[i]
+        starts = self._group_starts[file_idx]
+        group = bisect.bisect_right(starts, row) - 1
+        table = self._row_group(file_idx, group)
+        record = table.slice(row - starts[group], 1).to_pylist()[0]
+        record["_base_dir"] = os.path.dirname(os.path.abspath(self._files[file_idx]))
+        return record
+
+    def _row_group(self, file_idx: int, group: int):
+        import pyarrow.parquet as pq
+
+        key = (file_idx, group)
+        with self._lock:
+            table = self._cache.get(key)
+            if table is not None:
+                self._cache.move_to_end(key)
+                return table
+            handle = self._handles.get(file_idx)
+            if handle is None:
+                handle = self._handles[file_idx] = pq.ParquetFile(self._files[file_idx])
+            table = handle.read_row_group(group, columns=self._columns[file_idx])
+            self._cache[key] = table
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return table
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.update(_lock=None, _handles={}, _cache=collections.OrderedDict())
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ParquetSource({len(self._files)} files, {len(self)} rows)"
+
+
+class JsonlSource:
+    """Rows of JSONL files (text only: image fields are paths, read when the row is decoded)."""
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        split: str = "all",
+        heldout_fraction: float = 0.05,
+        num_used_data: int = -1,
+    ):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        rows: list[dict[str, Any]] = []
+        for path, is_train in zip(files, _train_flags(files)):
+            base_dir = os.path.dirname(os.path.abspath(path))
+            with open(path, encoding="utf-8") as f:
+                for line_no, line in enumerate(f):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        # Keep the row so it is counted as skipped, rather than vanish silently.
+                        record = {"_error": f"{os.path.basename(path)}:{line_no + 1}: {e}"}
+                    if not isinstance(record, dict):
+                        record = {
+                            "_error": f"{os.path.basename(path)}:{line_no + 1}: not an object"
+                        }
+                    record["_base_dir"] = base_dir
+                    pid = record.get("pid")
+                    key = f"{os.path.basename(path)}:{line_no}"
+                    if _row_in_split(pid, key, is_train, split, heldout_fraction):
+                        rows.append(record)
+        if num_used_data > 0:
+            rows = rows[:num_used_data]
+        self._rows = rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return dict(self._rows[i])
+
+    def __repr__(self) -> str:
+        return f"JsonlSource({len(self)} rows)"
+
+
+def open_source(
+    spec: DatasetSpec,
+    split: str = "train",
+    *,
+    heldout_fraction: float = 0.05,
+    max_reference_rounds: int = 8,
+    row_group_cache: int = 4,
+) -> ParquetSource | JsonlSource:
+    """The random-access source of one dataset's rows in `split` (capped by num_used_data)."""
+    fmt, files = find_files(spec.path, spec.format)
+    if fmt == "parquet":
+        return ParquetSource(
+            files, split, heldout_fraction, max_reference_rounds, spec.num_used_data,
+            row_group_cache,
+        )  # fmt: skip
+    return JsonlSource(files, split, heldout_fraction, spec.num_used_data)
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------
+
+
+class _BadRow(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _image_bytes(value: Any, base_dir: str) -> bytes | None:
+    """Encoded image bytes from a {bytes, path} struct, a path string, or raw bytes; None if empty."""
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value) or None
+    path = None
+    if isinstance(value, Mapping):
+        data = value.get("bytes")
+        if data:
+            return bytes(data)
+        path = value.get("path")
+    elif isinstance(value, str):
+        path = value
+    if not path:
+        return None
+    full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+    try:
+        with open(full, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise _BadRow(BAD_IMAGE, f"cannot read image file {path}: {e}") from None
+
+
+def _decode_image(data: bytes, what: str) -> Image.Image:
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()  # decode now: PIL is lazy, and a truncated file must fail here, not later
+    except Exception as e:  # noqa: BLE001 — PIL raises many types (UnidentifiedImageError, ...)
+        raise _BadRow(BAD_IMAGE, f"{what}: {type(e).__name__}: {e}") from None
+    if image.width <= 0 or image.height <= 0:
+        raise _BadRow(BAD_IMAGE, f"{what}: empty image")
+    return image
+
+
+def _text(record: Mapping[str, Any], field: str) -> str:
+    value = record.get(field)
+    if value is None:
+        raise _BadRow(MISSING_FIELD, f"{field} is missing")
+    if not isinstance(value, str):
+        raise _BadRow(MISSING_FIELD, f"{field} is {type(value).__name__}, not str")
+    return value
+
+
+def decode_row(
+    record: Mapping[str, Any],
+    dataset: str,
+    *,
+    max_reference_rounds: int = 8,
+    max_question_chars: int = 8192,
+    require_vt: bool = True,
+) -> RawSample | Skipped:
+    """A raw row -> RawSample, or Skipped(reason) if the row cannot be used.
+
+    Reasons: missing_field (pid/question/answer/problem image absent or None), empty_question,
+    too_long (question over max_question_chars), missing_vt_image (no reasoning_image_0 while
+    require_vt), bad_image (undecodable or unreadable image), read_error (unparsable JSONL line).
+    Cheap text checks run before any image is decoded.
+    """
+    pid = record.get("pid")
+    # Integer ids (some hand-made JSONL) are fine; they are used as strings everywhere.
+    pid = str(pid) if isinstance(pid, (str, int)) and not isinstance(pid, bool) else None
+    try:
+        if "_error" in record:
+            raise _BadRow(READ_ERROR, record["_error"])
+        if pid is None:
+            raise _BadRow(MISSING_FIELD, "pid is missing")
+        question = _text(record, "question")
+        answer = _text(record, "answer")
+        if not question.strip():
+            raise _BadRow(EMPTY_QUESTION)
+        if len(question) > max_question_chars:
+            raise _BadRow(TOO_LONG, f"question has {len(question)} chars > {max_question_chars}")
+        full_text = record.get("full_text_only_thought")
+        full_text = full_text if isinstance(full_text, str) else None
+
+        base_dir = record.get("_base_dir", "")
+        problem_bytes = _image_bytes(record.get(PROBLEM_IMAGE), base_dir)
+        if problem_bytes is None:
+            raise _BadRow(MISSING_FIELD, f"{PROBLEM_IMAGE} is missing")
+        vt_bytes = []
+        for k in range(max_reference_rounds):
+            data = _image_bytes(record.get(f"{VT_IMAGE_PREFIX}{k}"), base_dir)
+            if data is None:
+                break  # rounds are contiguous: the first missing VT ends the list
+            vt_bytes.append(data)
+        if require_vt and not vt_bytes:
+            raise _BadRow(MISSING_VT_IMAGE)
+
+        problem_image = _decode_image(problem_bytes, PROBLEM_IMAGE)
+        vt_images = [_decode_image(b, f"{VT_IMAGE_PREFIX}{k}") for k, b in enumerate(vt_bytes)]
+
+        thoughts = []
+        for k in range(max_reference_rounds + 1):
+            value = record.get(f"{THOUGHT_PREFIX}{k}", record.get(f"{THOUGHT_PREFIX_FIXED}{k}"))
+            if not isinstance(value, str):
+                break
+            thoughts.append(value)
+    except _BadRow as bad:
+        return Skipped(bad.reason, dataset, pid, bad.detail)
+    return RawSample(
+        pid=pid,
+        dataset=dataset,
+        question=question,
+        answer=answer,
+        problem_image=problem_image,
+        vt_images=vt_images,
+        thoughts=thoughts,
+        full_text_only_thought=full_text,
+    )
+
+
+def iter_samples(
+    spec: DatasetSpec, split: str = "all", **decode_kwargs
+) -> Iterable[RawSample | Skipped]:
+    """Every row of a dataset in file order, decoded (for scripts and evaluation; no grain)."""
+    max_rounds = decode_kwargs.get("max_reference_rounds", 8)
+    heldout = decode_kwargs.pop("heldout_fraction", 0.05)
+    source = open_source(spec, split, heldout_fraction=heldout, max_reference_rounds=max_rounds)
+    for i in range(len(source)):
+        yield decode_row(source[i], spec.name, **decode_kwargs)
