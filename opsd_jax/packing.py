@@ -86,15 +86,25 @@ def pack_samples(
     max_loss_entries: int | None = None,
     special: SpecialTokens = SpecialTokens(),
     one_sample_per_row: bool = False,
+    rows_of: Sequence[int] | None = None,
 ) -> Pack:
     """Lay samples out in fixed-shape rows. Sizes left as None are fitted to the content.
 
     Loss entries are listed per row in sample order and, within a sample, in sequence order;
     `loss_sample` holds the sample's index in `samples`. `one_sample_per_row` gives every
-    sample its own row (sampler prompts).
+    sample its own row (sampler prompts); `rows_of` fixes every sample's row instead (so two
+    packs of the same samples can share one layout).
     """
     lengths = [sample_length(s) for s in samples]
-    assignment = _place_rows(lengths, row_length, num_rows, one_sample_per_row)
+    if rows_of is None:
+        assignment = _place_rows(lengths, row_length, num_rows, one_sample_per_row)
+    else:
+        assignment = list(rows_of)
+        if len(assignment) != len(samples):
+            raise ValueError(f"rows_of has {len(assignment)} entries for {len(samples)} samples")
+        used = np.bincount(assignment, weights=lengths, minlength=1)
+        if used.max() > row_length:
+            raise ValueError(f"rows_of puts {int(used.max())} tokens in a row of {row_length}")
     rows = num_rows if num_rows is not None else max(assignment, default=-1) + 1
     row_patches = [0] * rows
     row_loss = [0] * rows

@@ -1,0 +1,221 @@
+"""Visual-OPSD's three views of a sample, as Packs: the sampler prompt, the student, the teacher.
+
+    prompt   [system?] [problem image] [question + instruction_suffix]
+    student  prompt + [<|im_start|> completion <|im_end|>]
+    teacher  [system?] [problem image] [question + instruction_suffix] [reference intro?]
+             [VT image]+ [transition?] [<|im_start|> completion <|im_end|>]
+
+The privileged channel is visual only by default (the paper's recipe); `privileged_thoughts`
+and `privileged_answer` add the reference text thoughts / the answer as ablations. With
+`noise_vt` every VT image's pixels are replaced by seeded Gaussian noise of the same shape (the
+paper's control). The prefix [system, image, question] is token- and position-identical in
+the student and the teacher.
+
+Loss entries: the outputs at the completion's `<|im_start|>` and at each completion token,
+predicting the completion tokens and the closing `<|im_end|>`. The teacher pack decides the
+row of every sample (it is the longer view) and the student pack uses the same rows, so the
+[R, C] loss arrays of the two packs align entry for entry.
+
+If a teacher sample is longer than `max_forward_tokens`, its completion is truncated so it fits,
+and both packs use the truncated completion. Row length, patches per row and loss entries per
+row are rounded up to powers of two, so a jitted step sees a few shapes, not one per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import numpy as np
+
+from models.pack import Pack
+from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+
+# Our own wording. A checkpoint answers best with the system prompt it was trained with, so
+# every text here can be replaced from the config.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful visual reasoner. Think step by step inside <think></think>. When a "
+    "picture would help, you may think visually between <image_start> and <image_end>. Give "
+    "the final answer inside <answer></answer>."
+)
+DEFAULT_REFERENCE_INTRO = (
+    "The images that follow are privileged reference material: intermediate visual steps "
+    "toward the correct solution. Use them silently; do not mention or describe them."
+)
+DEFAULT_TRANSITION_PROMPT = (
+    "Now solve the problem above with your own independent reasoning, step by step."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptOptions:
+    use_system_prompt: bool = True
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    use_reference_intro: bool = True
+    reference_intro: str = DEFAULT_REFERENCE_INTRO
+    use_transition_prompt: bool = True
+    transition_prompt: str = DEFAULT_TRANSITION_PROMPT
+    instruction_suffix: str = ""
+    privileged_thoughts: bool = False  # ablation: put the reference text thoughts in the teacher
+    privileged_answer: bool = False  # ablation: put the reference answer in the teacher
+    noise_vt: bool = False
+    max_reference_rounds: int = 8
+    noise_seed: int = 0
+
+
+Encode = Callable[[str], list[int]]
+
+
+def _image(vit) -> Image:
+    return Image(vit.patches, vit.position_ids)
+
+
+def prompt_items(sample, encode: Encode, options: PromptOptions) -> list:
+    """[system?] [problem image] [question + suffix]: what the student sees before answering."""
+    items = []
+    if options.use_system_prompt:
+        items.append(Text(encode(options.system_prompt)))
+    items.append(_image(sample.problem_image))
+    items.append(Text(encode(sample.question + options.instruction_suffix)))
+    return items
+
+
+def _noise_like(patches: np.ndarray, seed: int, pid: str, index: int) -> np.ndarray:
+    # Seeded per (run seed, sample, image), so the control is reproducible and resumable.
+    key = [seed, index] + list(pid.encode("utf-8"))
+    return np.random.default_rng(key).standard_normal(patches.shape).astype(patches.dtype)
+
+
+def teacher_context_items(sample, encode: Encode, options: PromptOptions) -> list:
+    """The teacher's view up to (not including) the completion."""
+    items = prompt_items(sample, encode, options)
+    if options.use_reference_intro:
+        items.append(Text(encode(options.reference_intro)))
+    rounds = min(len(sample.vt_images), options.max_reference_rounds)
+    for k in range(rounds):
+        if options.privileged_thoughts and k < len(sample.thoughts):
+            items.append(Text(encode(sample.thoughts[k])))
+        vt = sample.vt_images[k]
+        patches = (
+            _noise_like(vt.patches, options.noise_seed, sample.pid, k)
+            if options.noise_vt
+            else vt.patches
+        )
+        items.append(Image(patches, vt.position_ids))
+    if options.privileged_thoughts and len(sample.thoughts) > rounds:
+        items.extend(Text(encode(t)) for t in sample.thoughts[rounds:])
+    if options.privileged_answer:
+        items.append(Text(encode(f"The correct answer is {sample.answer}.")))
+    if options.use_transition_prompt:
+        items.append(Text(encode(options.transition_prompt)))
+    return items
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+def build_prompt_pack(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
+                      num_rows: int | None = None) -> Pack:  # fmt: skip
+    """One prompt per row (the sampler's input), row length bucketed."""
+    items = [prompt_items(s, encode, options) for s in samples]
+    longest = max(sample_length(i) for i in items)
+    patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
+    return pack_samples(items, row_length=bucket(longest), num_rows=num_rows,
+                        max_patches=bucket(patches), special=special,
+                        one_sample_per_row=True)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPacks:
+    student: Pack
+    teacher: Pack
+    kept: list[int]  # indices of the samples in the packs (a sample whose context alone
+    # exceeds max_forward_tokens is dropped)
+    completions: list[list[int]]  # the completions as packed (after truncation)
+    num_truncated: int
+    padding_fraction: dict[str, float]  # share of padding tokens per pack
+
+
+def build_training_packs(
+    samples,
+    completions: Sequence[Sequence[int]],
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    *,
+    num_rows: int,
+    max_forward_tokens: int,
+) -> TrainingPacks:
+    """Student and teacher packs of the same samples and completions, rows shared, entries aligned."""
+    if len(samples) != len(completions):
+        raise ValueError(f"{len(samples)} samples but {len(completions)} completions")
+    student_items, teacher_items, kept, packed_completions = [], [], [], []
+    truncated = 0
+    for index, (sample, completion) in enumerate(zip(samples, completions)):
+        context = teacher_context_items(sample, encode, options)
+        room = max_forward_tokens - sample_length(context) - 2  # completion's two markers
+        if room < 0:
+            continue
+        completion = list(completion)
+        if len(completion) > room:
+            completion = completion[:room]
+            truncated += 1
+        kept.append(index)
+        packed_completions.append(completion)
+        answer = Text(completion, loss=True)
+        student_items.append(prompt_items(sample, encode, options) + [answer])
+        teacher_items.append(context + [answer])
+    if not kept:
+        raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
+
+    teacher_lengths = [sample_length(i) for i in teacher_items]
+    row_length = bucket(max(teacher_lengths))
+    rows_of = _first_fit_rows(teacher_lengths, row_length, num_rows)
+    while rows_of is None:  # more samples than rows of this length hold: try longer rows
+        row_length *= 2
+        if row_length > bucket(max_forward_tokens) * len(kept):
+            raise ValueError(f"{len(kept)} samples do not fit in {num_rows} rows")
+        rows_of = _first_fit_rows(teacher_lengths, row_length, num_rows)
+
+    def per_row(items, count):
+        totals = np.zeros(num_rows, np.int64)
+        for row, item in zip(rows_of, items):
+            totals[row] += count(item)
+        return int(totals.max())
+
+    def patches(item):
+        return sum(len(it.patches) for it in item if isinstance(it, Image))
+
+    loss_entries = bucket(per_row(student_items, lambda i: len(i[-1].ids) + 1))
+    # The student rows are shorter than the teacher's: each pack gets its own bucketed length.
+    packs = {
+        name: pack_samples(
+            items,
+            row_length=bucket(per_row(items, sample_length)),
+            num_rows=num_rows,
+            max_patches=bucket(per_row(items, patches)),
+            max_loss_entries=loss_entries,
+            special=special,
+            rows_of=rows_of,
+        )  # fmt: skip
+        for name, items in (("student", student_items), ("teacher", teacher_items))
+    }
+    padding = {name: float(1.0 - (pack.segment_ids > 0).mean()) for name, pack in packs.items()}
+    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions, truncated,
+                         padding)  # fmt: skip
+
+
+def _first_fit_rows(lengths: list[int], row_length: int, num_rows: int) -> list[int] | None:
+    free = [row_length] * num_rows
+    rows = []
+    # Longest first packs tighter; the row of each sample is recorded in input order.
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(num_rows) if free[r] >= lengths[index]), None)
+        if row is None:
+            return None
+        free[row] -= lengths[index]
+        rows.append((index, row))
+    return [row for _, row in sorted(rows)]
