@@ -1,0 +1,110 @@
+"""Convert a BAGEL / ThinkMorph HF checkpoint directory to our params (orbax) and back.
+
+    python scripts/convert_hf.py hf-to-jax --hf_dir D --out O [--gen_expert] [--weights ema]
+    python scripts/convert_hf.py jax-to-hf --ckpt O --source D --out D2 [--item ema_params]
+
+hf-to-jax loads D with `opsd_jax.hf.load_hf` on a mesh over every local device (each tensor
+goes straight into its shard) and saves the params as the orbax item `O/params`, plus
+`O/bagel_config.json`. jax-to-hf restores an orbax params item (this script's output, or a
+training checkpoint's `params` / `ema_params` in `<dir>/<step>/`, the latest step if `--ckpt`
+is the checkpoint directory) onto the same kind of mesh, and writes D2 with
+`opsd_jax.hf.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
+not hold copied from the source unchanged, and the other files of D copied. Both directions
+check everything before writing, so a failed conversion leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from opsd_jax import hf  # noqa: E402
+from opsd_jax.mesh import make_mesh  # noqa: E402
+from opsd_jax.safetensors_io import WeightDirectory  # noqa: E402
+
+
+def hf_to_jax(args) -> None:
+    start = time.time()
+    mesh = make_mesh()
+    model, config, tokenizer = hf.load_hf(
+        args.hf_dir,
+        mesh=mesh,
+        dtype=jnp.dtype(args.dtype),
+        build_gen_expert=args.gen_expert,
+        weights=args.weights,
+        progress=True,
+    )
+    params = hf.flat_params(model)
+    count = sum(value.size for value in params.values())
+    out = hf.save_params(model, args.out, config)
+    print(
+        f"loaded {args.hf_dir}: {len(params)} params ({count:,} values, {args.dtype}) on mesh "
+        f"{dict(mesh.shape)}; gen expert {'loaded' if args.gen_expert else 'skipped'}"
+    )
+    print(
+        f"tokenizer: {tokenizer.vocab_length} ids ({tokenizer.num_added} added), "
+        f"{tokenizer.special_tokens()}"
+    )
+    print(f"wrote {out / hf.PARAMS_ITEM} in {time.time() - start:.1f}s")
+
+
+def jax_to_hf(args) -> None:
+    start = time.time()
+    params = hf.restore_params(args.ckpt, args.source, mesh=make_mesh(), item=args.item)
+    out = hf.save_hf(
+        params, args.out, args.source, weights=args.weights, overwrite=args.overwrite, progress=True
+    )
+    source = WeightDirectory(args.source, args.weights)
+    ours = 0
+    for key in source.keys():
+        matched = hf.match_key(key)
+        ours += matched is not None and matched[0].target in params
+    print(f"restored {hf.find_params_item(args.ckpt, args.item)}: {len(params)} params")
+    print(
+        f"wrote {out}: {len(source.keys())} tensors ({ours} from our params, "
+        f"{len(source.keys()) - ours} copied from {args.source}) in {time.time() - start:.1f}s"
+    )
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_jax = commands.add_parser("hf-to-jax", help="HF directory -> orbax params")
+    to_jax.add_argument("--hf_dir", required=True, help="BAGEL / ThinkMorph directory")
+    to_jax.add_argument("--out", required=True, help="output directory (gets params/)")
+    to_jax.add_argument(
+        "--gen_expert",
+        action="store_true",
+        help="also load the *_moe_gen weights (image generation expert)",
+    )
+    to_jax.add_argument(
+        "--weights", default=None, help="ema or model (default: ema.safetensors if present)"
+    )
+    to_jax.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype"
+    )
+    to_jax.set_defaults(run=hf_to_jax)
+    to_hf = commands.add_parser("jax-to-hf", help="orbax params -> HF directory")
+    to_hf.add_argument(
+        "--ckpt", required=True, help="hf-to-jax output, a training step dir, or its checkpoint dir"
+    )
+    to_hf.add_argument("--source", required=True, help="the HF directory the params came from")
+    to_hf.add_argument("--out", required=True, help="new HF directory (must not exist)")
+    to_hf.add_argument("--item", default=hf.PARAMS_ITEM, help="orbax item: params or ema_params")
+    to_hf.add_argument("--weights", default=None, help="source weights: ema or model")
+    to_hf.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    to_hf.set_defaults(run=jax_to_hf)
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
