@@ -1,0 +1,211 @@
+"""The OPSD train state and the jitted pieces of one optimizer step.
+
+One optimizer step (train.py drives it):
+
+1. the sampler draws completions for every micro-batch with the current params;
+2. per micro-batch, `grad_step` runs the student forward/backward and the teacher forward
+   (stop-gradient, fully rematerialised so none of its activations stay alive) on the aligned
+   student / teacher Packs, and returns the gradients of
+   `ce_weight * CE + jsd_weight * (generalized JSD | tinker)` over the completion entries;
+3. gradients are summed over micro-batches and `apply_update` does one AdamW step (grad-norm
+   clip, warmup + cosine or constant LR), then the EMA teacher update.
+
+Teacher modes: `self` (stop-gradient of the current params: no extra memory), `ema` (an EMA copy
+updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (the initial
+params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory).
+
+Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
+config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`) get no optimizer state and a
+zero update, so they stay bit-identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models.pack import Pack
+from opsd_jax import losses
+
+TEACHER_MODES = ("self", "ema", "fixed")
+LOSS_KINDS = ("jsd", "tinker")
+LR_SCHEDULERS = ("cosine", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Static (compile-time) loss knobs, named as in the PyTorch trainer."""
+
+    jsd_weight: float = 1.0
+    ce_weight: float = 0.0
+    jsd_loss_kind: str = "jsd"
+    jsd_beta: float = 0.5
+    jsd_temperature: float = 1.0
+    jsd_top_k: int = 256
+    jsd_token_clip: float = 0.05
+    jsd_clip_mode: str = "entry"
+    reduction: str = "seq_mean"
+    num_samples: int = 1  # samples per micro-batch (per-sample reduction)
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any  # nnx.State of the trainable-or-not nnx.Params (fp32)
+    opt_state: Any
+    teacher_params: Any  # nnx.State for 'ema' / 'fixed'; None for 'self'
+    rng: jax.Array
+
+
+def learning_rate_schedule(config) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup_steps`, then cosine to `min_lr` or constant."""
+    if config.lr_scheduler not in LR_SCHEDULERS:
+        raise ValueError(f"config.lr_scheduler={config.lr_scheduler!r}; allowed: {LR_SCHEDULERS}")
+    warmup = optax.linear_schedule(0.0, config.lr, max(config.warmup_steps, 1))
+    decay_steps = max(config.total_steps - config.warmup_steps, 1)
+    if config.lr_scheduler == "cosine":
+        after = optax.cosine_decay_schedule(config.lr, decay_steps, alpha=config.min_lr / config.lr)
+    else:
+        after = optax.constant_schedule(config.lr)
+    if config.warmup_steps <= 0:
+        return after
+    return optax.join_schedules([warmup, after], [config.warmup_steps])
+
+
+def trainable_labels(params, *, freeze_vit: bool, freeze_llm: bool):
+    """'train' / 'frozen' per parameter, by where it lives in the model."""
+
+    def label(path, _):
+        top = str(path[0].key if hasattr(path[0], "key") else path[0])
+        if freeze_vit and top == "vit_model":
+            return "frozen"
+        if freeze_llm and top == "language_model":
+            return "frozen"
+        return "train"
+
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_optimizer(config, params) -> optax.GradientTransformation:
+    adamw = optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(
+            learning_rate_schedule(config),
+            b1=config.beta1,
+            b2=config.beta2,
+            eps=config.eps,
+            weight_decay=0.0,
+        ),
+    )
+    labels = trainable_labels(params, freeze_vit=config.freeze_vit, freeze_llm=config.freeze_llm)
+    # set_to_zero keeps no state: frozen params cost no optimizer memory and never move.
+    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSettings):
+    """ce_weight * CE + jsd_weight * distillation over the pack's loss entries."""
+    common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples)
+    if settings.jsd_loss_kind == "jsd":
+        distill, diag = losses.generalized_jsd(
+            student_logits, teacher_logits, pack.loss_mask,
+            beta=settings.jsd_beta, temperature=settings.jsd_temperature,
+            top_k=settings.jsd_top_k, clip=settings.jsd_token_clip,
+            clip_mode=settings.jsd_clip_mode, reduction=settings.reduction,
+            token_ids=pack.loss_targets, **common,
+        )  # fmt: skip
+    else:
+        distill, diag = losses.tinker_loss(
+            student_logits, teacher_logits, pack.loss_targets, pack.loss_mask,
+            temperature=settings.jsd_temperature, reduction=settings.reduction, **common,
+        )  # fmt: skip
+    metrics = {"jsd": distill}
+    for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
+        if key in diag:
+            metrics[key] = diag[key]
+    loss = settings.jsd_weight * distill
+    if settings.ce_weight:
+        ce, _ = losses.completion_ce(
+            student_logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
+            **common,
+        )  # fmt: skip
+        loss = loss + settings.ce_weight * ce
+        metrics["ce"] = ce
+    metrics["loss"] = loss
+    metrics["loss_tokens"] = jnp.sum(pack.loss_mask)
+    return loss, metrics
+
+
+def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
+    """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics)."""
+    if teacher_mode not in TEACHER_MODES:
+        raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
+
+    def teacher_logits(teacher_params, pack):
+        # Full remat + stop-gradient: the teacher's activations are never kept for a backward.
+        @jax.checkpoint
+        def forward(teacher_params, pack):
+            teacher = nnx.merge(graphdef, teacher_params, rest)
+            return teacher.logits_at(teacher(pack), pack.loss_rows)
+
+        return jax.lax.stop_gradient(forward(jax.lax.stop_gradient(teacher_params), pack))
+
+    def loss_fn(params, teacher_params, student_pack, teacher_pack):
+        student = nnx.merge(graphdef, params, rest)
+        student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
+        source = params if teacher_mode == "self" else teacher_params
+        if teacher_mode == "fixed":  # possibly stored in bf16: compute from fp32 copies
+            source = jax.tree.map(lambda p, t: t.astype(p.dtype), params, teacher_params)
+        return completion_loss(
+            student_logits, teacher_logits(source, teacher_pack), student_pack, settings
+        )
+
+    @jax.jit
+    def grad_step(params, teacher_params, student_pack, teacher_pack):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, teacher_params, student_pack, teacher_pack
+        )
+        return grads, metrics
+
+    return grad_step
+
+
+def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str, ema_decay: float):
+    """jit(state, summed grads, number of micro-batches) -> (new state, update metrics)."""
+
+    @jax.jit(donate_argnums=(0,))
+    def apply_update(state: TrainState, grads, num_micro_batches):
+        grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        teacher = state.teacher_params
+        if teacher_mode == "ema":
+            teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
+        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              teacher_params=teacher)  # fmt: skip
+        return state, {"grad_norm": grad_norm}
+
+    return apply_update
+
+
+def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="float32",
+               teacher_source=None) -> TrainState:  # fmt: skip
+    """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
+    which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
+    checkpoint's EMA with `finetune_from_ema`)."""
+    source = params if teacher_source is None else teacher_source
+    if teacher_mode == "ema":
+        teacher = jax.tree.map(jnp.copy, source)
+    elif teacher_mode == "fixed":
+        teacher = jax.tree.map(lambda x: x.astype(jnp.dtype(fixed_teacher_dtype)), source)
+        teacher = jax.tree.map(jnp.copy, teacher)
+    else:
+        teacher = None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=optimizer.init(params), teacher_params=teacher, rng=rng)  # fmt: skip
