@@ -1,0 +1,382 @@
+"""Training metrics: console lines, a progress bar, TensorBoard events, a JSONL file and W&B.
+
+The trainer calls `MetricsLogger.log_step` after every optimizer step with that step's scalars
+and wraps the parts of a step in `with logger.phase("sample"): ...`. Every `log_every` steps the
+logger writes one averaged record to each sink:
+
+* stdout: one compact line (`step 40/200 | loss 0.0123 | ... | 1.23 steps/s | ... | ETA 2m10s`);
+* TensorBoard: one scalar per key plus `perf/*` (throughput, ETA) and `time/*` (phase timings);
+* `<logdir>/metrics.jsonl`: the same record as one JSON object per line, for plotting scripts;
+* Weights & Biases, only when asked for and the package is installed.
+
+Why it is shaped this way:
+
+* Step values are often device scalars still being computed (JAX dispatches asynchronously).
+  Converting one to a float blocks until the step finishes, which would serialise the host
+  against the device on every step. So raw values are only stored per step, and converted with
+  a single `jax.device_get` when a line is due.
+* TensorFlow is not a dependency. Events are written with the TF-free `EventFileWriter` and the
+  protos that ship in the `tensorboard` package, which `EventAccumulator` (and the TensorBoard
+  UI) read like any other event file.
+* Only the main process (`jax.process_index() == 0` by default) logs anything, so multi-host
+  runs do not write N copies. Values passed in must then be readable from the main process
+  (host numbers or fully replicated/addressable arrays, as a jitted step's scalar outputs are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Self
+
+import jax
+import numpy as np
+
+# Interval clock; a module attribute so tests can substitute a deterministic one.
+_now = time.perf_counter
+
+
+def _is_latest_value(key: str) -> bool:
+    """Cumulative counters (data pipeline stats, running totals) are reported as-is, not averaged:
+    the mean of a running count over a window is meaningless."""
+    return key.startswith("data/") or key.endswith("_total")
+
+
+def format_number(value: float) -> str:
+    """Compact rendering: about 4 significant digits, scientific only for tiny or huge values."""
+    if math.isnan(value) or math.isinf(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    a = abs(value)
+    if a < 1e-3 or a >= 1e6:
+        mantissa, exponent = f"{value:.3e}".split("e")
+        # Trailing zeros in the mantissa carry no information: 9.800e-06 -> 9.8e-06.
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        return f"{mantissa}e{exponent}"
+    if a >= 1000:
+        # Whole numbers read better than 1.534e+03 for throughputs and lengths in this range.
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def format_duration(seconds: float) -> str:
+    """`45s`, `2m10s`, `3h05m` — short enough for a console line."""
+    if math.isnan(seconds) or math.isinf(seconds):
+        return "?"
+    s = round(max(seconds, 0.0))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _to_float(value: Any) -> float | None:
+    """A host value (after device_get) as a float, or None when it is not numeric."""
+    try:
+        arr = np.asarray(value)
+    except Exception:  # noqa: BLE001 - any unconvertible value is simply "not numeric"
+        return None
+    if arr.dtype.kind not in "biuf":
+        return None
+    # Scalars are expected; a larger array is summarised by its mean rather than rejected.
+    return float(arr) if arr.size == 1 else float(arr.mean())
+
+
+class MetricsLogger:
+    """Accumulates per-step scalars and phase timings; writes averaged records every `log_every`
+    steps (see the module docstring). All methods are no-ops on non-main processes."""
+
+    def __init__(
+        self,
+        logdir: str | None,
+        *,
+        total_steps: int,
+        log_every: int,
+        start_step: int = 0,
+        is_main: bool | None = None,
+        progress_bar: bool = True,
+        wandb: dict | None = None,
+        config: dict | None = None,
+    ) -> None:
+        self.logdir = logdir
+        self.total_steps = int(total_steps)
+        self.log_every = int(log_every)
+        self.is_main = (jax.process_index() == 0) if is_main is None else bool(is_main)
+        self._closed = False
+        self._writer = None
+        self._jsonl = None
+        self._text_jsonl = None
+        self._bar = None
+        self._wandb_run = None
+        self._warned_non_numeric: set[str] = set()
+        self._reset_window()
+        self._window_start = _now()
+        if not self.is_main:
+            return
+
+        if logdir is not None:
+            # Imported here so that importing this module stays cheap and TB-free.
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+            os.makedirs(logdir, exist_ok=True)
+            self._writer = EventFileWriter(logdir)
+            # Append: a resumed run continues the same files instead of truncating history.
+            self._jsonl = open(  # noqa: SIM115 - lives until close()
+                os.path.join(logdir, "metrics.jsonl"), "a", encoding="utf-8"
+            )
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=self.total_steps, initial=int(start_step), dynamic_ncols=True, unit="step"
+            )
+        if wandb is not None:
+            self._init_wandb(wandb, config)
+        if config is not None and self._writer is not None:
+            self._write_text_event(int(start_step), "config", json.dumps(config, indent=2))
+            self._writer.flush()
+        # Construction (file creation, W&B start-up) should not count as training time.
+        self._window_start = _now()
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_wandb(self, options: dict, config: dict | None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            self._print(
+                "WARNING: W&B logging was requested but the `wandb` package is not installed; "
+                "continuing without it (pip install wandb to enable)."
+            )
+            return
+        try:
+            self._wandb_run = wandb.init(
+                project=options.get("project"),
+                name=options.get("name"),
+                mode=options.get("mode", "offline"),
+                dir=options.get("dir"),
+                config=config,
+            )
+        except Exception as e:  # noqa: BLE001 - logging must not take the training run down
+            self._print(f"WARNING: wandb.init failed ({e!r}); continuing without W&B.")
+
+    def _reset_window(self) -> None:
+        self._values: dict[str, list[Any]] = {}  # raw per-step values, converted at log time
+        self._samples: list[Any] = []
+        self._tokens: list[Any] = []
+        self._phase_secs: dict[str, float] = {}
+        self._window_steps = 0
+
+    # ------------------------------------------------------------------ public API
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time a named part of a step. JAX dispatch is asynchronous: to attribute device time to
+        the phase, block on its outputs inside the block. Nested phases each count in full."""
+        if not self.is_main:
+            yield
+            return
+        t0 = _now()
+        try:
+            yield
+        finally:
+            self._phase_secs[name] = self._phase_secs.get(name, 0.0) + (_now() - t0)
+
+    def log_step(
+        self,
+        step: int,
+        scalars: Mapping[str, Any],
+        *,
+        samples: int = 0,
+        tokens: int = 0,
+        force: bool = False,
+    ) -> dict[str, float] | None:
+        """Record one optimizer step; on logging steps write every sink and return the logged
+        record (tag -> float), else return None."""
+        if not self.is_main or self._closed:
+            return None
+        for key, value in scalars.items():
+            if _is_latest_value(key):
+                self._values[key] = [value]
+            else:
+                self._values.setdefault(key, []).append(value)
+        self._samples.append(samples)
+        self._tokens.append(tokens)
+        self._window_steps += 1
+        if self._bar is not None:
+            self._bar.update(1)
+            loss = scalars.get("loss")
+            # Only host numbers here: a device value would force a sync every step.
+            if isinstance(loss, (int, float, np.number)):
+                self._bar.set_postfix_str(f"loss {format_number(float(loss))}", refresh=False)
+
+        due = self.log_every > 0 and step % self.log_every == 0
+        if not (force or due or step >= self.total_steps):
+            return None
+        return self._flush_window(int(step))
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Record a piece of text (e.g. a sampled completion): TensorBoard text plugin,
+        `<logdir>/text.jsonl` and the console."""
+        if not self.is_main or self._closed:
+            return
+        self._print(f"[step {step}] {tag}:\n{text}")
+        if self._writer is not None:
+            self._write_text_event(int(step), tag, text)
+            self._writer.flush()
+        if self.logdir is not None:
+            if self._text_jsonl is None:
+                path = os.path.join(self.logdir, "text.jsonl")
+                self._text_jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            record = {"step": int(step), "time": time.time(), "tag": tag, "text": text}
+            self._text_jsonl.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._text_jsonl.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log({tag: text}, step=int(step))
+
+    def close(self) -> None:
+        """Flush and close every sink. Safe to call more than once."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        for f in (self._jsonl, self._text_jsonl):
+            if f is not None:
+                f.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _flush_window(self, step: int) -> dict[str, float]:
+        now = _now()
+        elapsed = max(now - self._window_start, 1e-12)
+        n = max(self._window_steps, 1)
+        # One transfer for the whole window instead of one blocking read per value per step.
+        host_values, host_samples, host_tokens = jax.device_get(
+            (self._values, self._samples, self._tokens)
+        )
+
+        record: dict[str, float] = {}
+        for key, values in host_values.items():
+            floats = [f for f in map(_to_float, values) if f is not None]
+            if not floats:
+                if key not in self._warned_non_numeric:
+                    self._warned_non_numeric.add(key)
+                    self._print(f"WARNING: metric {key!r} is not numeric; not logged.")
+                continue
+            record[key] = floats[-1] if _is_latest_value(key) else sum(floats) / len(floats)
+
+        samples = sum(_to_float(s) or 0.0 for s in host_samples)
+        tokens = sum(_to_float(t) or 0.0 for t in host_tokens)
+        steps_per_sec = self._window_steps / elapsed
+        # ETA from the latest window only: the first window includes compilation, and later
+        # windows track the current speed better than a run-long average.
+        eta = (elapsed / n) * max(self.total_steps - step, 0)
+        record["perf/steps_per_sec"] = steps_per_sec
+        record["perf/samples_per_sec"] = samples / elapsed
+        record["perf/tokens_per_sec"] = tokens / elapsed
+        record["perf/eta_sec"] = eta
+        phase_total = sum(self._phase_secs.values())
+        for name, secs in self._phase_secs.items():
+            record[f"time/{name}_sec"] = secs / n
+            record[f"time/{name}_fraction"] = secs / phase_total if phase_total > 0 else 0.0
+
+        self._print(self._console_line(step, record, samples > 0, tokens > 0))
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix_str(f"loss {format_number(record['loss'])}")
+        self._write_scalars(step, record)
+        if self._jsonl is not None:
+            line = {"step": step, "time": time.time(), **record}
+            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(record, step=step)
+
+        self._reset_window()
+        # Start the next window after the writes, so logging cost is not billed to training.
+        self._window_start = _now()
+        return record
+
+    def _console_line(
+        self, step: int, record: dict[str, float], show_samples: bool, show_tokens: bool
+    ) -> str:
+        parts = [f"step {step}/{self.total_steps}"]
+        # Namespaced extras (perf/, time/, data/ counters, ...) stay in TB/JSONL to keep the
+        # line readable; plain keys are the headline numbers the trainer chose to report.
+        parts += [f"{k} {format_number(v)}" for k, v in record.items() if "/" not in k]
+        parts.append(f"{format_number(record['perf/steps_per_sec'])} steps/s")
+        if show_samples:
+            parts.append(f"{format_number(record['perf/samples_per_sec'])} samples/s")
+        if show_tokens:
+            parts.append(f"{format_number(record['perf/tokens_per_sec'])} tok/s")
+        phases = [
+            f"{k[len('time/') : -len('_fraction')]} {round(100 * v)}%"
+            for k, v in record.items()
+            if k.startswith("time/") and k.endswith("_fraction")
+        ]
+        if phases:
+            parts.append(" ".join(phases))
+        parts.append(f"ETA {format_duration(record['perf/eta_sec'])}")
+        return " | ".join(parts)
+
+    def _print(self, line: str) -> None:
+        if self._bar is not None:
+            # Printing around an active bar would leave half-drawn bars in the scrollback.
+            self._bar.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def _write_scalars(self, step: int, record: dict[str, float]) -> None:
+        if self._writer is None:
+            return
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        summary = summary_pb2.Summary(
+            value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in record.items()]
+        )
+        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        # Flushing once per logged line is cheap and keeps TensorBoard live during training.
+        self._writer.flush()
+
+    def _write_text_event(self, step: int, tag: str, text: str) -> None:
+        from tensorboard.compat.proto import (
+            event_pb2,
+            summary_pb2,
+            tensor_pb2,
+            tensor_shape_pb2,
+            types_pb2,
+        )
+        from tensorboard.plugins.text import metadata
+
+        # A scalar DT_STRING tensor tagged with the text plugin's metadata is what the
+        # TensorBoard text dashboard reads; built by hand because tf.summary is unavailable.
+        tensor = tensor_pb2.TensorProto(
+            dtype=types_pb2.DT_STRING,
+            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+            string_val=[text.encode("utf-8")],
+        )
+        value = summary_pb2.Summary.Value(
+            tag=tag, tensor=tensor, metadata=metadata.create_summary_metadata(tag, "")
+        )
+        event = event_pb2.Event(
+            wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])
+        )
+        self._writer.add_event(event)

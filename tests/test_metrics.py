@@ -1,0 +1,213 @@
+"""Tests for opsd_jax.metrics: window averaging, the sinks (console, JSONL, TensorBoard events read
+back with EventAccumulator), phase timings, non-main silence, the missing-wandb fallback and
+device-array values. A fake clock makes throughput, ETA and phase numbers exact."""
+
+import json
+import sys
+
+import jax.numpy as jnp
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from opsd_jax import metrics
+from opsd_jax.metrics import MetricsLogger, format_duration, format_number
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(metrics, "_now", c)
+    return c
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _accumulator(logdir):
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return acc
+
+
+def _run_ten_steps(logger, clock, as_jax=False):
+    """Steps 1..10: loss = step, lr = step / 10, 0.3 s of "sample" and 0.1 s of "step" each."""
+    returned = []
+    for step in range(1, 11):
+        with logger.phase("sample"):
+            clock.t += 0.3
+        with logger.phase("step"):
+            clock.t += 0.1
+        loss, lr = float(step), step / 10
+        if as_jax:
+            loss, lr = jnp.float32(loss), jnp.asarray(lr, jnp.float32)
+        returned.append(logger.log_step(step, {"loss": loss, "lr": lr}, samples=4, tokens=100))
+    return returned
+
+
+def test_averages_written_to_every_sink(tmp_path, clock, capsys):
+    logger = MetricsLogger(str(tmp_path), total_steps=10, log_every=5, progress_bar=False)
+    returned = _run_ten_steps(logger, clock)
+    logger.close()
+
+    logged = [r for r in returned if r is not None]
+    assert [i for i, r in enumerate(returned) if r is not None] == [4, 9]
+    assert logged[0]["loss"] == pytest.approx(3.0) and logged[1]["loss"] == pytest.approx(8.0)
+    assert logged[0]["lr"] == pytest.approx(0.3) and logged[1]["lr"] == pytest.approx(0.8)
+    # 5 steps in 2.0 s of fake time, 20 samples and 500 tokens per window.
+    assert logged[0]["perf/steps_per_sec"] == pytest.approx(2.5)
+    assert logged[0]["perf/samples_per_sec"] == pytest.approx(10.0)
+    assert logged[0]["perf/tokens_per_sec"] == pytest.approx(250.0)
+    assert logged[0]["perf/eta_sec"] == pytest.approx(0.4 * 5)
+    assert logged[1]["perf/eta_sec"] == pytest.approx(0.0)
+    assert logged[0]["time/sample_sec"] == pytest.approx(0.3)
+    assert logged[0]["time/sample_fraction"] == pytest.approx(0.75)
+    assert logged[0]["time/sample_fraction"] + logged[0]["time/step_fraction"] == pytest.approx(1)
+
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "step 5/10 | loss 3 | lr 0.3 | 2.5 steps/s | 10 samples/s | 250 tok/s | "
+        + "sample 75% step 25% | ETA 2s",
+        "step 10/10 | loss 8 | lr 0.8 | 2.5 steps/s | 10 samples/s | 250 tok/s | "
+        + "sample 75% step 25% | ETA 0s",
+    ]
+
+    rows = _read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [5, 10]
+    assert [r["loss"] for r in rows] == pytest.approx([3.0, 8.0])
+    assert rows[1]["time/step_fraction"] == pytest.approx(0.25)
+
+    acc = _accumulator(tmp_path)
+    tags = set(acc.Tags()["scalars"])
+    assert {
+        "loss",
+        "lr",
+        "perf/steps_per_sec",
+        "perf/samples_per_sec",
+        "perf/tokens_per_sec",
+    } <= tags
+    assert {"perf/eta_sec", "time/sample_sec", "time/step_fraction"} <= tags
+    loss = acc.Scalars("loss")
+    assert [e.step for e in loss] == [5, 10]
+    assert [e.value for e in loss] == pytest.approx([3.0, 8.0])
+    fractions = [acc.Scalars(f"time/{p}_fraction")[0].value for p in ("sample", "step")]
+    assert sum(fractions) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_data_and_total_keys_take_latest_value(tmp_path, clock):
+    logger = MetricsLogger(str(tmp_path), total_steps=100, log_every=5, progress_bar=False)
+    skipped = [1, 1, 2, 3, 5]
+    for step, count in enumerate(skipped, start=1):
+        out = logger.log_step(
+            step,
+            {"loss": float(step), "data/skipped/too_long": count, "tokens_total": 10 * step},
+        )
+    logger.close()
+    assert out["data/skipped/too_long"] == 5
+    assert out["tokens_total"] == 50
+    assert out["loss"] == pytest.approx(3.0)
+    assert _read_jsonl(tmp_path / "metrics.jsonl")[0]["data/skipped/too_long"] == 5
+
+
+def test_force_and_last_step_log(tmp_path, clock, capsys):
+    logger = MetricsLogger(None, total_steps=7, log_every=5, progress_bar=False)
+    out = [logger.log_step(s, {"loss": 1.0}, force=(s == 2)) for s in range(1, 8)]
+    logger.close()
+    assert [s for s, r in zip(range(1, 8), out) if r is not None] == [2, 5, 7]
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_non_main_writes_nothing(tmp_path, clock, capsys):
+    logdir = tmp_path / "run"
+    logger = MetricsLogger(
+        str(logdir), total_steps=10, log_every=1, is_main=False, wandb={"project": "x"}
+    )
+    with logger.phase("sample"):
+        clock.t += 1
+    assert logger.log_step(1, {"loss": 1.0}, force=True) is None
+    logger.log_text(1, "sample", "hello")
+    logger.close()
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+    assert not logdir.exists()
+
+
+def test_wandb_missing_warns_and_continues(tmp_path, clock, capsys, monkeypatch):
+    # A None entry in sys.modules makes `import wandb` raise ImportError even if it is installed.
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=2, log_every=1, progress_bar=False, wandb={"project": "p"}
+    )
+    assert logger.log_step(1, {"loss": 2.0})["loss"] == 2.0
+    logger.close()
+    out = capsys.readouterr().out
+    assert out.count("WARNING") == 1 and "wandb" in out
+
+
+def test_jax_array_values(tmp_path, clock):
+    logger = MetricsLogger(str(tmp_path), total_steps=10, log_every=5, progress_bar=False)
+    logged = [r for r in _run_ten_steps(logger, clock, as_jax=True) if r is not None]
+    out = logger.log_step(11, {"loss": jnp.float32(1.5)}, samples=jnp.int32(3), force=True)
+    logger.close()
+    assert [r["loss"] for r in logged] == pytest.approx([3.0, 8.0])
+    assert [r["lr"] for r in logged] == pytest.approx([0.3, 0.8])
+    assert isinstance(logged[0]["loss"], float)
+    assert out["loss"] == 1.5 and out["perf/samples_per_sec"] > 0
+    assert _accumulator(tmp_path).Scalars("lr")[1].value == pytest.approx(0.8)
+
+
+def test_log_text_and_config(tmp_path, clock, capsys):
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=10, log_every=5, progress_bar=False, config={"lr": 1e-5}
+    )
+    logger.log_text(3, "completion", "The answer is 42.")
+    logger.close()
+    logger.close()  # idempotent
+    assert "The answer is 42." in capsys.readouterr().out
+    rows = _read_jsonl(tmp_path / "text.jsonl")
+    assert rows[0]["step"] == 3 and rows[0]["text"] == "The answer is 42."
+    acc = _accumulator(tmp_path)
+    events = acc.Tensors("completion")
+    assert events[0].step == 3
+    assert events[0].tensor_proto.string_val == [b"The answer is 42."]
+    assert json.loads(acc.Tensors("config")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
+
+
+def test_progress_bar_keeps_lines_on_stdout(clock, capsys):
+    logger = MetricsLogger(None, total_steps=4, log_every=2, progress_bar=True)
+    for step in range(1, 5):
+        logger.log_step(step, {"loss": 0.5})
+    logger.close()
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("step 2/4 | loss 0.5 |")
+    assert "4/4" in captured.err  # the bar itself goes to stderr
+
+
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (0.0123, "0.0123"),
+        (9.8e-6, "9.8e-06"),
+        (0.41, "0.41"),
+        (1534.2, "1534"),
+        (1.23456, "1.235"),
+        (3.0, "3"),
+        (2.5e7, "2.5e+07"),
+        (float("nan"), "nan"),
+    ],
+)
+def test_format_number(value, text):
+    assert format_number(value) == text
+
+
+def test_format_duration():
+    assert [format_duration(s) for s in (5, 130, 3 * 3600 + 300)] == ["5s", "2m10s", "3h05m"]
