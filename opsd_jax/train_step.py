@@ -181,7 +181,7 @@ def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str
     @jax.jit(donate_argnums=(0,))
     def apply_update(state: TrainState, grads, num_micro_batches):
         grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         teacher = state.teacher_params

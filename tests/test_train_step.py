@@ -1,0 +1,185 @@
+"""The OPSD train step: learning in every teacher mode, EMA, accumulation, mesh, freezing, LR."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax import mesh as mesh_lib
+from opsd_jax import train_step
+from opsd_jax.opsd_packs import PromptOptions, build_training_packs
+from test_opsd_packs import SPECIAL, encode, sample
+
+OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+
+
+def optim_config(**changes):
+    values = dict(lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant",
+                  beta1=0.9, beta2=0.95, eps=1e-8, max_grad_norm=1.0, freeze_vit=False,
+                  freeze_llm=False)  # fmt: skip
+    values.update(changes)
+    return ml_collections.ConfigDict(values)
+
+
+@pytest.fixture(scope="module")
+def split_model():
+    model = Bagel(
+        BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")), rngs=nnx.Rngs(0)
+    )
+    return nnx.split(model, nnx.Param, ...)
+
+
+def packs_for(samples, completions, num_rows=1):
+    return build_training_packs(samples, completions, encode, OPTIONS, SPECIAL, num_rows=num_rows,
+                                max_forward_tokens=256)  # fmt: skip
+
+
+SAMPLES = [sample("a"), sample("b", "qq", vts=((1, 2),)), sample("c", "qqq"), sample("d")]
+COMPLETIONS = [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20]]
+
+
+@pytest.mark.parametrize("mode", ["self", "ema", "fixed"])
+def test_loss_falls_on_a_repeated_batch(split_model, mode):
+    graphdef, params, rest = split_model
+    optimizer = train_step.make_optimizer(optim_config(lr=1e-3), params)
+    # The student starts away from the teacher's weights (for 'self' the gap is the context).
+    student = jax.tree.map(jnp.copy, params)  # the state is donated: never the fixture itself
+    if mode != "self":
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        student = jax.tree.unflatten(
+            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])  # fmt: skip
+    state = train_step.init_state(student, optimizer, mode, jax.random.key(0),
+                                  teacher_source=jax.tree.map(jnp.copy, params))  # fmt: skip
+    settings = train_step.LossSettings(num_samples=2, jsd_top_k=0, jsd_token_clip=0.0)
+    grad_step = train_step.make_grad_step(graphdef, rest, settings, mode)
+    apply_update = train_step.make_apply_update(optimizer, mode, ema_decay=0.5)
+    packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
+    losses = []
+    for _ in range(8):
+        grads, metrics = grad_step(state.params, state.teacher_params, packs.student, packs.teacher)
+        state, _ = apply_update(state, grads, 1)
+        losses.append(float(metrics["loss"]))
+    assert losses[0] > 0 and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_ema_update_math(split_model):
+    graphdef, params, rest = split_model
+    optimizer = train_step.make_optimizer(optim_config(), params)
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, "ema", jax.random.key(0)
+    )
+    before = jax.tree.map(np.asarray, state.params)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 0.01), state.params)
+    apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.9)
+    state, _ = apply_update(state, grads, 1)
+    after = jax.tree.map(np.asarray, state.params)
+    expected = jax.tree.map(lambda b, a: 0.9 * b + 0.1 * a, before, after)
+    for e, t in zip(jax.tree.leaves(expected), jax.tree.leaves(state.teacher_params)):
+        np.testing.assert_allclose(np.asarray(t), e, rtol=1e-6, atol=1e-7)
+    assert int(state.step) == 1
+
+
+def test_gradient_accumulation_equals_one_big_batch(split_model):
+    graphdef, params, rest = split_model
+    two = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2), "self")
+    four = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=4), "self")
+    first = packs_for(SAMPLES[:2], COMPLETIONS[:2])
+    second = packs_for(SAMPLES[2:], COMPLETIONS[2:])
+    g1, _ = two(params, None, first.student, first.teacher)
+    g2, _ = two(params, None, second.student, second.teacher)
+    everything = packs_for(SAMPLES, COMPLETIONS, num_rows=2)
+    g, _ = four(params, None, everything.student, everything.teacher)
+    for a, b, c in zip(jax.tree.leaves(g1), jax.tree.leaves(g2), jax.tree.leaves(g)):
+        np.testing.assert_allclose((np.asarray(a) + np.asarray(b)) / 2, np.asarray(c),
+                                   atol=2e-6, rtol=1e-4)  # fmt: skip
+
+
+def test_step_on_an_8_device_mesh_equals_one_device(split_model):
+    graphdef, params, rest = split_model
+    mesh = mesh_lib.make_mesh(num_replicate=2)
+    config = optim_config()
+    optimizer = train_step.make_optimizer(config, params)
+    settings = train_step.LossSettings(num_samples=8)
+    samples = [sample(f"s{i}", "q" * (1 + i % 3)) for i in range(8)]
+    packs = packs_for(samples, [[10 + i, 11] for i in range(8)], num_rows=8)
+
+    def one_step(params, student, teacher):
+        state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))
+        grads, metrics = train_step.make_grad_step(graphdef, rest, settings, "ema")(
+            state.params, state.teacher_params, student, teacher)  # fmt: skip
+        grads_copy = jax.tree.map(jnp.copy, grads)
+        state, _ = train_step.make_apply_update(optimizer, "ema", 0.9)(state, grads, 1)
+        return state, metrics, grads_copy
+
+    ref_state, ref_metrics, ref_grads = one_step(
+        jax.tree.map(jnp.copy, params), packs.student, packs.teacher
+    )
+    abstract = mesh_lib.abstract_model(lambda: nnx.merge(graphdef, params, rest), mesh)[1]
+    shardings = nnx.split_state(abstract, nnx.Param, ...)[0]
+    shardings = jax.tree.map(lambda x: x.sharding, shardings)
+    with jax.set_mesh(mesh):
+        sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), shardings)
+        put = lambda pack: jax.tree.map(  # noqa: E731
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), pack
+        )
+        state, metrics, grads = one_step(sharded_params, put(packs.student), put(packs.teacher))
+    np.testing.assert_allclose(float(metrics["loss"]), float(ref_metrics["loss"]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    # Adam divides by sqrt(v): for gradients near zero it turns round-off into a visible
+    # fraction of lr, so the updated params get a tolerance relative to lr (3e-3).
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    embed = state.params["language_model"]["embed_tokens"][...]
+    assert len(embed.sharding.device_set) == 8 and "fsdp" in str(embed.sharding.spec)
+
+
+def test_frozen_vit_stays_bit_identical(split_model):
+    graphdef, params, rest = split_model
+    optimizer = train_step.make_optimizer(optim_config(freeze_vit=True), params)
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, "self", jax.random.key(0)
+    )
+    vit_before = jax.tree.map(np.asarray, state.params["vit_model"])
+    llm_before = jax.tree.map(np.asarray, state.params["language_model"])
+    grad_step = train_step.make_grad_step(
+        graphdef, rest, train_step.LossSettings(num_samples=2), "self"
+    )
+    apply_update = train_step.make_apply_update(optimizer, "self", 0.0)
+    packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
+    for _ in range(2):
+        grads, _ = grad_step(state.params, None, packs.student, packs.teacher)
+        state, _ = apply_update(state, grads, 1)
+    for a, b in zip(jax.tree.leaves(vit_before), jax.tree.leaves(state.params["vit_model"])):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert any(not np.array_equal(a, np.asarray(b)) for a, b in
+               zip(jax.tree.leaves(llm_before), jax.tree.leaves(state.params["language_model"])))  # fmt: skip
+    # No optimizer moments are kept for the frozen group.
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state))
+    trainable = sum(x.size for x in jax.tree.leaves(state.params["language_model"]))
+    trainable += sum(x.size for x in jax.tree.leaves(state.params["connector"]))
+    assert moments <= 2 * trainable + 16
+
+
+def test_learning_rate_schedule_values():
+    cosine = train_step.learning_rate_schedule(
+        optim_config(
+            lr=1e-5, min_lr=1e-7, warmup_steps=200, total_steps=1000, lr_scheduler="cosine"
+        )
+    )
+    np.testing.assert_allclose(float(cosine(0)), 0.0)
+    np.testing.assert_allclose(float(cosine(100)), 5e-6, rtol=1e-6)
+    np.testing.assert_allclose(float(cosine(200)), 1e-5, rtol=1e-6)
+    # Halfway through the decay: min + (max - min) / 2.
+    np.testing.assert_allclose(float(cosine(600)), 1e-7 + (1e-5 - 1e-7) / 2, rtol=1e-5)
+    np.testing.assert_allclose(float(cosine(1000)), 1e-7, rtol=1e-5)
+    constant = train_step.learning_rate_schedule(optim_config(lr=2e-5, warmup_steps=10))
+    np.testing.assert_allclose(float(constant(5)), 1e-5, rtol=1e-6)
+    np.testing.assert_allclose(float(constant(500)), 2e-5, rtol=1e-6)
+    with pytest.raises(ValueError, match="lr_scheduler"):
+        train_step.learning_rate_schedule(optim_config(lr_scheduler="linear"))
