@@ -1,0 +1,104 @@
+"""Every training option with its default, named as in the PyTorch Visual-OPSD trainer.
+
+Configs in this folder start from `base_config()` and change what they need; the result is
+locked, so a misspelt key on the command line (`--config.lr_schedular=...`) is an error.
+opsd_jax/train_config.py checks the values (allowed choices, ranges, mesh divisibility)
+before anything compiles.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    # --- model ------------------------------------------------------------------------------------
+    c.model_path = ""  # BAGEL / ThinkMorph HF directory (llm_config.json, vit_config.json, ...)
+    c.weights = ""  # "ema" | "model" | "" (auto: ema.safetensors wins if both exist)
+    c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
+    c.attention_backend = "chunked"  # chunked | reference | cudnn (GPU)
+    c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
+
+    # --- data -------------------------------------------------------------------------------------
+    c.toy_data = False  # write the toy task under results_dir if absent (tiny configs)
+    c.data_root = ""  # relative dataset paths are read under this folder
+    c.data = ml_collections.ConfigDict()
+    c.data.datasets = []  # list of dict(name, path, weight, num_used_data)
+    # The ViT resize rule (bagel_spec.md §4.1); these values are Visual-OPSD's (BAGEL's chat/eval).
+    c.data.image_transform = ml_collections.ConfigDict(
+        dict(max_size=980, min_size=378, stride=14, max_pixels=2_007_040)
+    )
+    c.data.heldout_fraction = 0.05
+    c.data.max_reference_rounds = 8
+    c.data.num_threads = 2
+
+    # --- Visual-OPSD: teacher and loss ----------------------------------------------------------
+    c.teacher_mode = "ema"  # self | ema | fixed
+    c.ema_decay = 0.995
+    c.fixed_teacher_dtype = "float32"  # bfloat16 halves the frozen teacher's memory
+    c.jsd_loss_kind = "jsd"  # jsd | tinker
+    c.jsd_beta = 0.5
+    c.jsd_temperature = 1.0
+    c.jsd_top_k = 256
+    c.jsd_token_clip = 0.05
+    c.jsd_clip_mode = "entry"  # entry | token
+    c.jsd_weight = 1.0
+    c.ce_weight = 0.0
+    c.loss_reduction = "seq_mean"  # seq_mean | token_mean | token_sum
+
+    # --- Visual-OPSD: sampling and prompts --------------------------------------------------------
+    c.sample_max_new_tokens = 1024  # total over image-skip rounds
+    c.sample_temperature = 1.0
+    c.sample_do_sample = True
+    c.sample_max_image_skips = 1
+    c.use_system_prompt = True
+    c.system_prompt = ""  # empty: our default wording (opsd_jax/opsd_packs.py)
+    c.use_reference_intro = True
+    c.reference_intro = ""
+    c.use_transition_prompt = True
+    c.transition_prompt = ""
+    c.instruction_suffix = ""
+    c.privileged_thoughts = False  # ablation: reference text thoughts in the teacher context
+    c.privileged_answer = False  # ablation: the answer in the teacher context
+    c.noise_vt = False  # control: VT images replaced by Gaussian noise
+    c.max_forward_tokens = 10240  # teacher pack length; completions truncated to fit
+    c.max_reference_rounds = 8
+
+    # --- optimisation -------------------------------------------------------------------------------
+    c.lr = 1e-5
+    c.min_lr = 1e-7
+    c.warmup_steps = 200
+    c.lr_scheduler = "cosine"  # cosine | constant
+    c.beta1 = 0.9
+    c.beta2 = 0.95
+    c.eps = 1e-15
+    c.max_grad_norm = 1.0
+    c.total_steps = 1000
+    c.samples_per_micro_batch = 8  # samples per forward/backward (all processes together)
+    c.rows_per_micro_batch = 8  # packed rows they go into (a multiple of data x fsdp)
+    c.gradient_accumulation_steps = 2
+    c.freeze_llm = False
+    c.freeze_vit = False
+    c.freeze_und = False  # BAGEL's flag; meaningless without the gen expert (refused if set)
+
+    # --- checkpoints, resume, logging -------------------------------------------------------------
+    c.results_dir = "results/run"  # TensorBoard logs, metrics.jsonl, samples
+    c.checkpoint_dir = ""  # empty: <results_dir>/checkpoints
+    c.save_every = 500
+    c.max_checkpoints = 3
+    c.log_every = 10
+    c.auto_resume = True
+    c.resume_from = ""  # a checkpoint directory (or one step of it) to start from
+    c.resume_model_only = False  # take only the params (and EMA with finetune_from_ema)
+    c.finetune_from_ema = False
+    c.progress_bar = True
+    c.wandb_project = ""  # empty: no W&B
+    c.wandb_name = ""
+    c.wandb_mode = "offline"
+
+    # --- mesh -----------------------------------------------------------------------------------------
+    c.num_replicate = 1  # the 'data' axis (HYBRID_SHARD replicas)
+    c.num_shard = -1  # the 'fsdp' axis; -1 takes the devices left over
+    c.num_tensor = 1
+    c.global_seed = 0
+    return c

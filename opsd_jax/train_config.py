@@ -1,0 +1,123 @@
+"""Validation of a training config: every bad value is named before anything compiles.
+
+`validate(config, num_devices)` collects all problems and raises one ValueError listing each
+with its key and the allowed values, so a long job never dies at step 0 (or step 500) on a typo
+in a value. Unknown keys are already refused by the locked ConfigDict.
+"""
+
+from __future__ import annotations
+
+import os
+
+from models import attention, layers
+from opsd_jax import losses, train_step
+
+_CHOICES = {
+    "teacher_mode": train_step.TEACHER_MODES,
+    "jsd_loss_kind": train_step.LOSS_KINDS,
+    "jsd_clip_mode": ("entry", "token"),
+    "loss_reduction": losses.REDUCTIONS,
+    "lr_scheduler": train_step.LR_SCHEDULERS,
+    "compute_dtype": ("float32", "bfloat16", "float16"),
+    "fixed_teacher_dtype": ("float32", "bfloat16"),
+    "attention_backend": attention.BACKENDS,
+    "remat": ("none",) + tuple(layers.REMAT_POLICIES),
+    "weights": ("", "ema", "model"),
+    "wandb_mode": ("offline", "online", "disabled"),
+}
+
+# (key, test, description of what is allowed)
+_RANGES = (
+    ("jsd_beta", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
+    ("jsd_temperature", lambda v: v > 0, "> 0"),
+    ("jsd_top_k", lambda v: v >= 0, ">= 0 (0 = full vocabulary)"),
+    ("ema_decay", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("sample_max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("sample_temperature", lambda v: v > 0, "> 0"),
+    ("sample_max_image_skips", lambda v: v >= 0, ">= 0"),
+    ("max_forward_tokens", lambda v: v >= 16, ">= 16"),
+    ("max_reference_rounds", lambda v: v >= 1, ">= 1"),
+    ("lr", lambda v: v > 0, "> 0"),
+    ("min_lr", lambda v: v >= 0, ">= 0"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("eps", lambda v: v >= 0, ">= 0"),
+    ("max_grad_norm", lambda v: v > 0, "> 0"),
+    ("total_steps", lambda v: v >= 1, ">= 1"),
+    ("samples_per_micro_batch", lambda v: v >= 1, ">= 1"),
+    ("rows_per_micro_batch", lambda v: v >= 1, ">= 1"),
+    ("gradient_accumulation_steps", lambda v: v >= 1, ">= 1"),
+    ("save_every", lambda v: v >= 1, ">= 1"),
+    ("max_checkpoints", lambda v: v >= 1, ">= 1"),
+    ("log_every", lambda v: v >= 1, ">= 1"),
+    ("num_replicate", lambda v: v >= 1, ">= 1"),
+    ("num_shard", lambda v: v == -1 or v >= 1, ">= 1, or -1 for the devices left over"),
+    ("num_tensor", lambda v: v >= 1, ">= 1"),
+)
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes the config asks for on `num_devices` devices."""
+    data, tensor = config.num_replicate, config.num_tensor
+    fsdp = config.num_shard if config.num_shard != -1 else num_devices // max(data * tensor, 1)
+    return data, fsdp, tensor
+
+
+def resolve_dataset_paths(config) -> None:
+    """Relative dataset paths are read under `data_root` (in place)."""
+    if not config.data_root:
+        return
+    with config.unlocked():
+        config.data.datasets = [
+            dict(spec, path=os.path.join(config.data_root, dict(spec).get("path", "")))
+            for spec in config.data.datasets
+        ]
+
+
+def validate(config, num_devices: int) -> None:
+    problems = []
+    for key, allowed in _CHOICES.items():
+        if config[key] not in allowed:
+            problems.append(
+                f"{key}={config[key]!r}: allowed values are {', '.join(map(repr, allowed))}"
+            )
+    for key, ok, allowed in _RANGES:
+        value = config[key]
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(value):
+            problems.append(f"{key}={value!r}: must be {allowed}")
+    if config.freeze_und:
+        problems.append("freeze_und=True: BAGEL's flag only matters with the gen expert, which "
+                        "understanding-only training does not build; allowed value is False")  # fmt: skip
+    if config.freeze_llm and config.freeze_vit:
+        problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
+    if config.resume_model_only and not config.resume_from:
+        problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
+    if config.resume_from and not os.path.exists(config.resume_from):
+        problems.append(f"resume_from={config.resume_from!r}: no such file or directory")
+    if config.model_path and not os.path.isdir(config.model_path):
+        problems.append(f"model_path={config.model_path!r}: not a directory")
+    if not config.model_path and not config.toy_data:
+        problems.append("model_path is empty: give a BAGEL / ThinkMorph HF directory")
+    if not config.toy_data:
+        if not config.data.datasets:
+            problems.append("data.datasets is empty: list dict(name, path, weight, num_used_data)")
+        for i, spec in enumerate(config.data.datasets):
+            path = dict(spec).get("path", "")
+            if not path or not os.path.exists(path):
+                problems.append(f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
+                                f"path {path!r} does not exist")  # fmt: skip
+    data, fsdp, tensor = mesh_shape(config, num_devices)
+    if data * fsdp * tensor != num_devices or fsdp < 1:
+        problems.append(f"mesh num_replicate={config.num_replicate} x num_shard={config.num_shard} "
+                        f"x num_tensor={config.num_tensor} does not match the {num_devices} "
+                        "devices")  # fmt: skip
+    elif config.rows_per_micro_batch % (data * fsdp):
+        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
+                        f"data x fsdp = {data * fsdp} (rows are sharded over them)")  # fmt: skip
+    if config.rows_per_micro_batch > config.samples_per_micro_batch:
+        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
+                        f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
+                        "would always be empty")  # fmt: skip
+    if problems:
+        raise ValueError("bad training config:\n  " + "\n  ".join(problems))

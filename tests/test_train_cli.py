@@ -1,0 +1,131 @@
+"""train.py as a user runs it: the tiny config end to end, and config errors before compute."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from configs import tiny
+from opsd_jax import train_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_train(*overrides, timeout=600):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's laptop
+    command = [sys.executable, "train.py", "--config", "configs/tiny.py",
+               "--config.progress_bar=False", *overrides]  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_tiny_config_trains_and_leaves_checkpoints_and_logs(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.total_steps=2",
+                       "--config.save_every=1", "--config.log_every=1")  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for step in ("1", "2"):
+        assert (tmp_path / "checkpoints" / step / "commit_success.txt").exists()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
+    assert "step 2/2" in result.stdout and "done: 2 steps" in result.stdout
+
+
+def test_a_typo_in_a_config_key_is_an_error(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine")
+    assert result.returncode != 0
+    assert "lr_schedular" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_bad_value_fails_before_any_compute(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor")
+    assert result.returncode != 0
+    assert "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'" in result.stderr
+    assert "mesh" not in result.stdout  # stopped before building anything
+
+
+def _valid_config(tmp_path):
+    config = tiny.get_config()
+    with config.unlocked():
+        config.model_path = str(tmp_path)
+        config.toy_data = False
+        config.data.datasets = [dict(name="d", path=str(tmp_path), weight=1.0, num_used_data=-1)]
+    return config
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "teacher_mode",
+            "mentor",
+            "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'",
+        ),
+        ("jsd_beta", 1.5, "jsd_beta=1.5: must be a number in [0, 1]"),
+        ("jsd_top_k", -3, "jsd_top_k=-3: must be >= 0"),
+        ("jsd_loss_kind", "kl", "jsd_loss_kind='kl': allowed values are 'jsd', 'tinker'"),
+        ("lr_scheduler", "step", "lr_scheduler='step'"),
+        ("num_replicate", 3, "does not match the 1 devices"),
+        ("rows_per_micro_batch", 3, "rows_per_micro_batch=3 exceeds samples_per_micro_batch=2"),
+        ("model_path", "/nonexistent/model", "model_path='/nonexistent/model': not a directory"),
+        ("freeze_und", True, "freeze_und=True"),
+        ("compute_dtype", "fp8", "compute_dtype='fp8'"),
+    ],
+)
+def test_bad_configs_are_named(tmp_path, key, value, message):
+    config = _valid_config(tmp_path)
+    train_config.validate(config, num_devices=1)  # the base is valid
+    with config.unlocked():
+        config[key] = value
+    with pytest.raises(ValueError) as error:
+        train_config.validate(config, num_devices=1)
+    assert message in str(error.value)
+
+
+def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.data.datasets = [dict(name="gone", path=str(tmp_path / "gone"))]
+    with pytest.raises(ValueError, match=r"data.datasets\[0\] \(gone\): path .* does not exist"):
+        train_config.validate(config, num_devices=1)
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.samples_per_micro_batch = 8
+        config.rows_per_micro_batch = 4
+    with pytest.raises(ValueError, match="must be a multiple of data x fsdp = 8"):
+        train_config.validate(config, num_devices=8)
+    assert isinstance(config, ml_collections.ConfigDict)
+
+
+def test_shipped_configs_load_and_the_paper_recipe_is_exact(tmp_path):
+    from configs import sanity, thinkmorph_7b
+
+    paper = thinkmorph_7b.get_config()
+    # opsd_loss_spec.md §b.1 (Visual-OPSD paper, Appendix C).
+    expected = dict(teacher_mode="ema", ema_decay=0.995, jsd_beta=0.5, jsd_temperature=1.0,
+                    jsd_top_k=256, jsd_token_clip=0.05, ce_weight=0.0, jsd_weight=1.0,
+                    sample_max_new_tokens=1024, sample_max_image_skips=1, max_forward_tokens=10240,
+                    lr=1e-5, min_lr=1e-7, warmup_steps=200, lr_scheduler="cosine", beta1=0.9,
+                    beta2=0.95, eps=1e-15, max_grad_norm=1.0, gradient_accumulation_steps=2,
+                    total_steps=1000, save_every=500)  # fmt: skip
+    assert {k: paper[k] for k in expected} == expected
+    assert [(d["name"], d["num_used_data"]) for d in paper.data.datasets] == [
+        ("Visual_Search", 6990), ("Spatial_Navigation", 6000), ("Jigsaw_Assembly", 6000),
+        ("Chart_Refocus", 6000)]  # fmt: skip
+    assert dict(paper.data.image_transform) == dict(max_size=980, min_size=378, stride=14,
+                                                    max_pixels=2_007_040)  # fmt: skip
+    with paper.unlocked():
+        paper.model_path = str(tmp_path)
+        paper.data_root = str(tmp_path)
+    for spec in paper.data.datasets:
+        (tmp_path / spec["name"]).mkdir()
+    train_config.resolve_dataset_paths(paper)
+    train_config.validate(paper, num_devices=8)
+    train_config.validate(sanity.get_config(), num_devices=1)
