@@ -226,6 +226,10 @@ def main(argv):
                 )  # fmt: skip
                 tokens += int((packs.student.segment_ids > 0).sum())
                 tokens += int((packs.teacher.segment_ids > 0).sum())
+                for name, fraction in packs.padding_fraction.items():
+                    key = f"pack/{name}_padding"
+                    sums[key] = sums.get(key, 0.0) + fraction / accum
+                sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
             with logger.phase("step"), jax.set_mesh(mesh):
                 micro_grads, metrics = grad_step(state.params, state.teacher_params,
                                                  on_mesh(packs.student), on_mesh(packs.teacher))  # fmt: skip

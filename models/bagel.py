@@ -104,8 +104,11 @@ class Bagel(nnx.Module):
         rows = jnp.arange(num_rows)[:, None]
         return embeddings.at[rows, slots].set(patch_embeddings, mode="drop")
 
-    def __call__(self, pack: Pack) -> jax.Array:
-        """One packed forward: final-normed hidden states [R, T, D]."""
+    def __call__(self, pack: Pack, return_kv: bool = False):
+        """One packed forward: final-normed hidden states [R, T, D].
+
+        With `return_kv`, also every layer's keys (after k-norm and RoPE, as BAGEL's cache holds
+        them) and values, [L, R, T, Hkv, Dh] each: a KV cache prefilled with these rows."""
         return self.language_model(
             self.embed(pack),
             positions=pack.positions,
@@ -113,21 +116,12 @@ class Bagel(nnx.Module):
             k_start=pack.k_start,
             k_end=pack.k_end,
             gen_mask=pack.gen_mask,
+            return_kv=return_kv,
         )
 
     def prefill(self, pack: Pack):
-        """The packed forward that fills a KV cache: (hidden [R, T, D], (k, v) [L, R, T, Hkv, Dh]).
-
-        Keys are stored after k-norm and RoPE, as BAGEL's cache holds them."""
-        return self.language_model(
-            self.embed(pack),
-            positions=pack.positions,
-            segment_ids=pack.segment_ids,
-            k_start=pack.k_start,
-            k_end=pack.k_end,
-            gen_mask=pack.gen_mask,
-            return_kv=True,
-        )
+        """(hidden, (k, v)) of the packed forward: what the sampler's cache starts from."""
+        return self(pack, return_kv=True)
 
     def decode_step(self, tokens, positions, cache, write_slots, kv_lengths):
         """Feed one text token per row: tokens, positions [B] -> (logits [B, V], cache).

@@ -24,17 +24,45 @@ def run_train(*overrides, timeout=600):
                           timeout=timeout)  # fmt: skip
 
 
-def test_tiny_config_trains_and_leaves_checkpoints_and_logs(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.total_steps=2",
-                       "--config.save_every=1", "--config.log_every=1")  # fmt: skip
+def _final_params(checkpoint_dir, step):
+    """The params item of one saved step, as saved (no restore target needed)."""
+    import orbax.checkpoint as ocp
+
+    return ocp.StandardCheckpointer().restore(checkpoint_dir / str(step) / "params")
+
+
+def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
+    """3 steps in one run; then step 3 again from a copy of the step-2 checkpoint: same params."""
+    import shutil
+
+    import jax
+    import numpy as np
+
+    common = ["--config.total_steps=3", "--config.save_every=1", "--config.log_every=1",
+              "--config.lr_scheduler=constant", "--config.warmup_steps=0"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = run_train(f"--config.results_dir={straight}", *common)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for step in ("1", "2"):
-        assert (tmp_path / "checkpoints" / step / "commit_success.txt").exists()
-    assert list(tmp_path.glob("events.out.tfevents.*"))
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
+    for step in ("1", "2", "3"):
+        assert (straight / "checkpoints" / step / "commit_success.txt").exists()
+    assert list(straight.glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
-    assert "step 2/2" in result.stdout and "done: 2 steps" in result.stdout
+    assert "step 3/3" in result.stdout and "done: 3 steps" in result.stdout
+
+    # Stop after step 2 (here: keep only its checkpoint), resume, run step 3.
+    shutil.copytree(straight / "toy", resumed / "toy")
+    shutil.copytree(straight / "checkpoints" / "2", resumed / "checkpoints" / "2")
+    result = run_train(f"--config.results_dir={resumed}", *common)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "at step 2" in result.stdout
+    a = _final_params(straight / "checkpoints", 3)
+    b = _final_params(resumed / "checkpoints", 3)
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 0
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_a_typo_in_a_config_key_is_an_error(tmp_path):
