@@ -8,7 +8,7 @@ cut to a random length), so the packs fall into different length buckets. It pri
 * the compiled temp memory of the grad step for every (student, teacher) shape bucket met;
 * how many new compilations happened after the warm-up (target: 0).
 
-    python bench/train_step.py [--steps 20] [--warmup 6] [--results-dir /tmp/bench_train]
+    python bench/train_step.py [--steps 20] [--warmup 8] [--results-dir /tmp/bench_train]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def compiled_count(*functions) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--results-dir", default="/tmp/opsd_bench_train_step")
     args = parser.parse_args()
 
@@ -85,9 +85,11 @@ def main():
         grads, pack_s, grad_s, tokens = None, 0.0, 0.0, 0
         for micro in range(accum):
             chunk = range(micro * per_micro, (micro + 1) * per_micro)
-            # Warm-up covers the shortest and longest completions; then lengths are random.
+            # Warm-up walks completion lengths from 1 to the maximum, so every loss-entry bucket
+            # (powers of two) is compiled once; after it, lengths are random.
             if step < args.warmup:
-                lengths = [1 if step % 2 else config.sample_max_new_tokens] * per_micro
+                top = config.sample_max_new_tokens
+                lengths = [max(1, round(top * step / max(args.warmup - 1, 1)))] * per_micro
             else:
                 lengths = rng.integers(1, config.sample_max_new_tokens + 1, per_micro)
             cut = [completions.row(i)[:n] for i, n in zip(chunk, lengths)]

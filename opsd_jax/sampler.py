@@ -80,6 +80,21 @@ class _RoundSettings:
     max_steps: int
 
 
+def sample_rows(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
+    """One draw per row from softmax(log_probs) by inverting its CDF with one uniform per row.
+
+    Gumbel-max (jax.random.categorical) needs V random numbers per row and step; generating
+    them cost more than a small model's whole decode step on CPU. This needs one: the token is
+    the first index whose cumulative probability reaches u * total, u in (0, 1]. Zero-probability
+    entries (masked vocabulary) have an empty CDF interval and are never drawn.
+    """
+    cdf = jnp.cumsum(jnp.exp(log_probs), axis=-1)
+    u = 1.0 - jax.vmap(jax.random.uniform)(keys)  # (0, 1]: u = 0 could land on a zero entry
+    threshold = u[:, None] * cdf[:, -1:]
+    token = jnp.sum(cdf < threshold, axis=-1)
+    return jnp.minimum(token, log_probs.shape[-1] - 1).astype(jnp.int32)
+
+
 def _check_prompt_pack(pack: Pack) -> None:
     segments = np.asarray(pack.segment_ids)
     if segments.max(initial=0) > 1:
@@ -149,7 +164,7 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
         if settings.do_sample:
             step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-            token = jax.vmap(jax.random.categorical)(step_keys, scaled)
+            token = sample_rows(step_keys, log_probs)
         else:
             token = jnp.argmax(logits, axis=-1)
         token = token.astype(jnp.int32)

@@ -224,3 +224,15 @@ def test_bad_arguments_are_refused(model):
     two_per_row = pack_samples(prompts()[1:], row_length=32, special=SPECIAL)
     with pytest.raises(ValueError, match="exactly one prompt"):
         sampler.sample(model, two_per_row, jax.random.key(0), max_new_tokens=4, **common)
+
+
+def test_sample_rows_draws_from_the_softmax_and_never_a_masked_entry():
+    log_probs = jax.nn.log_softmax(jnp.asarray([[2.0, -jnp.inf, 1.0, 0.0, -jnp.inf, -1.0]]), -1)
+    draws = jax.vmap(lambda k: sampler.sample_rows(k[None], log_probs)[0])(
+        jax.random.split(jax.random.key(0), 40000)
+    )
+    counts = np.bincount(np.asarray(draws), minlength=6) / 40000
+    expected = np.exp(np.asarray(log_probs[0]))
+    assert counts[1] == 0 and counts[4] == 0
+    # 40k draws: the standard error of each frequency is <= 0.0025; allow 4 of them.
+    np.testing.assert_allclose(counts, expected, atol=0.01)
