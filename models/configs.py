@@ -26,7 +26,7 @@ from models import attention, layers
 MOT_LAYER = "Qwen2MoTDecoderLayer"
 PLAIN_LAYER = "Qwen2DecoderLayer"
 _LAYER_MODULES = (MOT_LAYER, PLAIN_LAYER)
-_DTYPES = ("float32", "bfloat16", "float16")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # The per-layer remat switch: "none" or a jax.checkpoint policy name from models/layers.py.
 REMAT_CHOICES = ("none",) + tuple(layers.REMAT_POLICIES)
 
@@ -94,7 +94,7 @@ class Qwen2Config:
                 f"{owner}: head_dim={self.head_dim} must be even for rotary embeddings"
             )
         _check_choice(owner, "layer_module", self.layer_module, _LAYER_MODULES)
-        _check_choice(owner, "compute_dtype", self.compute_dtype, _DTYPES)
+        _check_choice(owner, "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice(owner, "attention_backend", self.attention_backend, attention.BACKENDS)
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
         if self.tie_word_embeddings:

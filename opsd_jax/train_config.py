@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from models import attention, layers
+from models import attention, configs
 from opsd_jax import losses, train_step
 
 _CHOICES = {
@@ -18,10 +18,10 @@ _CHOICES = {
     "jsd_clip_mode": ("entry", "token"),
     "loss_reduction": losses.REDUCTIONS,
     "lr_scheduler": train_step.LR_SCHEDULERS,
-    "compute_dtype": ("float32", "bfloat16", "float16"),
+    "compute_dtype": configs.COMPUTE_DTYPES,
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
-    "remat": ("none",) + tuple(layers.REMAT_POLICIES),
+    "remat": configs.REMAT_CHOICES,
     "weights": ("", "ema", "model"),
     "wandb_mode": ("offline", "online", "disabled"),
 }

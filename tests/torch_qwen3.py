@@ -89,6 +89,13 @@ def copy_into(lm, torch_model: transformers.Qwen3ForCausalLM, expert: str = "und
     if expert == "und":
         lm.embed_tokens[...] = _np(torch_model.model.embed_tokens.weight)
         lm.lm_head[...] = _np(torch_model.lm_head.weight).T
+    # Guard the layout itself: undoing our head-major reshape must give torch's weights back
+    # (a transposed or tiled head order would otherwise only show up as a parity mismatch).
+    last = layers[-1].self_attn
+    q_back = np.asarray(target.q_proj.kernel[...])[-1].reshape(d, h * dh).T
+    o_back = np.asarray(target.o_proj.kernel[...])[-1].reshape(h * dh, d).T
+    assert np.array_equal(q_back, _np(last.q_proj.weight)), "q_proj layout"
+    assert np.array_equal(o_back, _np(last.o_proj.weight)), "o_proj layout"
 
 
 def torch_logits(torch_model, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
