@@ -9,6 +9,7 @@ config check -> distributed init -> mesh -> model + tokenizer -> data -> train s
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import jax
@@ -18,8 +19,8 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from opsd_jax import distributed, evaluation, sampler, sft_packs, train_config, train_step
 from opsd_jax import mesh as mesh_lib
-from opsd_jax import sampler, train_config, train_step
 from opsd_jax.checkpoint import Checkpointer, restore_model_params
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
@@ -42,14 +43,26 @@ flags.mark_flags_as_required(["config"])
 
 
 def prepare_toy_assets(config) -> None:
-    """Write the toy data and the toy model under results_dir the first time (then reuse)."""
+    """Write the toy data and the toy model under results_dir the first time (then reuse).
+
+    With several processes the main one writes first; a process on a host that does not share
+    the folder then writes its own (identical: the scripts are deterministic) copy."""
+    if not distributed.is_main():
+        distributed.barrier("toy assets")
+    _write_toy_assets(config)
+    if distributed.is_main():
+        distributed.barrier("toy assets")
+
+
+def _write_toy_assets(config) -> None:
     from scripts import make_toy_data, make_toy_model  # only tiny configs need them
 
     root = os.path.join(config.results_dir, "toy")
     data_dir = os.path.join(root, "data")
-    if not os.path.isdir(data_dir):
+    tasks = make_toy_data.tasks_for([spec["name"] for spec in config.data.datasets])
+    if not all(os.path.isdir(os.path.join(data_dir, task)) for task in tasks):
         print(f"writing the toy data set to {data_dir}")
-        make_toy_data.write_toy_data(data_dir, seed=config.global_seed)
+        make_toy_data.write_toy_data(data_dir, seed=config.global_seed, tasks=tasks)
     with config.unlocked():
         config.data.datasets = [
             dict(spec, path=os.path.join(data_dir, spec["name"])) for spec in config.data.datasets
@@ -58,7 +71,8 @@ def prepare_toy_assets(config) -> None:
         model_dir = os.path.join(root, "model")
         if not os.path.isfile(os.path.join(model_dir, "llm_config.json")):
             print(f"writing the toy model (BAGEL layout) to {model_dir}")
-            corpus = make_toy_data.toy_corpus_text(seed=config.global_seed).splitlines()
+            corpus = make_toy_data.toy_corpus_text(seed=config.global_seed,
+                                                   tasks=tasks).splitlines()  # fmt: skip
             make_toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
         with config.unlocked():
             config.model_path = model_dir
@@ -96,6 +110,32 @@ def loss_settings(config) -> train_step.LossSettings:
     )
 
 
+class StopRequest:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) -> stop after the current step, save, exit 0.
+
+    A second SIGINT falls back to Python's KeyboardInterrupt, for a user who really means it."""
+
+    def __init__(self):
+        self.signal_name = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """True when any process was signalled (all processes must stop at the same step)."""
+        return bool(distributed.all_processes(self.signal_name is not None).any())
+
+
+def say(*args) -> None:
+    """Console output from the main process only."""
+    if distributed.is_main():
+        print(*args, flush=True)
+
+
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
@@ -103,16 +143,21 @@ def main(argv):
 
     # ---- config check: every bad value named before anything compiles ------------------------
     train_config.resolve_dataset_paths(config)
-    train_config.validate(config, jax.device_count())
+    train_config.validate(config)  # values only: no device may be touched before the init below
+
+    # ---- distributed init (one process per host), then the checks that need the devices -------
+    distributed.initialize(config)
+    train_config.validate(config, jax.device_count(), jax.process_count())
+    num_processes, process_index = jax.process_count(), jax.process_index()
+    if num_processes > 1:
+        say(f"{num_processes} processes, {jax.local_device_count()} devices each")
     if config.toy_data:
         prepare_toy_assets(config)
-    if jax.process_count() > 1 and jax.process_index() == 0:
-        print(f"{jax.process_count()} processes")
 
     # ---- mesh ----------------------------------------------------------------------------------
     data_size, fsdp_size, tensor_size = train_config.mesh_shape(config, jax.device_count())
     mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size)
-    print(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
 
     # ---- model and tokenizer --------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -126,7 +171,7 @@ def main(argv):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    print(f"model {config.model_path}: {num_params:,} parameters, "
+    say(f"model {config.model_path}: {num_params:,} parameters, "
           f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s")  # fmt: skip
 
     # ---- data ------------------------------------------------------------------------------------
@@ -134,7 +179,10 @@ def main(argv):
         dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
              seed=config.global_seed)
     )  # fmt: skip
-    data = make_iterator(data_config, "train")
+    # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
+    per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
+    local_per_micro = per_micro // num_processes
+    data = make_iterator(data_config, "train", process_block=local_per_micro)
     options = prompt_options(config)
     encode = tokenizer.encode
 
@@ -170,92 +218,192 @@ def main(argv):
         state, data_state, _ = checkpointer.restore(abstract_state, directory=resumed)
         if data_state:
             data.set_state(data_state)
-        print(f"resumed from {resumed} at step {int(state.step)}")
-    start_step = int(state.step)
+        say(f"resumed from {resumed} at step {int(distributed.to_host(state.step))}")
+    start_step = int(distributed.to_host(state.step))
 
     # ---- jitted pieces -------------------------------------------------------------------------
     settings = loss_settings(config)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, config.teacher_mode)
+    sft_grad_step = train_step.make_sft_grad_step(graphdef, rest, settings)  # mode 'sft'
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
     add_grads = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
     schedule = train_step.learning_rate_schedule(config)
-    rows_sharding = lambda x: mesh_lib.batch_sharding(mesh, x.ndim)  # noqa: E731
+    # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
+    # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
+    local_rows = config.rows_per_micro_batch // num_processes
+    sample_offset = process_index * local_per_micro
+    local_to_global = np.array([
+        (j // local_per_micro) * per_micro + sample_offset + j % local_per_micro
+        for j in range(accum * local_per_micro)
+    ])  # fmt: skip
 
     def on_mesh(pack):
-        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(rows_sharding(x), x),
-                            pack)  # fmt: skip
+        return distributed.put_rows(pack, mesh, sample_offset=sample_offset)
 
     logger = MetricsLogger(
         config.results_dir, total_steps=config.total_steps, log_every=config.log_every,
-        start_step=start_step, progress_bar=config.progress_bar,
+        start_step=start_step, progress_bar=config.progress_bar, is_main=distributed.is_main(),
         wandb=(dict(project=config.wandb_project, name=config.wandb_name or None,
                     mode=config.wandb_mode) if config.wandb_project else None),
         config=config.to_dict(),
     )  # fmt: skip
-    per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
-    print(f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
-          f"per step, teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'")  # fmt: skip
+    sft = config.mode == "sft"
+    recipe = (f"SFT, VT context for {config.sft_vt_fraction:.0%} of samples" if sft else
+              f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'")  # fmt: skip
+    say(f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
+          f"per step, {recipe}")  # fmt: skip
+
+    def add_mean(sums, key, value):
+        sums[key] = sums.get(key, 0.0) + value / accum
+
+    def opsd_micro(step, micro, samples, completions, sums):
+        """One OPSD micro-batch: aligned student/teacher packs -> grads (tokens counted)."""
+        chunk = slice(micro * local_per_micro, (micro + 1) * local_per_micro)
+        with logger.phase("pack"):
+            packs = build_training_packs(
+                samples[chunk], completions[chunk], encode, options, special, num_rows=local_rows,
+                max_forward_tokens=config.max_forward_tokens,
+            )  # fmt: skip
+            tokens = int((packs.student.segment_ids > 0).sum())
+            tokens += int((packs.teacher.segment_ids > 0).sum())
+            for name, fraction in packs.padding_fraction.items():
+                add_mean(sums, f"pack/{name}_padding", fraction)
+            sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
+        with logger.phase("step"), jax.set_mesh(mesh):
+            micro_grads, metrics = grad_step(state.params, state.teacher_params,
+                                             on_mesh(packs.student), on_mesh(packs.teacher))  # fmt: skip
+        return micro_grads, metrics, tokens
+
+    def sft_micro(step, micro, samples, completions, sums):
+        """One SFT micro-batch: CE pack (student or VT context per sample) -> grads."""
+        del completions  # SFT samples nothing
+        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
+        with logger.phase("pack"):
+            use_vt = sft_packs.choose_vt(len(chunk), config.sft_vt_fraction, config.global_seed,
+                                         step * accum + micro)  # fmt: skip
+            packs = sft_packs.build_sft_packs(
+                chunk, encode, options, special, num_rows=local_rows,
+                max_forward_tokens=config.max_forward_tokens, use_vt=use_vt,
+            )  # fmt: skip
+            add_mean(sums, "pack/sft_padding", packs.padding_fraction)
+            add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
+            sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
+        with logger.phase("step"), jax.set_mesh(mesh):
+            micro_grads, metrics = sft_grad_step(state.params, on_mesh(packs.pack))
+        return micro_grads, metrics, int((packs.pack.segment_ids > 0).sum())
+
+    # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
+    eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
+    if config.eval_every:
+        eval_samples = evaluation.load_eval_samples(
+            data_config, "eval", max_per_dataset=config.eval_samples_per_dataset)  # fmt: skip
+        say(f"evaluation every {config.eval_every} steps on {len(eval_samples)} held-out "
+            f"samples, context(s) {', '.join(eval_contexts)}")  # fmt: skip
+
+    def run_evaluation(step) -> dict:
+        scalars = {}
+        student = nnx.merge(graphdef, state.params, rest)
+        for context in eval_contexts:
+            result = evaluation.evaluate(
+                student, eval_samples, tokenizer, options=options, context=context,
+                max_new_tokens=config.eval_max_new_tokens or config.sample_max_new_tokens,
+                do_sample=False, batch_size=config.eval_batch_size,
+                max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
+                mesh=mesh, cache_dtype=evaluation.cache_dtype_for(config.compute_dtype),
+            )  # fmt: skip
+            prefix = "eval" if context == "student" else f"eval_{context}"
+            scalars.update(result.scalars(prefix))
+            if distributed.is_main():
+                evaluation.save_results(result, os.path.join(config.results_dir, "eval"),
+                                        name=f"step{step}_{context}")  # fmt: skip
+        return scalars
 
     # ---- loop ----------------------------------------------------------------------------------
+    stop, stopped_at = StopRequest(), None
+    bad_steps = 0  # consecutive steps whose loss or gradient was not finite (update skipped)
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
-            samples = data.take(accum * per_micro)
-        with logger.phase("sample"):
-            prompt_pack = build_prompt_pack(samples, encode, options, special)
-            divisible = prompt_pack.num_rows % (data_size * fsdp_size) == 0
-            student = nnx.merge(graphdef, state.params, rest)
-            with jax.set_mesh(mesh):
-                completions = sampler.sample(
-                    student, on_mesh(prompt_pack) if divisible else prompt_pack,
-                    jax.random.fold_in(state.rng, step), special=special,
-                    vocab_limit=tokenizer.vocab_length,
-                    max_new_tokens=config.sample_max_new_tokens,
-                    temperature=config.sample_temperature, do_sample=config.sample_do_sample,
-                    max_image_skips=config.sample_max_image_skips, decode_text=tokenizer.decode,
-                    row_ids=np.arange(len(samples)) + step * len(samples),
-                )  # fmt: skip
-            del student
+            samples = data.take(accum * local_per_micro)
+        completions, own_completions = None, None  # SFT samples nothing
+        if not sft:
+            with logger.phase("sample"):
+                prompt_pack = build_prompt_pack(samples, encode, options, special)
+                # One prompt per row. Rows go on the mesh when they divide over it (always with
+                # several processes: validate() checks), else the sampler takes host arrays.
+                first_row = 0
+                if num_processes > 1 or prompt_pack.num_rows % (data_size * fsdp_size) == 0:
+                    prompt_pack = on_mesh(prompt_pack)
+                    first_row = distributed.local_row_offset(prompt_pack.tokens)
+                row_ids = distributed.all_processes(local_to_global).reshape(-1)
+                student = nnx.merge(graphdef, state.params, rest)
+                with jax.set_mesh(mesh):
+                    completions = sampler.sample(
+                        student, prompt_pack,
+                        jax.random.fold_in(state.rng, step), special=special,
+                        vocab_limit=tokenizer.vocab_length,
+                        max_new_tokens=config.sample_max_new_tokens,
+                        temperature=config.sample_temperature, do_sample=config.sample_do_sample,
+                        max_image_skips=config.sample_max_image_skips, decode_text=tokenizer.decode,
+                        row_ids=row_ids + step * accum * per_micro,  # global sample ids
+                    )  # fmt: skip
+                del student
+                own_completions = [completions.row(first_row + j) for j in range(len(samples))]
         grads, sums, tokens = None, {}, 0
         for micro in range(accum):
-            chunk = slice(micro * per_micro, (micro + 1) * per_micro)
-            with logger.phase("pack"):
-                packs = build_training_packs(
-                    samples[chunk], [completions.row(i) for i in range(len(samples))[chunk]],
-                    encode, options, special, num_rows=config.rows_per_micro_batch,
-                    max_forward_tokens=config.max_forward_tokens,
-                )  # fmt: skip
-                tokens += int((packs.student.segment_ids > 0).sum())
-                tokens += int((packs.teacher.segment_ids > 0).sum())
-                for name, fraction in packs.padding_fraction.items():
-                    key = f"pack/{name}_padding"
-                    sums[key] = sums.get(key, 0.0) + fraction / accum
-                sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
+            micro_step = sft_micro if sft else opsd_micro
+            micro_grads, metrics, micro_tokens = micro_step(step, micro, samples, own_completions,
+                                                            sums)  # fmt: skip
+            tokens += micro_tokens
             with logger.phase("step"), jax.set_mesh(mesh):
-                micro_grads, metrics = grad_step(state.params, state.teacher_params,
-                                                 on_mesh(packs.student), on_mesh(packs.teacher))  # fmt: skip
                 grads = micro_grads if grads is None else add_grads(grads, micro_grads)
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value / accum
+                add_mean(sums, key, value)
         with logger.phase("step"), jax.set_mesh(mesh):
-            state, update_metrics = apply_update(state, grads, accum)
+            state, update_metrics = apply_update(state, grads, accum, sums["loss"])
+        if distributed.to_host(update_metrics["nonfinite"]) > 0:
+            bad_steps += 1
+            logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
+                            "samples %s", step + 1, bad_steps, [s.pid for s in samples])  # fmt: skip
+            if bad_steps > config.max_consecutive_bad_steps:
+                checkpointer.wait_until_finished()
+                raise RuntimeError(
+                    f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
+                    f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}); stopping. "
+                    f"The last good checkpoint is in {checkpoint_dir}; lower lr or check the data."
+                )
+        else:
+            bad_steps = 0
         scalars = dict(sums, **update_metrics, **data.metrics())
+        if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
+            with logger.phase("eval"):
+                scalars.update(run_evaluation(step + 1))
         scalars["lr"] = schedule(step)
-        scalars["completion_length"] = float(completions.lengths.mean())
-        scalars["completion_finished"] = float(completions.finished.mean())
-        scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
-        logged = logger.log_step(step + 1, scalars, samples=len(samples), tokens=tokens)
-        if logged is not None:
+        if completions is not None:
+            scalars["completion_length"] = float(completions.lengths.mean())
+            scalars["completion_finished"] = float(completions.finished.mean())
+            scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
+        tokens = int(distributed.all_processes(tokens).sum())
+        logged = logger.log_step(step + 1, scalars, samples=accum * per_micro, tokens=tokens)
+        if logged is not None and completions is not None:
             logger.log_text(step + 1, "completion", tokenizer.decode(completions.row(0)))
-        if checkpointer.should_save(step + 1) or step + 1 == config.total_steps:
+        stopping = stop.requested()
+        if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
             checkpointer.save(step + 1, state, data_state=data.get_state(),
                               config=config.to_dict(), force=True)  # fmt: skip
+        if stopping:
+            checkpointer.wait_until_finished()
+            say(f"stopped by {stop.signal_name or 'a signal to another process'} after step "
+                f"{step + 1}: checkpoint saved in {checkpoint_dir}; run the same command to resume")
+            stopped_at = step + 1
+            break
 
     # ---- finish -----------------------------------------------------------------------------------
     checkpointer.wait_until_finished()
     checkpointer.close()
     logger.close()
-    print(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
-          f"{config.results_dir}")  # fmt: skip
+    if stopped_at is None:
+        say(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
+            f"{config.results_dir}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -32,6 +32,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.max_reference_rounds = 8
     c.data.num_threads = 2
 
+    # --- training mode ---------------------------------------------------------------------------
+    # opsd: Visual-OPSD (sample, then distil the VT-seeing teacher into the student).
+    # sft: the SFT baseline, plain CE on the reference text-only thought + answer (no sampler, no
+    # teacher; needs teacher_mode='self' so no EMA copy is kept).
+    c.mode = "opsd"
+    # SFT only: share of samples trained in the teacher context (with the VT images) instead of
+    # the student context; 0 is the plain baseline, > 0 trains a model that reads VT images.
+    c.sft_vt_fraction = 0.0
+
     # --- Visual-OPSD: teacher and loss ----------------------------------------------------------
     c.teacher_mode = "ema"  # self | ema | fixed
     c.ema_decay = 0.995
@@ -86,12 +95,19 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint_dir = ""  # empty: <results_dir>/checkpoints
     c.save_every = 500
     c.max_checkpoints = 3
+    c.max_consecutive_bad_steps = 5  # non-finite loss/grad: update skipped; more in a row stops
     c.log_every = 10
     c.auto_resume = True
     c.resume_from = ""  # a checkpoint directory (or one step of it) to start from
     c.resume_model_only = False  # take only the params (and EMA with finetune_from_ema)
     c.finetune_from_ema = False
     c.progress_bar = True
+    # Held-out evaluation during training (greedy; exact match of the <answer>): 0 = off.
+    c.eval_every = 0
+    c.eval_samples_per_dataset = 64  # first rows of each dataset's held-out split
+    c.eval_batch_size = 8
+    c.eval_max_new_tokens = 0  # 0: sample_max_new_tokens
+    c.eval_contexts = "student"  # comma-separated: student (no VT) and/or teacher (with VT)
     c.wandb_project = ""  # empty: no W&B
     c.wandb_name = ""
     c.wandb_mode = "offline"
@@ -101,4 +117,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.num_shard = -1  # the 'fsdp' axis; -1 takes the devices left over
     c.num_tensor = 1
     c.global_seed = 0
+
+    # --- several hosts: one process per host, JAX's distributed runtime ------------------------
+    c.distributed = False  # True: jax.distributed.initialize() before anything touches a device
+    c.coordinator_address = ""  # "host0:1234"; empty: $JAX_COORDINATOR_ADDRESS or auto-detect
+    c.num_processes = -1  # -1: $JAX_NUM_PROCESSES or auto-detect (SLURM, Open MPI, TPU, ...)
+    c.process_id = -1  # -1: $JAX_PROCESS_ID or auto-detect
     return c

@@ -328,8 +328,14 @@ def _gather_json(value) -> list:
 
 
 def _place(value: np.ndarray, like) -> jax.Array:
+    """A host value (the same on every process) as an array sharded like `like`."""
     sharding = getattr(like, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+    if sharding is None:
+        return jnp.asarray(value)
+    # make_array_from_callback, not device_put: with several processes the sharding spans
+    # devices this process cannot address.
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 # --------------------------------------------------------------------------- the checkpointer
@@ -482,7 +488,10 @@ class Checkpointer:
                     f"{step_dir}: saved rng key is {key.dtype}{list(key.shape)}, the target "
                     f"wants {abstract_state.rng.dtype}{list(abstract_state.rng.shape)}"
                 )
-            rng = _place(key, abstract_state.rng)
+            # The raw key data is placed (replicated like the target), then wrapped on device.
+            rng = jax.random.wrap_key_data(
+                _place(data, abstract_state.rng), impl=meta["rng"]["impl"]
+            )
         state = TrainState(
             step=_place(np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step),
             params=_rebuild(abstract_state.params, restored[PARAMS]),

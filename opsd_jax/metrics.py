@@ -79,6 +79,11 @@ def format_duration(seconds: float) -> str:
 
 def _to_float(value: Any) -> float | None:
     """A host value (after device_get) as a float, or None when it is not numeric."""
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        # Multi-host: a replicated metric has a full copy here; anything else is not a scalar.
+        if not value.is_fully_replicated:
+            return None
+        value = value.addressable_data(0)
     try:
         arr = np.asarray(value)
     except Exception:  # noqa: BLE001 - any unconvertible value is simply "not numeric"

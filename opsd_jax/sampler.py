@@ -20,7 +20,8 @@ the sampling distribution.
    of the completion); `max_new_tokens` is the total over rounds, appended tokens included.
 
 Everything runs on the parameters as they are (sharded or not); the state is donated to each
-jitted call so the cache is updated in place.
+jitted call so the cache is updated in place. With several processes the prompt Pack is the
+global one (opsd_jax/distributed.py `put_rows`) and every process gets every row's completion.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
+from opsd_jax.distributed import rows_array, to_host
 from opsd_jax.packing import SpecialTokens
 
 IMAGE_SKIP_TEXT = "<image_start>"
@@ -96,7 +98,7 @@ def sample_rows(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
 
 
 def _check_prompt_pack(pack: Pack) -> None:
-    segments = np.asarray(pack.segment_ids)
+    segments = to_host(pack.segment_ids)
     if segments.max(initial=0) > 1:
         raise ValueError("sample(): every prompt row must hold exactly one prompt (segment id 1); "
                          "build it with pack_samples(..., one_sample_per_row=True)")  # fmt: skip
@@ -246,7 +248,9 @@ def sample(
         temperature=float(temperature), do_sample=bool(do_sample), bos_id=special.im_start,
         eos_id=special.im_end, vocab_limit=int(vocab_limit), max_steps=max_new_tokens + 1,
     )  # fmt: skip
-    row_ids = jnp.asarray(row_ids, jnp.int32)
+    # Host-side per-row values go in as arrays sharded like the prompt rows (with several
+    # processes, every jit input must be a global array).
+    row_ids = rows_array(row_ids.astype(np.int32), like=prompt_pack.tokens)
     rounds = np.ones(batch, np.int32)
     round_start = np.zeros(batch, np.int64)
     for round_index in range(max_image_skips + 1):
@@ -254,8 +258,9 @@ def sample(
                               row_ids, settings)  # fmt: skip
         if round_index == max_image_skips:
             break
-        finished, length, budget = jax.device_get((state.finished, state.length, state.budget))
-        tokens = np.asarray(jax.device_get(state.tokens))
+        finished, length, budget, tokens = map(
+            to_host, (state.finished, state.length, state.budget, state.tokens)
+        )
         # A skip needs room for the appended <|im_end|> and at least one more token.
         skip = np.array([
             bool(finished[b]) and budget[b] >= 2
@@ -264,16 +269,17 @@ def sample(
         ])  # fmt: skip
         if not skip.any():
             break
-        state = _append_token(graphdef, params, state, jnp.int32(special.im_end), jnp.asarray(skip))
-        state = state.replace(active=jnp.asarray(skip))
+        skip_rows = rows_array(skip, like=prompt_pack.tokens)
+        state = _append_token(graphdef, params, state, np.int32(special.im_end), skip_rows)
+        state = state.replace(active=skip_rows)
         rounds += skip
         round_start = np.where(skip, length, round_start)
 
-    out = jax.device_get(state)
+    # Every process gets every row (small), so host-side decisions agree everywhere.
     return Completions(
-        tokens=np.asarray(out.tokens),
-        lengths=np.asarray(out.length),
-        logprobs=np.asarray(out.logprobs),
-        finished=np.asarray(out.finished),
+        tokens=to_host(state.tokens),
+        lengths=to_host(state.length),
+        logprobs=to_host(state.logprobs),
+        finished=to_host(state.finished),
         rounds=rounds,
     )

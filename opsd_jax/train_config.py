@@ -1,8 +1,10 @@
 """Validation of a training config: every bad value is named before anything compiles.
 
-`validate(config, num_devices)` collects all problems and raises one ValueError listing each
-with its key and the allowed values, so a long job never dies at step 0 (or step 500) on a typo
-in a value. Unknown keys are already refused by the locked ConfigDict.
+`validate(config, num_devices, num_processes)` collects all problems and raises one ValueError
+listing each with its key and the allowed values, so a long job never dies at step 0 (or step
+500) on a typo in a value. Unknown keys are already refused by the locked ConfigDict. Without
+`num_devices` the device-dependent checks (mesh, batch divisibility) are left out: train.py runs
+that first, because no device may be touched before `jax.distributed.initialize`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import os
 from models import attention, configs
 from opsd_jax import losses, train_step
 
+MODES = ("opsd", "sft")
+
 _CHOICES = {
+    "mode": MODES,
     "teacher_mode": train_step.TEACHER_MODES,
     "jsd_loss_kind": train_step.LOSS_KINDS,
     "jsd_clip_mode": ("entry", "token"),
@@ -32,6 +37,7 @@ _RANGES = (
     ("jsd_temperature", lambda v: v > 0, "> 0"),
     ("jsd_top_k", lambda v: v >= 0, ">= 0 (0 = full vocabulary)"),
     ("ema_decay", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("sft_vt_fraction", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
     ("sample_max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("sample_temperature", lambda v: v > 0, "> 0"),
     ("sample_max_image_skips", lambda v: v >= 0, ">= 0"),
@@ -51,6 +57,11 @@ _RANGES = (
     ("save_every", lambda v: v >= 1, ">= 1"),
     ("max_checkpoints", lambda v: v >= 1, ">= 1"),
     ("log_every", lambda v: v >= 1, ">= 1"),
+    ("max_consecutive_bad_steps", lambda v: v >= 0, ">= 0"),
+    ("eval_every", lambda v: v >= 0, ">= 0 (0 = no evaluation)"),
+    ("eval_samples_per_dataset", lambda v: v >= 1, ">= 1"),
+    ("eval_batch_size", lambda v: v >= 1, ">= 1"),
+    ("eval_max_new_tokens", lambda v: v >= 0, ">= 0 (0 = sample_max_new_tokens)"),
     ("num_replicate", lambda v: v >= 1, ">= 1"),
     ("num_shard", lambda v: v == -1 or v >= 1, ">= 1, or -1 for the devices left over"),
     ("num_tensor", lambda v: v >= 1, ">= 1"),
@@ -75,7 +86,7 @@ def resolve_dataset_paths(config) -> None:
         ]
 
 
-def validate(config, num_devices: int) -> None:
+def validate(config, num_devices: int | None = None, num_processes: int = 1) -> None:
     problems = []
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:
@@ -86,6 +97,15 @@ def validate(config, num_devices: int) -> None:
         value = config[key]
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(value):
             problems.append(f"{key}={value!r}: must be {allowed}")
+    if config.mode == "sft" and config.teacher_mode != "self":
+        # Decided: refuse rather than silently override, so a config never says 'ema' while
+        # training without one (SFT has no teacher; 'self' keeps no EMA / fixed copy).
+        problems.append(f"teacher_mode={config.teacher_mode!r} with mode='sft': SFT has no "
+                        "teacher; allowed value is 'self' (no EMA / fixed copy is kept)")  # fmt: skip
+    contexts = [c for c in str(config.eval_contexts).split(",") if c]
+    if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
+        problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
+                        "'teacher' or 'student,teacher'")  # fmt: skip
     if config.freeze_und:
         problems.append("freeze_und=True: BAGEL's flag only matters with the gen expert, which "
                         "understanding-only training does not build; allowed value is False")  # fmt: skip
@@ -107,6 +127,18 @@ def validate(config, num_devices: int) -> None:
             if not path or not os.path.exists(path):
                 problems.append(f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
                                 f"path {path!r} does not exist")  # fmt: skip
+    if num_devices is not None:
+        problems += _device_problems(config, num_devices, num_processes)
+    if config.rows_per_micro_batch > config.samples_per_micro_batch:
+        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
+                        f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
+                        "would always be empty")  # fmt: skip
+    if problems:
+        raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+
+
+def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
+    problems = []
     data, fsdp, tensor = mesh_shape(config, num_devices)
     if data * fsdp * tensor != num_devices or fsdp < 1:
         problems.append(f"mesh num_replicate={config.num_replicate} x num_shard={config.num_shard} "
@@ -115,9 +147,15 @@ def validate(config, num_devices: int) -> None:
     elif config.rows_per_micro_batch % (data * fsdp):
         problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
                         f"data x fsdp = {data * fsdp} (rows are sharded over them)")  # fmt: skip
-    if config.rows_per_micro_batch > config.samples_per_micro_batch:
-        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
-                        f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
-                        "would always be empty")  # fmt: skip
-    if problems:
-        raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+    if num_processes > 1:
+        # Each process packs its own share of every micro-batch (distributed.py).
+        for key in ("samples_per_micro_batch", "rows_per_micro_batch"):
+            if config[key] % num_processes:
+                problems.append(f"{key}={config[key]} must be a multiple of the "
+                                f"{num_processes} processes (each feeds an equal share)")  # fmt: skip
+        prompts = config.samples_per_micro_batch * config.gradient_accumulation_steps
+        if config.mode == "opsd" and prompts % (data * fsdp):
+            problems.append(f"samples_per_micro_batch x gradient_accumulation_steps = {prompts} "
+                            f"must be a multiple of data x fsdp = {data * fsdp} with several "
+                            "processes (the sampler's prompt rows are sharded over them)")  # fmt: skip
+    return problems

@@ -176,20 +176,29 @@ def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
 
 
 def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str, ema_decay: float):
-    """jit(state, summed grads, number of micro-batches) -> (new state, update metrics)."""
+    """jit(state, summed grads, number of micro-batches[, loss]) -> (new state, update metrics).
+
+    A non-finite gradient (or loss, when given) skips the update: params, optimizer state and
+    EMA stay exactly as they were, only `step` advances (the batch is consumed), and the
+    metric `nonfinite` is 1. The caller counts consecutive skips and gives up eventually.
+    """
 
     @jax.jit(donate_argnums=(0,))
-    def apply_update(state: TrainState, grads, num_micro_batches):
+    def apply_update(state: TrainState, grads, num_micro_batches, loss=0.0):
         grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
         grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         teacher = state.teacher_params
         if teacher_mode == "ema":
             teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
+        new = (params, opt_state, teacher)
+        old = (state.params, state.opt_state, state.teacher_params)
+        params, opt_state, teacher = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               teacher_params=teacher)  # fmt: skip
-        return state, {"grad_norm": grad_norm}
+        return state, {"grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
 
     return apply_update
 
@@ -209,3 +218,32 @@ def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="f
         teacher = None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=optimizer.init(params), teacher_params=teacher, rng=rng)  # fmt: skip
+
+
+def make_sft_grad_step(graphdef, rest, settings: LossSettings):
+    """SFT baseline: jit(params, pack) -> (grads, metrics) of the CE on the pack's loss entries.
+
+    No teacher at all (so the train state keeps no teacher copy: train.py requires
+    teacher_mode='self' in SFT mode). The CE is `losses.completion_ce` with the configured
+    reduction; `token_accuracy` is the share of target tokens that are the argmax prediction.
+    """
+
+    def loss_fn(params, pack):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model.logits_at(model(pack), pack.loss_rows)
+        ce, _ = losses.completion_ce(
+            logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
+            sample_ids=pack.loss_sample, num_samples=settings.num_samples,
+        )  # fmt: skip
+        hits = (jnp.argmax(logits, axis=-1) == pack.loss_targets) & pack.loss_mask
+        tokens = jnp.sum(pack.loss_mask)
+        metrics = {"ce": ce, "loss": ce, "loss_tokens": tokens,
+                   "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1)}  # fmt: skip
+        return ce, metrics
+
+    @jax.jit
+    def grad_step(params, pack):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pack)
+        return grads, metrics
+
+    return grad_step

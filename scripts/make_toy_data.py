@@ -9,6 +9,9 @@ easy, in the spirit of ThinkMorph's Spatial_Navigation and Visual_Search:
 * `toy_count`: 3-8 coloured shapes (circle / square / triangle in red / green / blue) on a 4x4
   grid of slots. Question: how many <colour> <shape>s? Answer "1".."4". VT: the target shapes
   boxed, every other shape faded to grey.
+* `toy_majority` (opt-in, not in the default TASKS; the toy Visual-OPSD experiment): dots of four
+  colours on a 6x6 grid (84 px images). Question: which colour has the most dots? Answer a colour
+  word. VT: the winning colour's dots fill their cells, every other dot faded to grey.
 
 Each row has the ThinkMorph columns: pid, question, answer, problem_image_0 and reasoning_image_0
 ({bytes, path} PNG structs), resoning_thought_0 (before the VT; the misspelled name is the real
@@ -48,7 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from PIL import Image, ImageDraw
 
-TASKS = ("toy_maze", "toy_count")
+TASKS = ("toy_maze", "toy_count")  # the default toy data (tiny configs, tests)
+# Opt-in tasks: written only when asked for by name (the toy Visual-OPSD experiment).
+EXTRA_TASKS = ("toy_majority",)
+ALL_TASKS = TASKS + EXTRA_TASKS
 IMAGE_SIZE = 112
 ROW_GROUP_SIZE = 64  # small, so readers exercise the multi-row-group path
 
@@ -281,8 +287,101 @@ def count_texts(puzzle: dict[str, Any]) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# toy_majority (opt-in): the task of the toy Visual-OPSD experiment (scripts/toy_experiment.py)
+# ----------------------------------------------------------------------------------------------
+#
+# The problem image is a 6x6 grid of 14 px cells (84 px; one ViT patch per cell) holding small
+# dots of four colours; the answer is the colour with the most dots. It is fully determined by
+# the problem image, but reading it there means pooling faint evidence (a dot covers ~10 % of its
+# patch) over the whole image and comparing four totals (the winner may lead the runner-up by
+# only MAJORITY_MARGIN dots). The VT image shows the decisive evidence saliently: the winning
+# colour's dots fill their whole cells and every other dot is faded to grey, so the answer is
+# nearly the image's mean colour. A tiny model thus learns the answer with VT much sooner than
+# without, which is the gap Visual-OPSD should close.
+
+MAJORITY_COLOURS = {
+    "red": (215, 40, 40),
+    "green": (40, 160, 60),
+    "blue": (40, 80, 215),
+    "yellow": (225, 200, 30),
+}
+MAJORITY_GRID = 6
+MAJORITY_CELL = 14  # px: one ViT patch per cell
+MAJORITY_IMAGE_SIZE = MAJORITY_GRID * MAJORITY_CELL  # 84 px: 36 patches, few tokens per image
+MAJORITY_DOTS = (14, 24)  # total dots, inclusive range
+MAJORITY_MARGIN = 3  # the winner has at least this many dots more than any other colour
+MAJORITY_DOT_RADIUS = 2  # a 5 px dot in a 14 px cell (~10 % of the patch)
+MAJORITY_BACKGROUND = (235, 235, 235)
+MAJORITY_FADED = (200, 200, 200)
+# (train, test) rows when write_toy_data is not given counts: the experiment's model learns from
+# scratch, so it needs more rows, and 256 held-out rows make accuracy differences readable.
+DEFAULT_SIZES = {"toy_majority": (4096, 256)}
+
+
+def make_majority(rng: random.Random) -> dict[str, Any]:
+    names = sorted(MAJORITY_COLOURS)
+    total = rng.randint(*MAJORITY_DOTS)
+    while True:  # rejection: a unique winner with the margin
+        cuts = sorted(rng.sample(range(1, total), len(names) - 1))
+        counts = [b - a for a, b in zip([0, *cuts], [*cuts, total])]
+        ranked = sorted(counts)
+        if ranked[-1] - ranked[-2] >= MAJORITY_MARGIN:
+            break
+    cells = rng.sample([(r, c) for r in range(MAJORITY_GRID) for c in range(MAJORITY_GRID)], total)
+    dots, start = [], 0
+    for name, count in zip(names, counts):
+        for cell in cells[start : start + count]:
+            jitter = (rng.randint(-1, 1), rng.randint(-1, 1))
+            dots.append({"cell": cell, "colour": name, "jitter": jitter})
+        start += count
+    dots.sort(key=lambda d: d["cell"])
+    answer = names[counts.index(ranked[-1])]
+    return {"dots": dots, "counts": dict(zip(names, counts)), "answer": answer}
+
+
+def render_majority(puzzle: dict[str, Any], highlight: bool) -> Image.Image:
+    image = Image.new("RGB", (MAJORITY_IMAGE_SIZE, MAJORITY_IMAGE_SIZE), MAJORITY_BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for dot in puzzle["dots"]:
+        r, c = dot["cell"]
+        x0, y0 = c * MAJORITY_CELL, r * MAJORITY_CELL
+        winner = dot["colour"] == puzzle["answer"]
+        if highlight and winner:  # the decisive evidence, as large as it gets: the whole cell
+            draw.rectangle([x0, y0, x0 + MAJORITY_CELL - 1, y0 + MAJORITY_CELL - 1],
+                           fill=MAJORITY_COLOURS[dot["colour"]])  # fmt: skip
+            continue
+        fill = MAJORITY_FADED if highlight else MAJORITY_COLOURS[dot["colour"]]
+        cx = x0 + MAJORITY_CELL // 2 + dot["jitter"][0]
+        cy = y0 + MAJORITY_CELL // 2 + dot["jitter"][1]
+        h = MAJORITY_DOT_RADIUS
+        draw.ellipse([cx - h, cy - h, cx + h, cy + h], fill=fill)
+    return image
+
+
+def majority_texts(puzzle: dict[str, Any]) -> dict[str, str]:
+    answer = puzzle["answer"]
+    question = (
+        "Dots of four colours are scattered over the image. Which colour has the most dots: "
+        "red, green, blue or yellow?"
+    )
+    thought_0 = "I will keep the dots of the most frequent colour and fade the others."
+    thought_1 = f"The kept dots are {answer}. So the answer is {answer}."
+    # Short on purpose: the decisive token is the first colour word, and short completions keep
+    # the experiment's sampling cheap.
+    full = f"Most dots are {answer}."
+    return {"question": question, "answer": answer, "thoughts": [thought_0, thought_1],
+            "full_text_only_thought": full}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
 # Rows, corpus, writers
 # ----------------------------------------------------------------------------------------------
+
+
+def tasks_for(names: Sequence[str]) -> list[str]:
+    """The tasks to write for a config's dataset names: the default TASKS when it names only
+    those (the tiny configs' data and tokenizer stay as they are), else exactly the names."""
+    return list(TASKS) if set(names) <= set(TASKS) else list(names)
 
 
 def _rng(seed: int, task: str, split: str) -> random.Random:
@@ -293,22 +392,23 @@ def _rng(seed: int, task: str, split: str) -> random.Random:
 
 def make_puzzles(task: str, split: str, num: int, seed: int) -> list[dict[str, Any]]:
     """`num` puzzle specs (pure data: no images rendered yet)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown toy task {task!r}; one of {TASKS}")
+    if task not in ALL_TASKS:
+        raise ValueError(f"unknown toy task {task!r}; one of {ALL_TASKS}")
     rng = _rng(seed, task, split)
-    make = make_maze if task == "toy_maze" else make_count
+    make = {"toy_maze": make_maze, "toy_count": make_count, "toy_majority": make_majority}[task]
     return [make(rng) for _ in range(num)]
 
 
 def puzzle_texts(task: str, puzzle: dict[str, Any]) -> dict[str, Any]:
-    return maze_texts(puzzle) if task == "toy_maze" else count_texts(puzzle)
+    texts = {"toy_maze": maze_texts, "toy_count": count_texts, "toy_majority": majority_texts}
+    return texts[task](puzzle)
 
 
 def render_puzzle(task: str, puzzle: dict[str, Any]) -> tuple[Image.Image, Image.Image]:
     """(problem image, VT image)."""
-    if task == "toy_maze":
-        return render_maze(puzzle, False), render_maze(puzzle, True)
-    return render_count(puzzle, False), render_count(puzzle, True)
+    render = {"toy_maze": render_maze, "toy_count": render_count,
+              "toy_majority": render_majority}[task]  # fmt: skip
+    return render(puzzle, False), render(puzzle, True)
 
 
 def _png(image: Image.Image) -> bytes:
@@ -353,13 +453,23 @@ def corpus_lines(task: str, puzzle: dict[str, Any]) -> list[str]:
     ]
 
 
+def _sizes(task: str, num_train: int | None, num_test: int | None) -> tuple[int, int]:
+    train, test = DEFAULT_SIZES.get(task, (320, 64))
+    return (train if num_train is None else num_train), (test if num_test is None else num_test)
+
+
 def toy_corpus_text(
-    seed: int = 0, num_train: int = 320, num_test: int = 64, tasks: Sequence[str] = TASKS
+    seed: int = 0,
+    num_train: int | None = None,
+    num_test: int | None = None,
+    tasks: Sequence[str] = TASKS,
 ) -> str:
-    """All question / answer / thought strings of the toy corpus, one per line (for a tokenizer)."""
+    """All question / answer / thought strings of the toy corpus, one per line (for a tokenizer).
+
+    Counts left as None: 320 / 64 per task (DEFAULT_SIZES for the opt-in tasks)."""
     lines = []
     for task in tasks:
-        for split, num in (("train", num_train), ("test", num_test)):
+        for split, num in zip(("train", "test"), _sizes(task, num_train, num_test)):
             for puzzle in make_puzzles(task, split, num, seed):
                 lines += corpus_lines(task, puzzle)
     return "\n".join(lines) + "\n"
@@ -413,15 +523,17 @@ def write_jsonl(rows: list[dict[str, Any]], path: str) -> None:
 def write_toy_data(
     out: str,
     seed: int = 0,
-    num_train: int = 320,
-    num_test: int = 64,
+    num_train: int | None = None,
+    num_test: int | None = None,
     tasks: Sequence[str] = TASKS,
     jsonl: bool = False,
 ) -> dict[str, str]:
-    """Write every task; returns {dataset name: directory} (JSONL datasets named <task>_jsonl)."""
+    """Write every task; returns {dataset name: directory} (JSONL datasets named <task>_jsonl).
+
+    Counts left as None: 320 / 64 per task (DEFAULT_SIZES for the opt-in tasks)."""
     written = {}
     for task in tasks:
-        for split, num in (("train", num_train), ("test", num_test)):
+        for split, num in zip(("train", "test"), _sizes(task, num_train, num_test)):
             rows = make_rows(task, split, num, seed)
             write_parquet(rows, os.path.join(out, task, "data", f"{split}-00000-of-00001.parquet"))
             if jsonl:
@@ -436,9 +548,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num_train", type=int, default=320, help="train rows per task")
-    parser.add_argument("--num_test", type=int, default=64, help="held-out rows per task")
-    parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {TASKS}")
+    parser.add_argument(
+        "--num_train",
+        type=int,
+        default=None,
+        help="train rows per task (default 320, opt-in tasks: DEFAULT_SIZES)",
+    )
+    parser.add_argument(
+        "--num_test",
+        type=int,
+        default=None,
+        help="held-out rows per task (default 64, opt-in tasks: DEFAULT_SIZES)",
+    )
+    parser.add_argument("--tasks", default=",".join(TASKS),
+                        help=f"comma list of {ALL_TASKS} (default: {','.join(TASKS)})")  # fmt: skip
     parser.add_argument("--jsonl", action="store_true", help="also write the JSONL+images layout")
     parser.add_argument("--corpus_out", default=None, help="also write the text corpus here")
     args = parser.parse_args(argv)

@@ -162,6 +162,26 @@ def test_process_shards_are_disjoint(toy_dir):
     assert abs(len(shards[0]) - len(shards[1])) <= 1
 
 
+@pytest.mark.parametrize("block", [1, 3])
+def test_process_blocks_reassemble_the_single_process_stream(toy_dir, block):
+    # The trainer's multi-host contract: dealing blocks of `block` rows to 2 processes and
+    # putting each micro-batch together process-major gives the single-process order.
+    specs = [DatasetSpec(n, os.path.join(toy_dir, n), weight=1.0) for n in ("toy_maze", "toy_count")]
+    config = _config(specs)
+    single = [s.pid for s in _iterate(config, "train").take(4 * 2 * block)]
+    local = [
+        [s.pid for s in _iterate(config, "train", process_index=p, process_count=2,
+                                 process_block=block).take(4 * block)]  # fmt: skip
+        for p in range(2)
+    ]
+    joined = []
+    for turn in range(4):
+        for p in range(2):
+            joined += local[p][turn * block : (turn + 1) * block]
+    assert joined == single
+    assert len(set(single)) == len(single)
+
+
 # ------------------------------------------------------------------------------------ held-out split
 
 

@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -32,8 +34,9 @@ def _final_params(checkpoint_dir, step):
 
 
 def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
-    """3 steps in one run; then step 3 again from a copy of the step-2 checkpoint: same params."""
-    import shutil
+    """3 steps in one run; a second run is stopped by SIGTERM (a preemption) after step 1 or 2,
+    saves there and exits 0; a third run resumes it: the step-3 params are bit-identical."""
+    import signal
 
     import jax
     import numpy as np
@@ -51,12 +54,34 @@ def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert "step 3/3" in result.stdout and "done: 3 steps" in result.stdout
 
-    # Stop after step 2 (here: keep only its checkpoint), resume, run step 3.
+    # Preempted: SIGTERM as soon as step 1 is logged; no periodic checkpoints in this run, so
+    # the one it leaves is the one the signal made it write.
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
     shutil.copytree(straight / "toy", resumed / "toy")
-    shutil.copytree(straight / "checkpoints" / "2", resumed / "checkpoints" / "2")
+    command = [sys.executable, "train.py", "--config", "configs/tiny.py",
+               "--config.progress_bar=False", f"--config.results_dir={resumed}", *common,
+               "--config.save_every=1000"]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith("step 1/3"):
+            process.send_signal(signal.SIGTERM)
+    process.wait(timeout=300)
+    output = "".join(output)
+    assert process.returncode == 0, output[-4000:]
+    stopped = re.search(r"stopped by SIGTERM after step (\d)", output)
+    assert stopped, output[-3000:]
+    saved = int(stopped.group(1))
+    assert saved in (1, 2), output[-3000:]  # not run to the end
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == [str(saved)]
+    assert (resumed / "checkpoints" / str(saved) / "commit_success.txt").exists()
+
     result = run_train(f"--config.results_dir={resumed}", *common)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "at step 2" in result.stdout
+    assert f"at step {saved}" in result.stdout
     a = _final_params(straight / "checkpoints", 3)
     b = _final_params(resumed / "checkpoints", 3)
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)

@@ -183,3 +183,32 @@ def test_learning_rate_schedule_values():
     np.testing.assert_allclose(float(constant(500)), 2e-5, rtol=1e-6)
     with pytest.raises(ValueError, match="lr_scheduler"):
         train_step.learning_rate_schedule(optim_config(lr_scheduler="linear"))
+
+
+@pytest.mark.parametrize("poison", ["grad", "loss"])
+def test_nonfinite_step_leaves_params_optimizer_and_ema_untouched(poison):
+    params = {"language_model": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)},
+              "vit_model": {"b": jnp.ones(4)}}  # fmt: skip
+    optimizer = train_step.make_optimizer(optim_config(), params)
+    apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.5)
+    state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))
+    good = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)
+    state, metrics = apply_update(state, good, 1)  # moments and EMA now differ from init
+    assert float(metrics["nonfinite"]) == 0.0
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state, state.teacher_params))
+
+    if poison == "grad":
+        bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), good)
+        state, metrics = apply_update(state, bad, 1)
+    else:
+        state, metrics = apply_update(state, good, 1, jnp.float32(jnp.inf))
+    assert float(metrics["nonfinite"]) == 1.0
+    assert int(state.step) == 2  # the batch is consumed, the update is not applied
+    after = jax.tree.map(np.asarray, (state.params, state.opt_state, state.teacher_params))
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+
+    state, metrics = apply_update(state, good, 1)  # training goes on
+    assert float(metrics["nonfinite"]) == 0.0
+    moved = jax.tree.map(np.asarray, state.params)
+    assert not np.array_equal(moved["language_model"]["w"], before[0]["language_model"]["w"])

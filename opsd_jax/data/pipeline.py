@@ -128,6 +128,27 @@ def _process_info(process_index: int | None, process_count: int | None) -> tuple
     return process_index, process_count
 
 
+@dataclasses.dataclass(frozen=True)
+class _GlobalRow:
+    """Local element k of process p -> the global row it stands for (see build_dataset)."""
+
+    rows: grain.MapDataset
+    index: int
+    count: int
+    block: int
+
+    def __call__(self, k: int) -> tuple[int, dict[str, Any]]:
+        turn, offset = divmod(k, self.block)
+        return self.rows[(turn * self.count + self.index) * self.block + offset]
+
+
+def _process_blocks(ds: grain.MapDataset, index: int, count: int, block: int) -> grain.MapDataset:
+    # Selecting before the decode map: a process never reads or decodes another's rows' images.
+    turns, rest = divmod(len(ds), count * block)
+    local = turns * block + min(max(rest - index * block, 0), block)
+    return grain.MapDataset.range(local).map(_GlobalRow(ds, index, count, block))
+
+
 def build_dataset(
     config: DataConfig,
     split: str = "train",
@@ -136,16 +157,23 @@ def build_dataset(
     repeat: bool | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
+    process_block: int = 1,
 ) -> tuple[grain.IterDataset, dict[str, Any]]:
     """The grain IterDataset of `Sample | Skipped` elements, and a fingerprint of its layout.
 
     Defaults: `split="train"` shuffles and repeats forever (datasets mixed by weight); other
     splits read every row once, dataset after dataset, in file order.
-    `process_index` / `process_count` default to jax's (each host reads its own shard).
+    `process_index` / `process_count` default to jax's. All processes agree on one global
+    stream of rows (same shuffle and mix); process p reads and decodes only its blocks of it:
+    blocks of `process_block` rows dealt round-robin (rows [p*b, (p+1)*b), then
+    [(P+p)*b, (P+p+1)*b), ...). The trainer sets b = samples per micro-batch / P, so the global
+    micro-batch is the same samples, in the same order, whatever the number of processes.
     """
     shuffle = (split == "train") if shuffle is None else shuffle
     repeat = (split == "train") if repeat is None else repeat
     process_index, process_count = _process_info(process_index, process_count)
+    if process_block < 1:
+        raise ValueError(f"process_block must be >= 1, got {process_block}")
 
     parts, sizes = [], []
     for i, spec in enumerate(config.datasets):
@@ -165,7 +193,6 @@ def build_dataset(
         if shuffle:
             # Distinct, fixed seeds per dataset: the same config gives the same order everywhere.
             ds = ds.shuffle(seed=config.seed * 1_000_003 + i)
-        ds = ds[process_index::process_count]
         ds = ds.map(_Tag(i))
         if repeat:
             ds = ds.repeat()  # reseeds the shuffle each epoch
@@ -180,6 +207,8 @@ def build_dataset(
         # A single pass (evaluation) reads every row once; mixing would stop at the shortest
         # dataset, and weights mean nothing for a full pass.
         ds = grain.MapDataset.concatenate(parts)
+    if process_count > 1:
+        ds = _process_blocks(ds, process_index, process_count, process_block)
     ds = ds.map(_DecodeAndTransform(tuple(d.name for d in config.datasets), config))
     read_options = grain.ReadOptions(
         num_threads=config.num_threads, prefetch_buffer_size=config.prefetch_buffer_size
@@ -189,7 +218,7 @@ def build_dataset(
         "datasets": [d.name for d in config.datasets],
         "sizes": sizes,
         "seed": config.seed,
-        "process": [process_index, process_count],
+        "process": [process_index, process_count, process_block],
     }
     return ds.to_iter_dataset(read_options), fingerprint
 

@@ -1,0 +1,188 @@
+"""Several processes, one training run: JAX's distributed runtime and process-local batches.
+
+One process per host (GPU box or TPU VM). `initialize(config)` starts JAX's own distributed
+runtime (`jax.distributed.initialize`) before any device is touched; after it every process sees
+every device of the run (`jax.devices()`) and owns the ones on its host.
+
+Each process reads, decodes and packs only its own samples (opsd_jax/data/pipeline.py hands
+each one its blocks of the global sample stream). Its host arrays become one global jax.Array
+with `jax.make_array_from_process_local_data`: process p's rows are the p-th block of rows.
+That needs the same local shapes on every process, so `put_rows` first agrees on the largest
+row length / patch count / loss-entry count (one tiny all-gather) and pads to it.
+
+The global layout of a micro-batch is process-major: [process 0's samples, process 1's, ...].
+A sample's global index inside its micro-batch is `process_index * local_samples + i`, so the
+per-sample loss ids (`loss_sample`) are shifted by that offset, and a single-process run of the
+same stream sees the same samples in the same rows.
+
+With one process every function here is a cheap no-op-like path (no collectives).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.pack import Pack
+from opsd_jax import mesh as mesh_lib
+
+# Environment fallbacks for the config keys (JAX itself reads JAX_COORDINATOR_ADDRESS).
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def initialize(config) -> None:
+    """`jax.distributed.initialize` when `config.distributed` is set; call before any device use.
+
+    The coordinator address, process count and process id come from the config keys
+    `coordinator_address`, `num_processes`, `process_id`, else from the environment variables
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, else from JAX's cluster
+    auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU).
+    """
+    if not config.distributed:
+        return
+    address = config.coordinator_address or os.environ.get(ENV_COORDINATOR) or None
+    num_processes = config.num_processes if config.num_processes > 0 else None
+    num_processes = num_processes or _env_int(ENV_NUM_PROCESSES)
+    process_id = config.process_id if config.process_id >= 0 else _env_int(ENV_PROCESS_ID)
+    jax.distributed.initialize(
+        coordinator_address=address, num_processes=num_processes, process_id=process_id
+    )
+
+
+def is_main() -> bool:
+    """The process that prints, logs and writes shared files."""
+    return jax.process_index() == 0
+
+
+def to_host(x) -> np.ndarray:
+    """An array's full value on this host, also when other processes hold parts of it."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def all_processes(values) -> np.ndarray:
+    """[process_count, ...]: every process's `values` (same shape everywhere), process order."""
+    values = np.asarray(values)
+    if jax.process_count() == 1:
+        return values[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(values)).reshape(
+        (jax.process_count(),) + values.shape
+    )
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (no-op with one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def rows_array(values: np.ndarray, like: jax.Array) -> jax.Array:
+    """Host values for *all* rows (the same on every process) as a global array whose rows are
+    sharded like `like`'s leading axis."""
+    values = np.asarray(values)
+    sharding = getattr(like, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.numpy.asarray(values)
+    spec = jax.sharding.PartitionSpec(sharding.spec[0] if sharding.spec else None)
+    row_sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+    return jax.make_array_from_callback(values.shape, row_sharding, lambda index: values[index])
+
+
+# ---- process-local Packs -> one global Pack -------------------------------------------------
+
+# Pack fields by the axis that varies with the batch content; padding value per field.
+_TOKEN_AXIS = ("tokens", "positions", "segment_ids", "k_start", "k_end", "gen_mask")
+_PATCH_AXIS = ("vit_patches", "vit_pos_ids", "vit_slots", "vit_image_ids")
+_LOSS_AXIS = ("loss_rows", "loss_targets", "loss_mask", "loss_sample")
+_PAD_VALUE = {"vit_slots": -1}  # every other field pads with 0 / False
+
+
+def pack_sizes(pack: Pack) -> tuple[int, int, int]:
+    """(row length, patches per row, loss entries per row) of a Pack."""
+    patches = pack.vit_patches.shape[1] if pack.vit_patches is not None else 0
+    loss = pack.loss_rows.shape[1] if pack.loss_rows is not None else 0
+    return pack.row_length, patches, loss
+
+
+def pad_pack(pack: Pack, row_length: int, num_patches: int, num_loss: int) -> Pack:
+    """The same Pack with its per-row axes padded (with inert padding) to the given sizes."""
+    sizes = dict(zip(("token", "patch", "loss"), (row_length, num_patches, num_loss)))
+    have = dict(zip(("token", "patch", "loss"), pack_sizes(pack)))
+    changes = {}
+    for axis, names in (("token", _TOKEN_AXIS), ("patch", _PATCH_AXIS), ("loss", _LOSS_AXIS)):
+        if sizes[axis] < have[axis]:
+            raise ValueError(f"pad_pack: {axis} axis is {have[axis]}, cannot pad to {sizes[axis]}")
+        for name in names:
+            value = getattr(pack, name)
+            if value is None:
+                if axis == "patch" and num_patches and pack.vit_patches is None:
+                    value = _empty_patch_field(name, pack.num_rows, pack.tokens)
+                else:
+                    continue
+            widths = [(0, 0)] * value.ndim
+            widths[1] = (0, sizes[axis] - value.shape[1])
+            changes[name] = np.pad(value, widths, constant_values=_PAD_VALUE.get(name, 0))
+    return pack.replace(**changes)
+
+
+def _empty_patch_field(name: str, rows: int, like: np.ndarray) -> np.ndarray:
+    # A process whose samples have no image, next to processes whose samples do.
+    if name == "vit_patches":
+        return np.zeros((rows, 0, 588), np.float32)
+    return np.zeros((rows, 0), like.dtype)
+
+
+def put_rows(pack: Pack, mesh, *, sample_offset: int = 0) -> Pack:
+    """This process's Pack rows -> the global Pack on the mesh (rows over data x fsdp).
+
+    Every process calls it with its own rows (same row count); shapes are agreed across
+    processes and padded; `loss_sample` is shifted by `sample_offset` (this process's first
+    sample in the global micro-batch).
+    """
+    if jax.process_count() > 1:
+        row_length, patches, loss = all_processes(pack_sizes(pack)).max(axis=0).tolist()
+        pack = pad_pack(pack, row_length, patches, loss)
+    if sample_offset and pack.loss_sample is not None:
+        pack = pack.replace(loss_sample=pack.loss_sample + sample_offset)
+
+    def put(x):
+        if x is None:
+            return None
+        return jax.make_array_from_process_local_data(mesh_lib.batch_sharding(mesh, x.ndim), x)
+
+    return jax.tree.map(put, pack)
+
+
+def local_row_offset(array: jax.Array) -> int:
+    """The first global row this process holds of a row-sharded array (its rows are contiguous)."""
+    starts = [shard.index[0].start or 0 for shard in array.addressable_shards]
+    return min(starts)
+
+
+def as_python(x: Any) -> Any:
+    """A small replicated value (scalar metric) as a Python number."""
+    return to_host(x).item()

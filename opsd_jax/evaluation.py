@@ -1,0 +1,600 @@
+"""Exact-match evaluation of a BAGEL-family model on held-out Visual-OPSD samples.
+
+What: sample one completion per problem with our batched sampler, pull the final answer out of
+it, compare it with the reference, and report exact-match accuracy per dataset and overall, the
+mean completion length and the share of completions that wrote an `<answer>` tag. Two contexts:
+
+* `student`: the prompt the policy sees at training and test time, [system?, problem image,
+  question] (`opsd_packs.build_prompt_pack`);
+* `teacher`: the teacher's view with the privileged visual-thought (VT) images
+  (`opsd_packs.teacher_context_items`); with `PromptOptions(noise_vt=True)` the VT pixels are
+  Gaussian noise, the paper's control. The gap between the two says how much the VT helps.
+
+Why here and not in the trainer: the same code runs from `scripts/evaluate.py` (an HF directory
+or a training checkpoint) and from the training loop every `eval_every` steps on the live
+student (`evaluate(model, samples, tokenizer, ...)`), so both report the same numbers.
+
+Answer extraction (`extract_answer`), in order:
+1. the content of the last complete `<answer>...</answer>`;
+2. a completion cut off inside its answer: the text after the last unclosed `<answer>`;
+3. no tag: the text after the last "answer is" / "answer:" (any case, "final" allowed before it),
+   up to the end of that line, the next tag, or the end of the sentence;
+4. otherwise None (counted as wrong).
+
+Normalisation (`normalize_answer`): Unicode NFKC, lower case, whitespace collapsed, `\\boxed{}` /
+`\\text{}` unwrapped, surrounding quotes / `*` / `$` and trailing punctuation removed; option
+letters written "(B)", "[B]", "B)", "B.", "option B" become "b"; numbers compare by value
+("3.0" == "3" == "03", "1,000" == "1000"). `is_correct` also accepts "(B) the blue square" for
+the reference "B": a leading option marker followed by text, when the reference is a letter.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import time
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.pack import Pack
+from opsd_jax import mesh as mesh_lib
+from opsd_jax import sampler as sampler_lib
+from opsd_jax.opsd_packs import (
+    PromptOptions,
+    bucket,
+    build_prompt_pack,
+    teacher_context_items,
+)
+from opsd_jax.packing import Image, SpecialTokens, pack_samples, sample_length
+
+CONTEXTS = ("student", "teacher")
+
+# ----------------------------------------------------------------------------------------------
+# Answers
+# ----------------------------------------------------------------------------------------------
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+_OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_PHRASE = re.compile(r"(?:final\s+)?answer\s*(?:is\b|:)\s*", re.IGNORECASE)
+# The end of a phrase answer: a line break, the next tag, or a sentence end (". " or "." at the
+# end), so "the answer is 3.5 m." keeps "3.5 m" and "the answer is B. Because ..." keeps "B".
+_PHRASE_END = re.compile(r"\n|<|[.!?](?=\s|$)")
+_WRAPPERS = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{([^{}]*)\}")
+_OPTION = re.compile(r"(?:(?:option|choice)\s*)?[(\[]?([a-z])[)\]]?")
+_LEADING_OPTION = re.compile(r"(?:(?:option|choice)\s*)?[(\[]?([a-z])[)\].:](?:\s|$)")
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer written in a completion (see the module docstring for the rules)."""
+    tagged = _ANSWER_TAG.findall(text)
+    if tagged:
+        return tagged[-1].strip()
+    opened = list(_OPEN_TAG.finditer(text))
+    if opened:
+        rest = text[opened[-1].end() :].strip()
+        return rest or None
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    if phrases:
+        rest = text[phrases[-1].end() :]
+        end = _PHRASE_END.search(rest)
+        rest = (rest[: end.start()] if end else rest).strip()
+        return rest or None
+    return None
+
+
+def normalize_answer(answer: str) -> str:
+    """A canonical form for exact-match comparison (see the module docstring)."""
+    s = unicodedata.normalize("NFKC", answer).strip().lower()
+    previous = None
+    while previous != s:  # nested wrappers: \boxed{\text{b}}
+        previous, s = s, _WRAPPERS.sub(r"\1", s)
+    s = re.sub(r"\s+", " ", s)
+    previous = None
+    while previous != s:  # quotes, markdown bold, math dollars and trailing punctuation, any order
+        previous = s
+        s = s.strip(" '\"`*$").rstrip(".,;:!?。")
+    option = _OPTION.fullmatch(s)
+    if option:
+        return option.group(1)
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if _NUMBER.fullmatch(s):
+        value = float(s)
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))  # also turns "-0" into "0"
+        return repr(value)
+    return s
+
+
+def is_correct(prediction: str | None, reference: str) -> bool:
+    """Exact match after normalisation; a missing prediction is wrong."""
+    if prediction is None:
+        return False
+    predicted, expected = normalize_answer(prediction), normalize_answer(reference)
+    if predicted == expected:
+        return True
+    if len(expected) == 1 and expected.isalpha():
+        # Multiple choice: "(b) the blue square" answers "B".
+        leading = _LEADING_OPTION.match(predicted)
+        return bool(leading) and leading.group(1) == expected
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+# ----------------------------------------------------------------------------------------------
+
+
+def build_teacher_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,
+                              num_rows: int | None = None) -> Pack:  # fmt: skip
+    """The teacher's context (VT images included) as a sampler prompt: one per row, bucketed."""
+    items = [teacher_context_items(s, encode, options) for s in samples]
+    longest = max(sample_length(i) for i in items)
+    patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
+    return pack_samples(items, row_length=bucket(longest), num_rows=num_rows,
+                        max_patches=bucket(patches), special=special,
+                        one_sample_per_row=True)  # fmt: skip
+
+
+def build_context_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,
+                              context: str, num_rows: int | None = None) -> Pack:  # fmt: skip
+    """Sampler prompts in the `student` or `teacher` context."""
+    if context == "student":
+        return build_prompt_pack(samples, encode, options, special, num_rows=num_rows)
+    if context == "teacher":
+        return build_teacher_prompt_pack(samples, encode, options, special, num_rows=num_rows)
+    raise ValueError(f"context={context!r}: allowed values are {', '.join(map(repr, CONTEXTS))}")
+
+
+def place_rows(pack: Pack, mesh: jax.sharding.Mesh | None) -> Pack:
+    """Shard a pack's rows over the mesh's batch axes when they divide; else leave it on host.
+
+    Every process must pass the same pack (evaluation reads the whole held-out set on every
+    host), so each device's shard is cut from the full host copy.
+    """
+    if mesh is None:
+        return pack
+    batch_devices = int(np.prod([mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
+    if pack.num_rows % batch_devices:
+        return pack  # replicated: correct, just not split over devices
+
+    def put(x):
+        x = np.asarray(x)
+        sharding = mesh_lib.batch_sharding(mesh, x.ndim)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(put, pack)
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Per-sample records and the summary of one evaluation.
+
+    records: one dict per sample, in input order: pid, dataset, question, reference,
+      generation, extracted, correct, completion_length, finished, has_answer_tag.
+    summary: {"overall": metrics, "datasets": {name: metrics}, "settings": {...}}, metrics =
+      num_samples, accuracy, mean_completion_length, answer_tag_rate, finished_rate (overall
+      also macro_accuracy, the mean of the per-dataset accuracies).
+    """
+
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+
+    def scalars(self, prefix: str = "eval") -> dict[str, float]:
+        """Flat metrics for a MetricsLogger: `eval/accuracy`, `eval/<dataset>/accuracy`, ..."""
+        out = {}
+        for key, value in self.summary["overall"].items():
+            out[f"{prefix}/{_SCALAR_NAMES.get(key, key)}"] = float(value)
+        for name, metrics in self.summary["datasets"].items():
+            for key in ("accuracy", "answer_tag_rate", "mean_completion_length"):
+                out[f"{prefix}/{name}/{_SCALAR_NAMES.get(key, key)}"] = float(metrics[key])
+        return out
+
+
+_SCALAR_NAMES = {"mean_completion_length": "completion_length"}
+
+
+def _group_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    n = len(records)
+    mean = lambda key: float(np.mean([float(r[key]) for r in records])) if n else 0.0
+    return {
+        "num_samples": n,
+        "accuracy": mean("correct"),
+        "mean_completion_length": mean("completion_length"),
+        "answer_tag_rate": mean("has_answer_tag"),
+        "finished_rate": mean("finished"),
+    }
+
+
+def summarize(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any] | None = None):
+    """The summary dict of `EvalResult` from per-sample records (datasets in first-seen order)."""
+    by_dataset = collections.defaultdict(list)
+    for record in records:
+        by_dataset[record["dataset"]].append(record)
+    datasets = {name: _group_metrics(group) for name, group in by_dataset.items()}
+    overall = _group_metrics(records)
+    overall["macro_accuracy"] = (
+        float(np.mean([m["accuracy"] for m in datasets.values()])) if datasets else 0.0
+    )
+    return {"overall": overall, "datasets": datasets, "settings": dict(settings or {})}
+
+
+SampleFn = Callable[..., sampler_lib.Completions]
+
+
+def evaluate(
+    model,
+    samples: Sequence,
+    tokenizer,
+    *,
+    options: PromptOptions | None = None,
+    context: str = "student",
+    max_new_tokens: int = 1024,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    batch_size: int = 8,
+    max_image_skips: int = 0,
+    seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    cache_dtype: str = "bfloat16",
+    sample_fn: SampleFn = sampler_lib.sample,
+    log: Callable[[str], None] | None = None,
+) -> EvalResult:
+    """Sample a completion for every sample in `context` and score its extracted answer.
+
+    model: an nnx Bagel (e.g. the trainer's live student: `nnx.merge(graphdef, params, rest)`).
+    samples: `opsd_jax.data.pipeline.Sample`s (see `load_eval_samples`).
+    tokenizer: a `BagelTokenizer` (encode, decode, special_tokens(), vocab_length).
+    options: the prompt options of the run (system prompt, VT toggles, noise_vt, ...);
+      None = PromptOptions() defaults.
+    do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
+      `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
+    mesh: shard the prompt rows over it (when `batch_size` divides) and sample under it.
+    sample_fn: `opsd_jax.sampler.sample` or a drop-in with its signature (tests script outputs).
+    log: called with a progress line after every batch (e.g. `print`).
+
+    Every batch has `batch_size` rows (the last is padded by repeating its final sample and
+    the padding is dropped), so the sampler compiles once per prompt-length bucket.
+    """
+    if context not in CONTEXTS:
+        raise ValueError(
+            f"context={context!r}: allowed values are {', '.join(map(repr, CONTEXTS))}"
+        )
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not samples:
+        raise ValueError("evaluate(): no samples")
+    options = PromptOptions() if options is None else options
+    special = tokenizer.special_tokens()
+    rng = jax.random.key(seed)
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    num_batches = -(-len(samples) // batch_size)
+    for batch_index in range(num_batches):
+        first = batch_index * batch_size
+        batch = list(samples[first : first + batch_size])
+        real = len(batch)
+        batch += [batch[-1]] * (batch_size - real)
+        prompt_pack = build_context_prompt_pack(batch, tokenizer.encode, options, special, context)
+        row_ids = np.minimum(np.arange(first, first + batch_size), len(samples) - 1)
+        sampling = {
+            "special": special, "vocab_limit": tokenizer.vocab_length, "max_new_tokens": max_new_tokens,
+            "temperature": temperature, "do_sample": do_sample, "max_image_skips": max_image_skips,
+            "decode_text": tokenizer.decode, "row_ids": row_ids, "cache_dtype": cache_dtype,
+        }  # fmt: skip
+        if mesh is None:
+            completions = sample_fn(model, prompt_pack, rng, **sampling)
+        else:
+            with jax.set_mesh(mesh):
+                completions = sample_fn(model, place_rows(prompt_pack, mesh), rng, **sampling)
+        for row in range(real):
+            sample = batch[row]
+            text = tokenizer.decode(completions.row(row))
+            extracted = extract_answer(text)
+            records.append({
+                "pid": sample.pid,
+                "dataset": sample.dataset,
+                "question": sample.question,
+                "reference": sample.answer,
+                "generation": text,
+                "extracted": extracted,
+                "correct": is_correct(extracted, sample.answer),
+                "completion_length": int(completions.lengths[row]),
+                "finished": bool(completions.finished[row]),
+                "has_answer_tag": bool(_ANSWER_TAG.search(text)),
+            })  # fmt: skip
+        if log is not None:
+            done = len(records)
+            accuracy = np.mean([r["correct"] for r in records])
+            log(f"eval [{context}] {done}/{len(samples)} samples, running accuracy "
+                f"{accuracy:.1%}, {time.perf_counter() - start:.1f}s")  # fmt: skip
+    settings = {
+        "context": context, "noise_vt": options.noise_vt, "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample, "temperature": temperature if do_sample else None,
+        "batch_size": batch_size, "max_image_skips": max_image_skips, "seed": seed,
+    }  # fmt: skip
+    return EvalResult(records, summarize(records, settings))
+
+
+def load_eval_samples(data_config, split: str = "eval", max_per_dataset: int | None = None,
+                      log: Callable[[str], None] | None = None) -> list:  # fmt: skip
+    """Every usable sample of `split` (default: the held-out split), dataset after dataset.
+
+    data_config: an `opsd_jax.data.sources.DataConfig`. `max_per_dataset` caps the rows read
+    from each dataset (the first ones in file order; rows the pipeline skips as bad are not
+    replaced). Every process reads all of them (evaluation is not sharded by host).
+    """
+    from opsd_jax.data.pipeline import make_iterator  # deferred: grain is only needed here
+
+    if max_per_dataset is not None:
+        if max_per_dataset < 1:
+            raise ValueError(f"max_per_dataset must be >= 1, got {max_per_dataset}")
+        specs = tuple(
+            dataclasses.replace(
+                spec,
+                num_used_data=max_per_dataset
+                if spec.num_used_data == -1
+                else min(spec.num_used_data, max_per_dataset),
+            )
+            for spec in data_config.datasets
+        )
+        data_config = dataclasses.replace(data_config, datasets=specs)
+    iterator = make_iterator(data_config, split, process_index=0, process_count=1)
+    samples = list(iterator)
+    skipped = {reason: n for reason, n in iterator.skipped.items() if n}
+    if log is not None:
+        counts = collections.Counter(s.dataset for s in samples)
+        log(f"{len(samples)} {split} samples: {dict(counts)}"
+            + (f"; skipped rows: {skipped}" if skipped else ""))  # fmt: skip
+    if not samples:
+        raise ValueError(f"no usable samples in split {split!r} of "
+                         f"{[d.name for d in data_config.datasets]} (skipped: {skipped})")  # fmt: skip
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------
+# Output files
+# ----------------------------------------------------------------------------------------------
+
+
+def write_generations_jsonl(records: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> None:
+    """One JSON object per sample (the `EvalResult.records` fields)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
+def write_summary_json(summary: Mapping[str, Any], path: str | os.PathLike) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def markdown_table(summary: Mapping[str, Any]) -> str:
+    """The summary as a Markdown table: one line per dataset, then the overall line."""
+    lines = [
+        "| dataset | samples | accuracy | answer tag | finished | mean length |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+
+    def line(name, m):
+        return (f"| {name} | {m['num_samples']} | {m['accuracy']:.1%} | "
+                f"{m['answer_tag_rate']:.1%} | {m['finished_rate']:.1%} | "
+                f"{m['mean_completion_length']:.1f} |")  # fmt: skip
+
+    for name, metrics in summary["datasets"].items():
+        lines.append(line(name, metrics))
+    lines.append(line("**overall**", summary["overall"]))
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown_table(summary: Mapping[str, Any], path: str | os.PathLike) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(markdown_table(summary))
+
+
+def save_results(result: EvalResult, out_dir: str | os.PathLike, name: str = "eval"):
+    """`<name>_generations.jsonl`, `<name>_summary.json`, `<name>_table.md` under out_dir."""
+    paths = {
+        "generations": os.path.join(out_dir, f"{name}_generations.jsonl"),
+        "summary": os.path.join(out_dir, f"{name}_summary.json"),
+        "table": os.path.join(out_dir, f"{name}_table.md"),
+    }
+    write_generations_jsonl(result.records, paths["generations"])
+    write_summary_json(result.summary, paths["summary"])
+    write_markdown_table(result.summary, paths["table"])
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading runs, configs and models (shared by scripts/evaluate.py and scripts/kl_diagnostic.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A `configs/<name>.py` file's `get_config()` as a plain dict."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"_eval_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"--config {path}: defines no get_config()")
+    config = module.get_config()
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def checkpoint_step_dir(path: str | os.PathLike) -> str:
+    """The step directory of a training checkpoint: `path` itself if it is one, else the latest
+    complete step (with orbax's commit marker) of `path` or of `path/checkpoints`."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
+    if os.path.basename(path).isdigit():
+        return path
+    for root in (path, os.path.join(path, "checkpoints")):
+        if not os.path.isdir(root):
+            continue
+        steps = [int(n) for n in os.listdir(root)
+                 if n.isdigit() and os.path.isfile(os.path.join(root, n, "commit_success.txt"))]  # fmt: skip
+        if steps:
+            return os.path.join(root, str(max(steps)))
+    raise FileNotFoundError(f"--checkpoint {path}: no complete checkpoint step in it "
+                            "(or in its checkpoints/ folder)")  # fmt: skip
+
+
+def checkpoint_config(step_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The training config saved with a checkpoint step (its JSON `config` item), if any."""
+    item = os.path.join(step_dir, "config", "metadata")
+    if not os.path.isfile(item):
+        return None
+    with open(item, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def prompt_options_from_config(config: Mapping[str, Any], noise_vt: bool | None = None):
+    """PromptOptions from a training config (the names of configs/common.py); empty texts keep
+    our default wording, as in the trainer."""
+    defaults = PromptOptions()
+    get = lambda key, default: config.get(key, default)
+    return PromptOptions(
+        use_system_prompt=get("use_system_prompt", defaults.use_system_prompt),
+        system_prompt=get("system_prompt", "") or defaults.system_prompt,
+        use_reference_intro=get("use_reference_intro", defaults.use_reference_intro),
+        reference_intro=get("reference_intro", "") or defaults.reference_intro,
+        use_transition_prompt=get("use_transition_prompt", defaults.use_transition_prompt),
+        transition_prompt=get("transition_prompt", "") or defaults.transition_prompt,
+        instruction_suffix=get("instruction_suffix", defaults.instruction_suffix),
+        privileged_thoughts=get("privileged_thoughts", defaults.privileged_thoughts),
+        privileged_answer=get("privileged_answer", defaults.privileged_answer),
+        noise_vt=get("noise_vt", defaults.noise_vt) if noise_vt is None else noise_vt,
+        max_reference_rounds=get("max_reference_rounds", defaults.max_reference_rounds),
+        noise_seed=get("global_seed", defaults.noise_seed),
+    )  # fmt: skip
+
+
+def data_config_from(config: Mapping[str, Any] | None, datasets: Sequence[str] = (),
+                     image_transform: Any = None):  # fmt: skip
+    """A DataConfig from a training config's `data` section and/or `name=path` dataset strings.
+
+    `datasets` (e.g. from the command line) replace the config's datasets. Relative config paths
+    are read under `data_root`; a toy config whose paths are empty uses
+    `<results_dir>/toy/data/<name>` (where the trainer writes the toy set).
+    """
+    from opsd_jax.data.sources import DataConfig
+
+    data = dict((config or {}).get("data") or {})
+    if datasets:
+        specs = []
+        for text in datasets:
+            name, sep, path = text.partition("=")
+            if not sep:  # a bare path: the folder name is the dataset name
+                name, path = os.path.basename(os.path.normpath(text)), text
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"--data {text}: path {path!r} does not exist")
+            specs.append({"name": name, "path": path})
+        data["datasets"] = specs
+    elif config is not None:
+        specs = []
+        for spec in data.get("datasets") or []:
+            spec = dict(spec)
+            path = spec.get("path", "")
+            if not path and config.get("toy_data"):
+                path = os.path.join(config.get("results_dir", ""), "toy", "data", spec["name"])
+            elif path and config.get("data_root") and not os.path.isabs(path):
+                path = os.path.join(config["data_root"], path)
+            if not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"dataset {spec.get('name')!r}: path {path!r} does not exist (train once with "
+                    "this config to write the toy data, or give --data name=path)")  # fmt: skip
+            specs.append(dict(spec, path=path))
+        data["datasets"] = specs
+    if not data.get("datasets"):
+        raise ValueError("no datasets: give --config (with data.datasets) or --data name=path")
+    if image_transform is not None:
+        data["image_transform"] = image_transform
+    if config is not None:
+        data["max_reference_rounds"] = config.get("max_reference_rounds",
+                                                  data.get("max_reference_rounds", 8))  # fmt: skip
+        data["seed"] = config.get("global_seed", 0)
+    return DataConfig.from_dict(data)
+
+
+def model_dir_from_config(config: Mapping[str, Any]) -> str | None:
+    """A config's `model_path`; for a toy config without one, where the trainer writes the toy
+    model (`<results_dir>/toy/model`)."""
+    if config.get("model_path"):
+        return config["model_path"]
+    if config.get("toy_data"):
+        return os.path.join(config.get("results_dir", ""), "toy", "model")
+    return None
+
+
+def cache_dtype_for(compute_dtype: str | None) -> str:
+    """The sampler's KV-cache dtype: float32 for float32 compute (exact), else bfloat16."""
+    return "float32" if compute_dtype == "float32" else "bfloat16"
+
+
+def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
+               which: str = "params", compute_dtype: str | None = None,
+               mesh: jax.sharding.Mesh | None = None, weights: str | None = None,
+               log: Callable[[str], None] | None = None):  # fmt: skip
+    """(model, tokenizer, run config or None) from an HF directory and/or a training checkpoint.
+
+    With `checkpoint`, the architecture and tokenizer come from `model_dir` or, when that is
+    None, from the `model_path` in the checkpoint's saved config; the `which` item
+    ('params' | 'ema_params') is then restored into it.
+    """
+    from flax import nnx
+
+    from opsd_jax.checkpoint import restore_model_params
+    from opsd_jax.hf import load_hf
+
+    run_config = None
+    step_dir = None
+    if checkpoint:
+        step_dir = checkpoint_step_dir(checkpoint)
+        run_config = checkpoint_config(step_dir)
+        if model_dir is None:
+            model_dir = model_dir_from_config(run_config or {})
+            if model_dir is None:
+                raise ValueError(f"--checkpoint {checkpoint}: its config names no model_path; "
+                                 "give --model_dir (the HF directory the run started from)")  # fmt: skip
+    if model_dir is None:
+        raise ValueError("give --model_dir (an HF directory) or --checkpoint (a training run)")
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+    if compute_dtype is None:
+        compute_dtype = (run_config or {}).get("compute_dtype", "bfloat16")
+    start = time.perf_counter()
+    model, _, tokenizer = load_hf(model_dir, mesh=mesh, weights=weights,
+                                  config_changes={"llm": {"compute_dtype": compute_dtype}})  # fmt: skip
+    if step_dir is not None:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
+        params = restore_model_params(step_dir, abstract, which=which)
+        model = nnx.merge(graphdef, params, rest)
+    if log is not None:
+        source = f"{which} of {step_dir} on " if step_dir else ""
+        log(f"model: {source}{model_dir} ({compute_dtype}), {tokenizer.vocab_length} tokenizer "
+            f"ids, loaded in {time.perf_counter() - start:.1f}s")  # fmt: skip
+    return model, tokenizer, run_config

@@ -1,0 +1,138 @@
+"""SFT baseline packs: plain cross-entropy on the reference text-only reasoning and answer.
+
+    context  [system?] [problem image] [question + instruction_suffix]          (student view)
+         or  the teacher view with the VT images (a `vt_fraction` share of samples)
+    target   [<|im_start|> <think>thought</think><answer>answer</answer> <|im_end|>]   (CE)
+
+Why: the SFT baseline of issue #8 shares the data, packing, step and checkpoint code with
+Visual-OPSD, so the two are compared on equal terms. The target is the ThinkMorph output format
+(opsd_loss_spec.md §c.2) with the curated text-only chain of thought (`full_text_only_thought`,
+§c.1) in place of the interleaved thought/VT/thought, because the model is trained to write text
+only. A sample without `full_text_only_thought` falls back to its text thoughts joined with a
+space; a sample with neither gets just `<answer>...</answer>`.
+
+The VT context is for training a model that reads VT images (stage 1 of the toy experiment,
+scripts/toy_experiment.py); which samples get it is drawn per (seed, step), so a sample is seen in
+both contexts over the epochs and a resumed run draws the same choices.
+
+A sample whose context plus target exceeds `max_forward_tokens` is dropped, not truncated: a cut
+target would lose the answer and teach `<|im_end|>` where the reasoning stops mid-way. Row length,
+patches per row and loss entries per row are rounded up to powers of two (as for the OPSD packs)
+so the jitted step compiles for a few shapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.pack import Pack
+from opsd_jax.opsd_packs import (
+    Encode,
+    PromptOptions,
+    bucket,
+    prompt_items,
+    teacher_context_items,
+)
+from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+
+
+def target_text(sample) -> str:
+    """The reference completion as the model should write it (text-only thought, then answer)."""
+    thought = sample.full_text_only_thought
+    if not thought:
+        thought = " ".join(t for t in sample.thoughts if t)
+    answer = f"<answer>{sample.answer}</answer>"
+    return f"<think>{thought}</think>{answer}" if thought else answer
+
+
+def choose_vt(num: int, fraction: float, seed: int, step: int) -> list[bool]:
+    """Which of `num` samples get the VT (teacher) context: a seeded draw per (seed, step)."""
+    if fraction <= 0.0:
+        return [False] * num
+    if fraction >= 1.0:
+        return [True] * num
+    return (np.random.default_rng([seed, step, 0x5F7]).random(num) < fraction).tolist()
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTPacks:
+    pack: Pack
+    kept: list[int]  # indices of the samples in the pack (over-long ones are dropped)
+    targets: list[list[int]]  # the encoded target of every kept sample
+    with_vt: list[bool]  # per kept sample: trained in the VT context
+    num_dropped: int
+    padding_fraction: float  # share of padding tokens in the pack
+
+
+def build_sft_packs(
+    samples,
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    *,
+    num_rows: int,
+    max_forward_tokens: int,
+    use_vt: Sequence[bool] | None = None,
+) -> SFTPacks:
+    """One CE pack of `samples` in `num_rows` rows; `use_vt[i]` picks sample i's context."""
+    use_vt = [False] * len(samples) if use_vt is None else list(use_vt)
+    if len(use_vt) != len(samples):
+        raise ValueError(f"{len(samples)} samples but {len(use_vt)} use_vt flags")
+    items, kept, targets, with_vt = [], [], [], []
+    for index, (sample, vt) in enumerate(zip(samples, use_vt)):
+        context = (teacher_context_items if vt else prompt_items)(sample, encode, options)
+        target = encode(target_text(sample))
+        sample_items = context + [Text(target, loss=True)]
+        if sample_length(sample_items) > max_forward_tokens:
+            continue
+        items.append(sample_items)
+        kept.append(index)
+        targets.append(target)
+        with_vt.append(vt)
+    if not kept:
+        raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
+
+    lengths = [sample_length(i) for i in items]
+    row_length = bucket(max(lengths))
+    rows_of = _first_fit_rows(lengths, row_length, num_rows)
+    while rows_of is None:  # more samples than rows of this length hold: try longer rows
+        row_length *= 2
+        rows_of = _first_fit_rows(lengths, row_length, num_rows)
+
+    def per_row(count) -> int:
+        totals = np.zeros(num_rows, np.int64)
+        for row, item in zip(rows_of, items):
+            totals[row] += count(item)
+        return int(totals.max())
+
+    def patches(item) -> int:
+        return sum(len(it.patches) for it in item if isinstance(it, Image))
+
+    pack = pack_samples(
+        items,
+        row_length=bucket(per_row(sample_length)),
+        num_rows=num_rows,
+        max_patches=bucket(per_row(patches)),
+        max_loss_entries=bucket(per_row(lambda i: len(i[-1].ids) + 1)),
+        special=special,
+        rows_of=rows_of,
+    )
+    padding = float(1.0 - (pack.segment_ids > 0).mean())
+    return SFTPacks(pack, kept, targets, with_vt, len(samples) - len(kept), padding)
+
+
+def _first_fit_rows(lengths: list[int], row_length: int, num_rows: int) -> list[int] | None:
+    # Longest first packs tighter; None when the samples need more than num_rows rows. Every
+    # sample fits one row here (row_length >= the longest), so doubling always terminates.
+    free = [row_length] * num_rows
+    rows = [0] * len(lengths)
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(num_rows) if free[r] >= lengths[index]), None)
+        if row is None:
+            return None
+        free[row] -= lengths[index]
+        rows[index] = row
+    return rows

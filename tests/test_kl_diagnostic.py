@@ -1,0 +1,146 @@
+"""K_gen: the KL math against numpy, exactly 0 for identical contexts, positive with VT images,
+and the chunked per-entry KL equal to numpy's KL of the full [R, C, V] logits."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from opsd_jax import kl_diagnostic
+from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
+from opsd_jax.data.pipeline import Sample
+from opsd_jax.hf import load_hf
+from opsd_jax.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.packing import SpecialTokens
+from scripts import make_toy_model
+
+SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
+VOCAB_LIMIT = 1004  # rows 1004.. of the tiny embedding table are padding
+
+
+class CharTokenizer:
+    """Enough of BagelTokenizer for the diagnostic: one id per character."""
+
+    vocab_length = VOCAB_LIMIT
+
+    def encode(self, text):
+        return [ord(c) % 900 + 10 for c in text]
+
+    def special_tokens(self):
+        return SPECIAL
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """BagelConfig.tiny() with the toy checkpoint's random weights (loading them is much faster
+    than Bagel's op-by-op initialisation on CPU); its tokenizer is not used."""
+    model_dir = make_toy_model.write_toy_model(tmp_path_factory.mktemp("kl_model"), dtype="fp32",
+                                               corpus=["a b c"], tokenizer_vocab_size=300)  # fmt: skip
+    model, config, _ = load_hf(model_dir, tokenizer=False,
+                               config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip
+    assert config.llm.vocab_size > VOCAB_LIMIT
+    return model
+
+
+def samples(num=3, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def vit(h, w):
+        return VitImageInputs(rng.uniform(-1, 1, (h * w, 588)).astype(np.float32),
+                              vit_position_ids(h, w), h, w)  # fmt: skip
+
+    return [
+        Sample(pid=f"p{i}", dataset="even" if i % 2 == 0 else "odd", question=f"what is {i}?",
+               answer=str(i), problem_image=vit(2, 2), vt_images=[vit(2, 1)],
+               thoughts=["first", "then"], full_text_only_thought=f"it is {i}" if i else None)
+        for i in range(num)
+    ]  # fmt: skip
+
+
+def test_kl_from_logits_matches_numpy():
+    rng = np.random.default_rng(1)
+    teacher, student = rng.normal(0, 2, (2, 3, 11)), rng.normal(0, 2, (2, 3, 11))
+
+    def log_softmax(x):
+        return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
+            -1, keepdims=True)  # fmt: skip
+
+    for limit in (None, 7):
+        t, s = teacher[..., :limit], student[..., :limit]
+        expected = (np.exp(log_softmax(t)) * (log_softmax(t) - log_softmax(s))).sum(-1)
+        got = kl_diagnostic.kl_from_logits(jnp.asarray(teacher, jnp.float32),
+                                           jnp.asarray(student, jnp.float32), limit)  # fmt: skip
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
+    same = kl_diagnostic.kl_from_logits(jnp.asarray(teacher), jnp.asarray(teacher))
+    assert float(jnp.abs(same).max()) == 0.0
+
+
+def test_reference_completion_format():
+    with_text, without_text = samples(2)[1], samples(2)[0]
+    assert kl_diagnostic.reference_completion(with_text) == (
+        "<think>it is 1</think><answer>1</answer>")  # fmt: skip
+    # No text-only thought: the sample's thoughts stand in for it.
+    assert kl_diagnostic.reference_completion(without_text) == (
+        "<think>first then</think><answer>0</answer>")  # fmt: skip
+
+
+def test_identical_contexts_give_zero_and_vt_gives_positive(model):
+    tokenizer = CharTokenizer()
+    data = samples(3)
+    # Without VT images, intro and transition the teacher's context is the student's.
+    bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
+    no_vt = [dataclasses.replace(s, vt_images=[]) for s in data]
+    same = kl_diagnostic.kl_diagnostic(model, no_vt, tokenizer, options=bare, batch_size=3)
+    expected_tokens = [len(tokenizer.encode(kl_diagnostic.reference_completion(s))) + 1
+                       for s in data]  # fmt: skip
+    assert [r["num_tokens"] for r in same.records] == expected_tokens
+    assert [r["pid"] for r in same.records] == ["p0", "p1", "p2"]
+    all_tokens = np.concatenate(list(same.token_kl.values()))
+    assert all_tokens.size == sum(expected_tokens)
+    assert np.abs(all_tokens).max() <= 1e-6
+
+    # chunk_size=4: the shapes of test_chunked_entry_kl_equals_full_logits (one compile for both).
+    with_vt = kl_diagnostic.kl_diagnostic(model, data, tokenizer, options=bare, batch_size=3,
+                                          chunk_size=4)  # fmt: skip
+    noise = kl_diagnostic.kl_diagnostic(model, data, tokenizer, batch_size=3, chunk_size=4,
+                                        options=dataclasses.replace(bare, noise_vt=True))  # fmt: skip
+    for result in (with_vt, noise):
+        assert result.summary["overall"]["num_tokens"] == sum(expected_tokens)
+        assert result.summary["overall"]["mean"] > 1e-5
+        assert set(result.summary["datasets"]) == {"even", "odd"}
+        assert result.summary["datasets"]["even"]["num_samples"] == 2
+    assert with_vt.summary["overall"]["mean"] != noise.summary["overall"]["mean"]
+    table = kl_diagnostic.markdown_table({"VT": with_vt, "noise VT": noise})
+    assert "| even | 2 |" in table and "**overall**" in table
+
+
+def test_chunked_entry_kl_equals_full_logits(model):
+    tokenizer = CharTokenizer()
+    data = samples(3)
+    completions = [tokenizer.encode(kl_diagnostic.reference_completion(s)) for s in data]
+    bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
+    packs = build_training_packs(data, completions, tokenizer.encode, bare, SPECIAL,
+                                 num_rows=3, max_forward_tokens=10240)  # fmt: skip
+    chunked = kl_diagnostic.entry_kl(model, packs.student, packs.teacher, VOCAB_LIMIT,
+                                     chunk_size=4)  # fmt: skip
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def logits(graphdef, params, pack):
+        merged = nnx.merge(graphdef, params)
+        return merged.logits_at(merged(pack), pack.loss_rows)
+
+    teacher = np.asarray(logits(*nnx.split(model), packs.teacher), np.float64)[..., :VOCAB_LIMIT]
+    student = np.asarray(logits(*nnx.split(model), packs.student), np.float64)[..., :VOCAB_LIMIT]
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    reference = np.exp(log_softmax(teacher)) * (log_softmax(teacher) - log_softmax(student))
+    reference = np.where(packs.student.loss_mask, reference.sum(-1), 0.0)
+    np.testing.assert_allclose(chunked, reference, atol=2e-5, rtol=1e-4)
+    assert (chunked[packs.student.loss_mask] > 0).all()

@@ -1,0 +1,146 @@
+"""Multi-host training on JAX's distributed runtime, with two local processes standing in for hosts.
+
+Two `train.py` processes (4 CPU devices each, coordinator on 127.0.0.1) train the tiny config on
+a 2 x 4 mesh, each reading, sampling and packing only its own share of every batch. The result
+must equal one process driving all 8 devices over the same data stream. The two-process run
+stops after step 1 and a second two-process launch resumes it from the checkpoint both wrote,
+so orbax's multi-process save and restore are part of what is compared. (Two steps only: every
+launch compiles the whole step for 8 devices on a 2-core CI machine.)
+"""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# 8 samples per step on 8 rows, so every device holds a row and each process feeds 4.
+COMMON = [
+    "--config.progress_bar=False",
+    "--config.num_replicate=2",
+    "--config.num_shard=4",
+    "--config.samples_per_micro_batch=8",
+    "--config.rows_per_micro_batch=8",
+    "--config.gradient_accumulation_steps=1",
+    "--config.sample_max_new_tokens=8",
+    "--config.save_every=1",
+    "--config.log_every=1",
+    # Full lr from step 1; eps well above float noise: with the recipe's eps=1e-15 Adam turns a
+    # last-bit difference in a ~0 gradient entry (summation order: the runs pack rows
+    # differently) into a full +-lr step, which would hide what this test is about.
+    "--config.warmup_steps=0",
+    "--config.lr_scheduler=constant",
+    "--config.eps=1e-6",
+]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _command(results_dir, total_steps, *extra):
+    return [sys.executable, "train.py", "--config", "configs/tiny.py",
+            f"--config.results_dir={results_dir}", f"--config.total_steps={total_steps}",
+            *COMMON, *extra]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_two_processes(results_dir, total_steps, model_path):
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            _command(results_dir, total_steps, f"--config.model_path={model_path}",
+                     "--config.distributed=True", f"--config.coordinator_address=127.0.0.1:{port}",
+                     "--config.num_processes=2", f"--config.process_id={i}"),  # fmt: skip
+            cwd=ROOT, env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+
+
+def _wait(processes, timeout=600):
+    outputs = []
+    try:
+        for p in processes:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in processes:
+            p.kill()
+    for i, (p, out) in enumerate(zip(processes, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    return outputs
+
+
+def _params(checkpoint_dir, step):
+    import orbax.checkpoint as ocp
+
+    import jax
+
+    # Saved from 8 devices (in one or two processes): restore every array onto one device.
+    path = checkpoint_dir / str(step) / "params"
+    checkpointer = ocp.StandardCheckpointer()
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+        checkpointer.metadata(path).item_metadata,
+    )
+    restored = checkpointer.restore(path, target)
+    flat = {}
+
+    def visit(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                visit(f"{prefix}/{k}", v)
+        else:
+            flat[prefix] = np.asarray(node)
+
+    visit("", restored)
+    return flat
+
+
+def _max_difference(a, b):
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
+
+
+def test_two_processes_train_like_one_process_and_resume(tmp_path):
+    from scripts import make_toy_data, make_toy_model
+
+    single, multi = tmp_path / "single", tmp_path / "multi"
+    # One toy model for both runs (each run writes its own identical toy data).
+    model_path = tmp_path / "model"
+    corpus = make_toy_data.toy_corpus_text(seed=0).splitlines()
+    make_toy_model.write_toy_model(str(model_path), seed=0, corpus=corpus)
+
+    # The one-process reference runs while the first two-process launch does (2 cores).
+    reference = subprocess.Popen(
+        _command(single, 2, f"--config.model_path={model_path}"), cwd=ROOT, env=_env(8),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    first = _wait(_start_two_processes(multi, 1, model_path))
+    (reference_output,) = _wait([reference])
+    assert "step 2/2" in reference_output
+    assert "2 processes, 4 devices each" in first[0]
+    assert "step 1/1" in first[0] and "step 1/1" not in first[1]  # only the main one logs
+    assert (multi / "checkpoints" / "1" / "commit_success.txt").exists()
+    second = _wait(_start_two_processes(multi, 2, model_path))
+    assert "resumed from" in second[0] and "at step 1" in second[0]
+
+    for step in (1, 2):
+        difference = _max_difference(
+            _params(single / "checkpoints", step), _params(multi / "checkpoints", step)
+        )
+        print(f"step {step}: max |params(2 processes) - params(1 process)| = {difference:.3g}")
+        assert difference <= 1e-6, f"step {step}: {difference}"
