@@ -401,6 +401,10 @@ def main(argv):
     checkpointer.wait_until_finished()
     checkpointer.close()
     logger.close()
+    counts = distributed.all_processes([data.num_yielded, *data.skipped.values()]).sum(axis=0)
+    skipped = {r: int(n) for r, n in zip(data.skipped, counts[1:]) if n}
+    say(f"data: {int(counts[0])} samples used; skipped rows: "
+        f"{', '.join(f'{r} {n}' for r, n in skipped.items()) or 'none'}")  # fmt: skip
     if stopped_at is None:
         say(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
             f"{config.results_dir}")  # fmt: skip

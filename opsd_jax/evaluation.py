@@ -46,13 +46,8 @@ import numpy as np
 from models.pack import Pack
 from opsd_jax import mesh as mesh_lib
 from opsd_jax import sampler as sampler_lib
-from opsd_jax.opsd_packs import (
-    PromptOptions,
-    bucket,
-    build_prompt_pack,
-    teacher_context_items,
-)
-from opsd_jax.packing import Image, SpecialTokens, pack_samples, sample_length
+from opsd_jax.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
+from opsd_jax.packing import SpecialTokens
 
 CONTEXTS = ("student", "teacher")
 
@@ -132,17 +127,6 @@ def is_correct(prediction: str | None, reference: str) -> bool:
 # ----------------------------------------------------------------------------------------------
 # Prompts
 # ----------------------------------------------------------------------------------------------
-
-
-def build_teacher_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,
-                              num_rows: int | None = None) -> Pack:  # fmt: skip
-    """The teacher's context (VT images included) as a sampler prompt: one per row, bucketed."""
-    items = [teacher_context_items(s, encode, options) for s in samples]
-    longest = max(sample_length(i) for i in items)
-    patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
-    return pack_samples(items, row_length=bucket(longest), num_rows=num_rows,
-                        max_patches=bucket(patches), special=special,
-                        one_sample_per_row=True)  # fmt: skip
 
 
 def build_context_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,

@@ -120,7 +120,18 @@ def bucket(n: int, minimum: int = 16) -> int:
 def build_prompt_pack(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
                       num_rows: int | None = None) -> Pack:  # fmt: skip
     """One prompt per row (the sampler's input), row length bucketed."""
-    items = [prompt_items(s, encode, options) for s in samples]
+    return _one_per_row([prompt_items(s, encode, options) for s in samples], special, num_rows)
+
+
+def build_teacher_prompt_pack(samples, encode: Encode, options: PromptOptions,
+                              special: SpecialTokens, num_rows: int | None = None) -> Pack:  # fmt: skip
+    """The teacher's context (VT images included) as sampler prompts, one per row (evaluation
+    of the with-VT model)."""
+    items = [teacher_context_items(s, encode, options) for s in samples]
+    return _one_per_row(items, special, num_rows)
+
+
+def _one_per_row(items, special: SpecialTokens, num_rows: int | None) -> Pack:
     longest = max(sample_length(i) for i in items)
     patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
     return pack_samples(items, row_length=bucket(longest), num_rows=num_rows,

@@ -43,12 +43,14 @@ def _env() -> dict:
     return env
 
 
-def _latest_step(checkpoint_dir: str) -> int | None:
-    from opsd_jax.checkpoint import Checkpointer
-
+def _steps(checkpoint_dir: str) -> str:
+    """The step directories, complete ones plain and half-written ones marked with '*'."""
     if not os.path.isdir(checkpoint_dir):
-        return None
-    return Checkpointer(checkpoint_dir).latest_step()
+        return "none"
+    names = sorted(os.listdir(checkpoint_dir))
+    marks = [n if os.path.exists(os.path.join(checkpoint_dir, n, "commit_success.txt")) else n + "*"
+             for n in names]  # fmt: skip
+    return " ".join(marks) or "none"
 
 
 def _params(checkpoint_dir: str, step: int):
@@ -86,7 +88,7 @@ def main() -> int:
     checkpoints = os.path.join(killed, "checkpoints")
     kills = 0
     while True:
-        before = _latest_step(checkpoints)
+        before = _steps(checkpoints)
         process = subprocess.Popen(_command(killed, args.steps), cwd=ROOT, env=_env(),
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         # Kill after a random number of step lines, then a random delay: with a checkpoint
@@ -104,9 +106,8 @@ def main() -> int:
         process.wait()
         if process.returncode == -signal.SIGKILL:
             kills += 1
-            after = _latest_step(checkpoints)
-            print(f"kill {kills}: checkpoints before {before}, newest complete after {after}",
-                  flush=True)  # fmt: skip
+            print(f"kill {kills}: checkpoint dirs before [{before}], after [{_steps(checkpoints)}] "
+                  "(* = not complete)", flush=True)  # fmt: skip
             continue
         if process.returncode != 0:
             print("".join(output)[-4000:])
@@ -114,8 +115,13 @@ def main() -> int:
         break
     print(f"run completed after {kills} kills")
 
-    a, b = _params(os.path.join(straight, "checkpoints"), args.steps), _params(checkpoints, args.steps)
-    identical = len(a) == len(b) and all((x == y).all() and x.shape == y.shape for x, y in zip(a, b))
+    a, b = (
+        _params(os.path.join(straight, "checkpoints"), args.steps),
+        _params(checkpoints, args.steps),
+    )
+    identical = len(a) == len(b) and all(
+        (x == y).all() and x.shape == y.shape for x, y in zip(a, b)
+    )
     print(f"final params bit-identical to the uninterrupted run: {identical} "
           f"({len(a)} arrays; {time.perf_counter() - start:.0f}s)")  # fmt: skip
     return 0 if identical else 1

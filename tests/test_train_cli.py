@@ -33,9 +33,38 @@ def _final_params(checkpoint_dir, step):
     return ocp.StandardCheckpointer().restore(checkpoint_dir / str(step) / "params")
 
 
+def write_corrupted_toy_data(data_dir, seed=0):
+    """The toy data set with ~10% broken training rows of every kind the pipeline knows."""
+    from scripts import make_toy_data as toy
+
+    toy.write_toy_data(str(data_dir), seed=seed)
+    for task in toy.TASKS:
+        path = data_dir / task / "data" / "train-00000-of-00001.parquet"
+        rows = toy.make_rows(task, "train", 320, seed)
+        bad = [dict(r, pid=f"bad_{task}_{i}") for i, r in enumerate(rows[:32])]
+        for i, row in enumerate(bad):
+            kind = i % 6
+            if kind == 0:
+                row["problem_image_0"] = {"bytes": b"not an image", "path": "x.png"}
+            elif kind == 1:
+                png = row["reasoning_image_0"]["bytes"]
+                row["reasoning_image_0"] = {"bytes": png[: len(png) // 2], "path": "cut.png"}
+            elif kind == 2:
+                row["reasoning_image_0"] = None
+            elif kind == 3:
+                row["question"] = None
+            elif kind == 4:
+                row["question"] = "  "
+            else:
+                row["question"] = "q" * 20_000  # over max_question_chars
+        mixed = [r for pair in zip(rows[:32], bad) for r in pair] + rows[32:]
+        toy.write_parquet(mixed, str(path))
+
+
 def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
-    """3 steps in one run; a second run is stopped by SIGTERM (a preemption) after step 1 or 2,
-    saves there and exits 0; a third run resumes it: the step-3 params are bit-identical."""
+    """3 steps in one run on toy data with ~10% broken rows; a second run is stopped by SIGTERM
+    (a preemption) after step 1 or 2, saves there and exits 0; a third run resumes it: the
+    step-3 params are bit-identical, and the broken rows were skipped and counted."""
     import signal
 
     import jax
@@ -44,14 +73,18 @@ def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
     common = ["--config.total_steps=3", "--config.save_every=1", "--config.log_every=1",
               "--config.lr_scheduler=constant", "--config.warmup_steps=0"]  # fmt: skip
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    write_corrupted_toy_data(straight / "toy" / "data")
     result = run_train(f"--config.results_dir={straight}", *common)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    skipped = re.search(r"skipped rows: (.*)", result.stdout)
+    assert skipped and skipped.group(1) != "none", result.stdout[-2000:]  # counted per reason
     for step in ("1", "2", "3"):
         assert (straight / "checkpoints" / step / "commit_success.txt").exists()
     assert list(straight.glob("events.out.tfevents.*"))
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
+    assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 3/3" in result.stdout and "done: 3 steps" in result.stdout
 
     # Preempted: SIGTERM as soon as step 1 is logged; no periodic checkpoints in this run, so
@@ -154,6 +187,16 @@ def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
         config.rows_per_micro_batch = 4
     with pytest.raises(ValueError, match="must be a multiple of data x fsdp = 8"):
         train_config.validate(config, num_devices=8)
+    # Several processes: each feeds an equal share of every micro-batch.
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.samples_per_micro_batch = 6
+        config.rows_per_micro_batch = 6
+        config.num_replicate = 3
+        config.num_shard = 2
+    train_config.validate(config, num_devices=6, num_processes=3)
+    with pytest.raises(ValueError, match="samples_per_micro_batch=6 must be a multiple of the 4 "):
+        train_config.validate(config, num_devices=6, num_processes=4)
     assert isinstance(config, ml_collections.ConfigDict)
 
 
