@@ -7,8 +7,8 @@ The claim under test: a model that reasons better when it sees the visual-though
 on-policy self-distillation, and replacing the VT image by noise removes the effect.
 
 1. Stage 1, configs/toy_sft.py: SFT from random init on `toy_majority` (scripts/make_toy_data.py),
-   half the samples with the VT image in context, so the model reads VT images well and the bare
-   problem image less well.
+   three quarters of the samples with the VT image in context, so the model reads VT images
+   well and the bare problem image less well.
 2. Stage 2, configs/toy_opsd.py: Visual-OPSD from the stage-1 weights with the EMA teacher
    (arm `opsd`), and the same with the VT pixels replaced by noise (arm `control`).
 3. Held-out exact-match accuracy (greedy decoding, the pipeline's `eval` split, which no stage
