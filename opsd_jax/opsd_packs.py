@@ -182,32 +182,15 @@ def build_training_packs(
     if not kept:
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
-    teacher_lengths = [sample_length(i) for i in teacher_items]
-    row_length = bucket(max(teacher_lengths))
-    rows_of = _first_fit_rows(teacher_lengths, row_length, num_rows)
-    while rows_of is None:  # more samples than rows of this length hold: try longer rows
-        row_length *= 2
-        if row_length > bucket(max_forward_tokens) * len(kept):
-            raise ValueError(f"{len(kept)} samples do not fit in {num_rows} rows")
-        rows_of = _first_fit_rows(teacher_lengths, row_length, num_rows)
-
-    def per_row(items, count):
-        totals = np.zeros(num_rows, np.int64)
-        for row, item in zip(rows_of, items):
-            totals[row] += count(item)
-        return int(totals.max())
-
-    def patches(item):
-        return sum(len(it.patches) for it in item if isinstance(it, Image))
-
-    loss_entries = bucket(per_row(student_items, lambda i: len(i[-1].ids) + 1))
+    rows_of = assign_rows([sample_length(i) for i in teacher_items], num_rows)
+    loss_entries = bucket(per_row_max(student_items, rows_of, num_rows, loss_entries_of))
     # The student rows are shorter than the teacher's: each pack gets its own bucketed length.
     packs = {
         name: pack_samples(
             items,
-            row_length=bucket(per_row(items, sample_length)),
+            row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
             num_rows=num_rows,
-            max_patches=bucket(per_row(items, patches)),
+            max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
             max_loss_entries=loss_entries,
             special=special,
             rows_of=rows_of,
@@ -217,6 +200,35 @@ def build_training_packs(
     padding = {name: float(1.0 - (pack.segment_ids > 0).mean()) for name, pack in packs.items()}
     return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions, truncated,
                          padding)  # fmt: skip
+
+
+def assign_rows(lengths: list[int], num_rows: int) -> list[int]:
+    """Each sample's row: first fit, longest first, into rows of a bucketed length that doubles
+    until the samples fit in `num_rows` rows."""
+    if num_rows < 1:
+        raise ValueError(f"num_rows must be >= 1, got {num_rows}")
+    row_length = bucket(max(lengths))
+    # Every sample fits one row (row_length >= the longest), so doubling always ends.
+    while (rows_of := _first_fit_rows(lengths, row_length, num_rows)) is None:
+        row_length *= 2
+    return rows_of
+
+
+def per_row_max(items, rows_of: list[int], num_rows: int, count) -> int:
+    """The largest per-row total of `count(item)` over the rows the items are assigned to."""
+    totals = np.zeros(num_rows, np.int64)
+    for row, item in zip(rows_of, items):
+        totals[row] += count(item)
+    return int(totals.max())
+
+
+def patches_of(item) -> int:
+    return sum(len(it.patches) for it in item if isinstance(it, Image))
+
+
+def loss_entries_of(item) -> int:
+    """Loss entries of a sample whose last item is its target text (+1: the closing EOS)."""
+    return len(item[-1].ids) + 1
 
 
 def _first_fit_rows(lengths: list[int], row_length: int, num_rows: int) -> list[int] | None:

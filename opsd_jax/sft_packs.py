@@ -32,11 +32,15 @@ from models.pack import Pack
 from opsd_jax.opsd_packs import (
     Encode,
     PromptOptions,
+    assign_rows,
     bucket,
+    loss_entries_of,
+    patches_of,
+    per_row_max,
     prompt_items,
     teacher_context_items,
 )
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.packing import SpecialTokens, Text, pack_samples, sample_length
 
 
 def target_text(sample) -> str:
@@ -95,44 +99,16 @@ def build_sft_packs(
     if not kept:
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
-    lengths = [sample_length(i) for i in items]
-    row_length = bucket(max(lengths))
-    rows_of = _first_fit_rows(lengths, row_length, num_rows)
-    while rows_of is None:  # more samples than rows of this length hold: try longer rows
-        row_length *= 2
-        rows_of = _first_fit_rows(lengths, row_length, num_rows)
-
-    def per_row(count) -> int:
-        totals = np.zeros(num_rows, np.int64)
-        for row, item in zip(rows_of, items):
-            totals[row] += count(item)
-        return int(totals.max())
-
-    def patches(item) -> int:
-        return sum(len(it.patches) for it in item if isinstance(it, Image))
+    rows_of = assign_rows([sample_length(i) for i in items], num_rows)
 
     pack = pack_samples(
         items,
-        row_length=bucket(per_row(sample_length)),
+        row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
         num_rows=num_rows,
-        max_patches=bucket(per_row(patches)),
-        max_loss_entries=bucket(per_row(lambda i: len(i[-1].ids) + 1)),
+        max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
+        max_loss_entries=bucket(per_row_max(items, rows_of, num_rows, loss_entries_of)),
         special=special,
         rows_of=rows_of,
     )
     padding = float(1.0 - (pack.segment_ids > 0).mean())
     return SFTPacks(pack, kept, targets, with_vt, len(samples) - len(kept), padding)
-
-
-def _first_fit_rows(lengths: list[int], row_length: int, num_rows: int) -> list[int] | None:
-    # Longest first packs tighter; None when the samples need more than num_rows rows. Every
-    # sample fits one row here (row_length >= the longest), so doubling always terminates.
-    free = [row_length] * num_rows
-    rows = [0] * len(lengths)
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r in range(num_rows) if free[r] >= lengths[index]), None)
-        if row is None:
-            return None
-        free[row] -= lengths[index]
-        rows[index] = row
-    return rows
