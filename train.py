@@ -320,6 +320,8 @@ def main(argv):
 
     # ---- loop ----------------------------------------------------------------------------------
     stop, stopped_at = StopRequest(), None
+    if start_step >= config.total_steps:
+        say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
     bad_steps = 0  # consecutive steps whose loss or gradient was not finite (update skipped)
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):

@@ -4,13 +4,24 @@ XLA reads the flag when jax first initialises its backends, so it must be set be
 imported anywhere; conftest.py is loaded by pytest before any test module.
 """
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One XLA compilation cache for this test session (JAX's persistent cache), inherited by the
+# train.py subprocesses: the tiny step compiles once instead of once per run (~10 s each on
+# two cores). A fresh folder per session, so no run depends on what an earlier one left.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="opsd-jax-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 # Make the repository root importable (models/, opsd_jax/) without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

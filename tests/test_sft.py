@@ -1,9 +1,5 @@
 """The SFT baseline: CE packs on the reference completion, the CE-only step, config, train.py."""
 
-import os
-import pathlib
-import subprocess
-import sys
 import types
 
 import jax
@@ -20,7 +16,6 @@ from opsd_jax import train_config, train_step
 from opsd_jax.opsd_packs import PromptOptions
 from opsd_jax.sft_packs import build_sft_packs, choose_vt, target_text
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 
 
@@ -139,14 +134,5 @@ def test_sft_config_values_are_checked(tmp_path):
     assert toy_sft.get_config().mode == "sft" and toy_opsd.get_config().mode == "opsd"
 
 
-def test_train_py_sft_tiny_runs_and_saves(tmp_path):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device
-    command = [sys.executable, "train.py", "--config", "configs/sft_tiny.py",
-               f"--config.results_dir={tmp_path}", "--config.total_steps=2",
-               "--config.log_every=1", "--config.progress_bar=False"]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (tmp_path / "checkpoints" / "2" / "commit_success.txt").exists()
-    assert "SFT" in result.stdout and "| ce " in result.stdout and "jsd" not in result.stdout
+# train.py in SFT mode runs end to end in tests/test_toy_experiment.py (stage 1, its
+# checkpoints and metrics); one train.py start-up per mode is what the CI time allows.
