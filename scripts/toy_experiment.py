@@ -81,7 +81,11 @@ class TrainRun:
             *overrides,
         ]
         env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)  # one CPU device: the toy runs are single-device
+        # One CPU device (the toy runs are single-device); other XLA flags are kept.
+        flags = env.get("XLA_FLAGS", "").split()
+        env["XLA_FLAGS"] = " ".join(
+            f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+        )
         env["PYTHONUNBUFFERED"] = "1"  # progress lines as they happen, not per 4 kB block
         self.name, self.config_file, self.log_path = (
             os.path.basename(results_dir),

@@ -10,8 +10,12 @@ import shutil
 import sys
 import tempfile
 
+# Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
+# halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+DEVICES_FLAG = "--xla_force_host_platform_device_count"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} {DEVICES_FLAG}=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -25,3 +29,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 # Make the repository root importable (models/, opsd_jax/) without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def subprocess_env(devices: int = 1) -> dict:
+    """The environment for a train.py / script subprocess with `devices` CPU devices (the test
+    flags other than the device count, and the compilation cache, are kept)."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(DEVICES_FLAG)]
+    if devices > 1:
+        flags.append(f"{DEVICES_FLAG}={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env

@@ -1,17 +1,17 @@
 """scripts/toy_experiment.py --quick: every stage runs a few steps and every artefact is written."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_quick_toy_experiment_writes_table_plot_and_checkpoints(tmp_path):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the experiment's train.py runs use
+    env = subprocess_env(1)  # one CPU device, as the experiment's train.py runs use
     command = [sys.executable, "scripts/toy_experiment.py", "--quick", "--seed", "0",
                "--out", str(tmp_path)]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

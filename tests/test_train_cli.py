@@ -1,7 +1,6 @@
 """train.py as a user runs it: the tiny config end to end, and config errors before compute."""
 
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -10,6 +9,7 @@ import sys
 
 import ml_collections
 import pytest
+from conftest import subprocess_env
 
 from configs import tiny
 from opsd_jax import train_config
@@ -18,8 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def run_train(*overrides, timeout=600):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's laptop
+    env = subprocess_env(1)  # one CPU device, as on a user's laptop
     command = [sys.executable, "train.py", "--config", "configs/tiny.py",
                "--config.progress_bar=False", *overrides]  # fmt: skip
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -89,8 +88,7 @@ def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
 
     # Preempted: SIGTERM as soon as step 1 is logged; no periodic checkpoints in this run, so
     # the one it leaves is the one the signal made it write.
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
+    env = dict(subprocess_env(1), PYTHONUNBUFFERED="1")
     shutil.copytree(straight / "toy", resumed / "toy")
     command = [sys.executable, "train.py", "--config", "configs/tiny.py",
                "--config.progress_bar=False", f"--config.results_dir={resumed}", *common,
