@@ -21,7 +21,6 @@ With one process every function here is a cheap no-op-like path (no collectives)
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 import numpy as np
@@ -181,8 +180,3 @@ def local_row_offset(array: jax.Array) -> int:
     """The first global row this process holds of a row-sharded array (its rows are contiguous)."""
     starts = [shard.index[0].start or 0 for shard in array.addressable_shards]
     return min(starts)
-
-
-def as_python(x: Any) -> Any:
-    """A small replicated value (scalar metric) as a Python number."""
-    return to_host(x).item()

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -156,3 +157,24 @@ def test_two_processes_train_like_one_process_and_restore(tmp_path):
         )
         print(f"step {step}: max |params(2 processes) - params(1 process)| = {difference:.3g}")
         assert difference <= 1e-6, f"step {step}: {difference}"
+
+
+def test_pad_pack_adds_inert_padding_only():
+    from opsd_jax.distributed import pack_sizes, pad_pack
+    from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
+
+    special = SpecialTokens(im_start=1, im_end=2, vision_start=3, vision_end=4)
+    image = Image(np.ones((4, 588), np.float32), np.arange(4, dtype=np.int32))
+    samples = [[image, Text([7, 8]), Text([9], loss=True)], [Text([5, 6, 7], loss=True)]]
+    pack = pack_samples(samples, row_length=16, num_rows=2, special=special)
+    padded = pad_pack(pack, 32, 8, 6)
+    assert pack_sizes(padded) == (32, 8, 6)
+    for name in ("tokens", "positions", "segment_ids", "k_start", "k_end", "loss_rows",
+                 "loss_targets", "loss_mask", "loss_sample", "vit_patches", "vit_slots"):  # fmt: skip
+        before, after = getattr(pack, name), getattr(padded, name)
+        width = before.shape[1]
+        np.testing.assert_array_equal(after[:, :width], before)  # content untouched
+        expected = -1 if name == "vit_slots" else 0
+        assert (after[:, width:] == expected).all(), name  # padding: empty / no-op values
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_pack(pack, 8, 8, 6)
