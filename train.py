@@ -27,10 +27,6 @@ from opsd_jax.data.sources import DataConfig
 from opsd_jax.hf import load_hf
 from opsd_jax.metrics import MetricsLogger
 from opsd_jax.opsd_packs import (
-    DEFAULT_REFERENCE_INTRO,
-    DEFAULT_SYSTEM_PROMPT,
-    DEFAULT_TRANSITION_PROMPT,
-    PromptOptions,
     build_prompt_pack,
     build_training_packs,
 )
@@ -76,23 +72,6 @@ def _write_toy_assets(config) -> None:
             make_toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
         with config.unlocked():
             config.model_path = model_dir
-
-
-def prompt_options(config) -> PromptOptions:
-    return PromptOptions(
-        use_system_prompt=config.use_system_prompt,
-        system_prompt=config.system_prompt or DEFAULT_SYSTEM_PROMPT,
-        use_reference_intro=config.use_reference_intro,
-        reference_intro=config.reference_intro or DEFAULT_REFERENCE_INTRO,
-        use_transition_prompt=config.use_transition_prompt,
-        transition_prompt=config.transition_prompt or DEFAULT_TRANSITION_PROMPT,
-        instruction_suffix=config.instruction_suffix,
-        privileged_thoughts=config.privileged_thoughts,
-        privileged_answer=config.privileged_answer,
-        noise_vt=config.noise_vt,
-        max_reference_rounds=config.max_reference_rounds,
-        noise_seed=config.global_seed,
-    )
 
 
 def loss_settings(config) -> train_step.LossSettings:
@@ -183,7 +162,7 @@ def main(argv):
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
     data = make_iterator(data_config, "train", process_block=local_per_micro)
-    options = prompt_options(config)
+    options = evaluation.prompt_options_from_config(config)  # the same wording everywhere
     encode = tokenizer.encode
 
     # ---- train state -----------------------------------------------------------------------------

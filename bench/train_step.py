@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 
 import train  # noqa: E402
 from configs import tiny  # noqa: E402
-from opsd_jax import sampler, train_step  # noqa: E402
+from opsd_jax import evaluation, sampler, train_step  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.hf import load_hf  # noqa: E402
@@ -54,7 +54,7 @@ def main():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0))
     data = make_iterator(data_config, "train")
-    options = train.prompt_options(config)
+    options = evaluation.prompt_options_from_config(config)
     optimizer = train_step.make_optimizer(config, params)
     state = train_step.init_state(params, optimizer, config.teacher_mode, jax.random.key(0))
     grad_step = train_step.make_grad_step(graphdef, rest, train.loss_settings(config),

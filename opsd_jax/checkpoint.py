@@ -47,6 +47,7 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from opsd_jax.distributed import to_host
 from opsd_jax.train_step import TrainState
 
 log = logging.getLogger(__name__)
@@ -302,17 +303,6 @@ def _jsonable(value, where: str, strict: bool):
     return str(value)
 
 
-def _host(x) -> np.ndarray:
-    """A (small, replicated) array's value on this host, also when other hosts hold it too."""
-    if not isinstance(x, jax.Array) or x.is_fully_addressable:
-        return np.asarray(x)
-    if x.is_fully_replicated:
-        return np.asarray(x.addressable_data(0))
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def _gather_json(value) -> list:
     """Every process's JSON value, in process order (each host iterates its own data slice)."""
     if jax.process_count() == 1:
@@ -401,7 +391,7 @@ class Checkpointer:
         if state.rng is not None:
             rng = {
                 "impl": str(jax.random.key_impl(state.rng)),
-                "key_data": _host(jax.random.key_data(state.rng)).tolist(),
+                "key_data": to_host(jax.random.key_data(state.rng)).tolist(),
             }
         items = {
             PARAMS: ocp.args.StandardSave(_nest(_flat_arrays(state.params))),
@@ -411,7 +401,7 @@ class Checkpointer:
             items[EMA_PARAMS] = ocp.args.StandardSave(_nest(_flat_arrays(state.teacher_params)))
         meta = {
             "format_version": FORMAT_VERSION,
-            "step": int(_host(state.step)),
+            "step": int(to_host(state.step)),
             "rng": rng,
             "teacher_mode": teacher_mode,
             "items": sorted(items) + [META, CONFIG] + ([DATA] if data_state is not None else []),
