@@ -302,6 +302,7 @@ def main(argv):
     if start_step >= config.total_steps:
         say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
     bad_steps = 0  # consecutive steps whose loss or gradient was not finite (update skipped)
+    last_good_step = start_step
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
             samples = data.take(accum * local_per_micro)
@@ -346,14 +347,20 @@ def main(argv):
             logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
                             "samples %s", step + 1, bad_steps, [s.pid for s in samples])  # fmt: skip
             if bad_steps > config.max_consecutive_bad_steps:
+                # The state is still that of the last good step (skipped updates change nothing
+                # but the step counter): save it, so no good training is lost, then stop.
+                checkpointer.save(step + 1, state, data_state=data.get_state(),
+                                  config=config.to_dict(), force=True)  # fmt: skip
                 checkpointer.wait_until_finished()
                 raise RuntimeError(
                     f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
                     f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}); stopping. "
-                    f"The last good checkpoint is in {checkpoint_dir}; lower lr or check the data."
+                    f"Saved step {step + 1} in {checkpoint_dir}: its params, optimizer state and "
+                    f"EMA are those after step {last_good_step}, the last good step. Lower lr or "
+                    f"check the data (the skipped samples are logged above)."
                 )
         else:
-            bad_steps = 0
+            bad_steps, last_good_step = 0, step + 1
         scalars = dict(sums, **update_metrics, **data.metrics())
         if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
             with logger.phase("eval"):

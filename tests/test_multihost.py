@@ -4,7 +4,7 @@ Two `train.py` processes (4 CPU devices each, coordinator on 127.0.0.1) train th
 a 2 x 4 mesh, each reading, sampling and packing only its own share of every batch. The result
 must equal one process driving all 8 devices over the same data stream. A second two-process
 launch restores the checkpoint both processes wrote (orbax's multi-process save and restore).
-Two steps only, and the second launch trains nothing: every training launch compiles the whole
+Three steps, and the second launch trains nothing: every training launch compiles the whole
 step for 8 devices, which is minutes on a 2-core CI machine.
 """
 
@@ -136,22 +136,22 @@ def test_two_processes_train_like_one_process_and_restore(tmp_path):
 
     # The one-process reference runs while the first two-process launch does (2 cores).
     reference = subprocess.Popen(
-        _command(single, 2, f"--config.model_path={model_path}"), cwd=ROOT, env=_env(8),
+        _command(single, 3, f"--config.model_path={model_path}"), cwd=ROOT, env=_env(8),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    first = _wait(_start_two_processes(multi, 2, model_path))
+    first = _wait(_start_two_processes(multi, 3, model_path))
     (reference_output,) = _wait([reference])
-    assert "step 2/2" in reference_output
+    assert "step 3/3" in reference_output
     assert "2 processes, 4 devices each" in first[0]
-    assert "step 2/2" in first[0] and "step 2/2" not in first[1]  # only the main one logs
-    for step in (1, 2):
+    assert "step 3/3" in first[0] and "step 3/3" not in first[1]  # only the main one logs
+    for step in (1, 2, 3):
         assert (multi / "checkpoints" / str(step) / "commit_success.txt").exists()
     # A second launch of both restores the state they wrote together (each process its shards
     # and its own data-iterator state); nothing is left to train.
-    second = _wait(_start_two_processes(multi, 2, model_path))
-    assert "at step 2" in second[0] and "nothing left to train" in second[0], second[0][-2000:]
+    second = _wait(_start_two_processes(multi, 3, model_path))
+    assert "at step 3" in second[0] and "nothing left to train" in second[0], second[0][-2000:]
 
-    for step in (1, 2):
+    for step in (1, 2, 3):
         difference = _max_difference(
             _params(single / "checkpoints", step), _params(multi / "checkpoints", step)
         )

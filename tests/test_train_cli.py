@@ -2,34 +2,34 @@
 
 import json
 import pathlib
+import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
 import ml_collections
+import numpy as np
 import pytest
 from conftest import subprocess_env
 
 from configs import tiny
 from opsd_jax import train_config
+from scripts import crash_drill
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def train_command(*overrides):
+    return [sys.executable, "train.py", "--config", "configs/tiny.py",
+            "--config.progress_bar=False", *overrides]  # fmt: skip
+
+
 def run_train(*overrides, timeout=600):
     env = subprocess_env(1)  # one CPU device, as on a user's laptop
-    command = [sys.executable, "train.py", "--config", "configs/tiny.py",
-               "--config.progress_bar=False", *overrides]  # fmt: skip
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
-
-
-def _final_params(checkpoint_dir, step):
-    """The params item of one saved step, as saved (no restore target needed)."""
-    import orbax.checkpoint as ocp
-
-    return ocp.StandardCheckpointer().restore(checkpoint_dir / str(step) / "params")
+    return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
 
 
 def write_corrupted_toy_data(data_dir, seed=0):
@@ -60,45 +60,68 @@ def write_corrupted_toy_data(data_dir, seed=0):
         toy.write_parquet(mixed, str(path))
 
 
-def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
-    """3 steps in one run on toy data with ~10% broken rows; a second run is stopped by SIGTERM
-    (a preemption) after step 1 or 2, saves there and exits 0; a third run resumes it: the
-    step-3 params are bit-identical, and the broken rows were skipped and counted."""
-    import signal
+# Shared by the tests below: 4 steps in one uninterrupted run, a checkpoint after every step.
+COMMON = ["--config.total_steps=4", "--config.save_every=1", "--config.log_every=1",
+          "--config.max_checkpoints=2", "--config.lr_scheduler=constant",
+          "--config.warmup_steps=0"]  # fmt: skip
 
-    import jax
-    import numpy as np
 
-    common = ["--config.total_steps=3", "--config.save_every=1", "--config.log_every=1",
-              "--config.lr_scheduler=constant", "--config.warmup_steps=0"]  # fmt: skip
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    write_corrupted_toy_data(straight / "toy" / "data")
-    result = run_train(f"--config.results_dir={straight}", *common)
+def reference_args(results_dir, *overrides):
+    return [f"--config.results_dir={results_dir}", *COMMON, *overrides]
+
+
+def assert_same_params(a_dir, b_dir, step):
+    leaves_a, leaves_b = (
+        crash_drill.saved_arrays(a_dir, step),
+        crash_drill.saved_arrays(b_dir, step),
+    )
+    assert len(leaves_a) == len(leaves_b) > 0
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted reference run, on toy data with ~10% broken rows."""
+    root = tmp_path_factory.mktemp("straight")
+    write_corrupted_toy_data(root / "toy" / "data")
+    result = run_train(*reference_args(root))
+    return root, result
+
+
+def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
+    """The run completes on data with ~10% broken rows; they are skipped, counted per reason in
+    the logs and in a final summary."""
+    root, result = straight
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     skipped = re.search(r"skipped rows: (.*)", result.stdout)
     assert skipped and skipped.group(1) != "none", result.stdout[-2000:]  # counted per reason
-    for step in ("1", "2", "3"):
-        assert (straight / "checkpoints" / step / "commit_success.txt").exists()
-    assert list(straight.glob("events.out.tfevents.*"))
-    records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["3", "4"]  # 2 kept
+    for step in ("3", "4"):
+        assert (root / "checkpoints" / step / "commit_success.txt").exists()
+    assert list(root.glob("events.out.tfevents.*"))
+    records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
-    assert "step 3/3" in result.stdout and "done: 3 steps" in result.stdout
+    assert "step 4/4" in result.stdout and "done: 4 steps" in result.stdout
 
-    # Preempted: SIGTERM as soon as step 1 is logged; no periodic checkpoints in this run, so
-    # the one it leaves is the one the signal made it write.
+
+def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
+    """SIGTERM (a preemption) after step 1: the run saves where it is and exits 0; the next
+    run resumes there and its final params are bit-identical to the uninterrupted run's."""
+    root, result = straight
+    assert result.returncode == 0
+    # No periodic checkpoints in this run, so the one it leaves is the one the signal made.
+    shutil.copytree(root / "toy", tmp_path / "toy")
     env = dict(subprocess_env(1), PYTHONUNBUFFERED="1")
-    shutil.copytree(straight / "toy", resumed / "toy")
-    command = [sys.executable, "train.py", "--config", "configs/tiny.py",
-               "--config.progress_bar=False", f"--config.results_dir={resumed}", *common,
-               "--config.save_every=1000"]  # fmt: skip
+    command = train_command(*reference_args(tmp_path, "--config.save_every=1000"))
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
     output = []
     for line in process.stdout:
         output.append(line)
-        if line.startswith("step 1/3"):
+        if line.startswith("step 1/4"):
             process.send_signal(signal.SIGTERM)
     process.wait(timeout=300)
     output = "".join(output)
@@ -106,19 +129,76 @@ def test_tiny_config_trains_saves_logs_and_resumes_bit_identically(tmp_path):
     stopped = re.search(r"stopped by SIGTERM after step (\d)", output)
     assert stopped, output[-3000:]
     saved = int(stopped.group(1))
-    assert saved in (1, 2), output[-3000:]  # not run to the end
-    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == [str(saved)]
-    assert (resumed / "checkpoints" / str(saved) / "commit_success.txt").exists()
+    assert saved in (1, 2, 3), output[-3000:]  # not run to the end
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(saved)]
+    assert (tmp_path / "checkpoints" / str(saved) / "commit_success.txt").exists()
 
-    result = run_train(f"--config.results_dir={resumed}", *common)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"at step {saved}" in result.stdout
-    a = _final_params(straight / "checkpoints", 3)
-    b = _final_params(resumed / "checkpoints", 3)
-    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(leaves_a) == len(leaves_b) > 0
-    for x, y in zip(leaves_a, leaves_b):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    resumed = run_train(*reference_args(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {saved}" in resumed.stdout
+    assert_same_params(root / "checkpoints", tmp_path / "checkpoints", 4)
+
+
+def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(straight, tmp_path):
+    """SIGKILL five times at random moments, three of them during an asynchronous checkpoint
+    save, restarting with auto_resume each time: every launch resumes from the newest complete
+    step (never a half-written one), and the final params are bit-identical."""
+    root, result = straight
+    assert result.returncode == 0
+    shutil.copytree(root / "toy", tmp_path / "toy")
+    checkpoints = tmp_path / "checkpoints"
+    launches = crash_drill.kill_and_resume(
+        train_command(*reference_args(tmp_path)), cwd=str(ROOT), env=subprocess_env(1),
+        checkpoint_dir=str(checkpoints), kills=5, rng=random.Random(0),
+    )  # fmt: skip
+    assert [x.kill for x in launches].count("save") == 3
+    assert [x.kill for x in launches].count("startup") == 2
+    # A half-written step folder was on disk after at least one kill, and no launch resumed
+    # from it: each resumed from the newest complete step it found.
+    assert any(x.left_half_written for x in launches), [x.listing_after for x in launches]
+    for x in launches:
+        if x.resumed_at is not None or (x.kill is None and x.committed_before is not None):
+            assert x.resumed_at == x.committed_before, (x.listing_before, x.output[-2000:])
+    assert "done: 4 steps" in launches[-1].output
+    assert_same_params(root / "checkpoints", checkpoints, 4)
+
+
+def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
+    """NaN gradients injected at step 2 and an infinite loss at steps 4-6: step 2 is skipped
+    (params, optimizer state and EMA unchanged) and training goes on; three bad steps in a row
+    exceed max_consecutive_bad_steps=2, so the run saves and stops with an error naming the
+    last good step, whose state the saved checkpoint holds."""
+    env = dict(subprocess_env(1), OPSD_INJECT="2:grads,4:loss,5:loss,6:loss")
+    command = [sys.executable, "tests/train_with_injected_nans.py", *train_command(
+        f"--config.results_dir={tmp_path}", "--config.total_steps=8", "--config.save_every=1",
+        "--config.max_checkpoints=10", "--config.log_every=1",
+        "--config.max_consecutive_bad_steps=2")[2:]]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert ("3 consecutive steps with a non-finite loss or gradient (limit "
+            "max_consecutive_bad_steps=2)") in output, output[-3000:]  # fmt: skip
+    assert "Saved step 6" in output and "those after step 3, the last good step" in output
+    assert re.search(r"step 2: non-finite loss or gradient, update skipped \(1 in a row\); "
+                     r"samples \['\w+", output), output[-3000:]  # fmt: skip
+    assert "step 6: non-finite loss or gradient, update skipped (3 in a row)" in output
+
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["nonfinite"]) for r in records] == [
+        (1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0), (5, 1.0)]  # fmt: skip
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [1, 2, 3, 4, 5, 6]
+    saved = crash_drill.saved_arrays
+    for item in ("params", "opt_state", "ema_params"):
+        for a, b in [(1, 2), (3, 4), (3, 5), (3, 6)]:  # skipped steps changed nothing
+            leaves_a, leaves_b = saved(checkpoints, a, item), saved(checkpoints, b, item)
+            assert len(leaves_a) == len(leaves_b) > 0
+            for x, y in zip(leaves_a, leaves_b):
+                np.testing.assert_array_equal(x, y, err_msg=f"{item} step {a} vs {b}")
+    pairs = zip(saved(checkpoints, 2, "params"), saved(checkpoints, 3, "params"))
+    changed = [not np.array_equal(x, y) for x, y in pairs]
+    assert any(changed)  # step 3 was a good step and trained
 
 
 def test_a_typo_in_a_config_key_is_an_error(tmp_path):
