@@ -106,7 +106,10 @@ def load_tokenizer(model_dir: str | os.PathLike) -> BagelTokenizer:
     ):
         wanted = " or ".join(" + ".join(names) for names in _TOKENIZER_FILE_SETS)
         raise FileNotFoundError(f"{model_dir}: no tokenizer files found (need {wanted})")
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+    # Qwen2Tokenizer by name, as BAGEL loads it (not AutoTokenizer: whatever tokenizer_config
+    # says, BAGEL models use this one; and AutoTokenizer's config machinery imports torch when
+    # it is installed, seconds per launch that a JAX trainer has no use for).
+    hf_tokenizer = transformers.Qwen2Tokenizer.from_pretrained(
         os.fspath(model_dir), local_files_only=True, trust_remote_code=False
     )
     num_added = add_special_tokens(hf_tokenizer)

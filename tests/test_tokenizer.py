@@ -32,6 +32,7 @@ def test_toy_tokenizer_loads_offline_as_qwen2_and_round_trips_text(toy_dir):
         "",
     ]:
         ids = tokenizer.encode(text)
+        assert ids == hf_tokenizer.encode(text, add_special_tokens=False)  # as AutoTokenizer
         assert tokenizer.decode(ids) == text
         assert all(0 <= i < tokenizer.vocab_length for i in ids)
     # Digits are split one by one (the Qwen2 pre-tokeniser), unseen bytes still encode.
