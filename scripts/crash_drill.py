@@ -74,16 +74,22 @@ def newest_complete_step(checkpoint_dir: str) -> int | None:
     return max(steps, default=None)
 
 
-def _save_in_flight(checkpoint_dir: str) -> bool:
-    return os.path.isdir(checkpoint_dir) and any(
-        TMP_MARKER in n for n in os.listdir(checkpoint_dir)
-    )
+def _save_state(checkpoint_dir: str, step: int) -> str:
+    """'writing', 'complete' or 'not started' for one step's checkpoint."""
+    if os.path.exists(os.path.join(checkpoint_dir, str(step), COMMIT_MARKER)):
+        return "complete"
+    if os.path.isdir(checkpoint_dir) and any(
+        n.startswith(f"{step}{TMP_MARKER}") for n in os.listdir(checkpoint_dir)
+    ):
+        return "writing"
+    return "not started"
 
 
 def kill_plan(kills: int, rng: random.Random) -> list[tuple[str, float]]:
     """`kills` kills in random order, three in five during a save: ('save', k-th step line) or
-    ('startup', seconds after launch). A launch gains at most one complete step, so a run of
-    more than `kills` steps always has steps left for the final launch."""
+    ('startup', seconds after launch). A launch commits at most one new step (two if its save
+    finished before the drill saw it being written), so runs of more than `kills` steps leave
+    the final launch work to do."""
     saves = (3 * kills + 4) // 5
     plan = [("save", float(rng.randint(1, 2))) for _ in range(saves)]
     plan += [("startup", rng.uniform(0.5, 6.0)) for _ in range(kills - saves)]
@@ -125,10 +131,15 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
             if step_lines == int(value):
                 # The step's checkpoint is saved asynchronously right after its line: wait for
                 # its half-written folder, then kill a random few milliseconds into the save.
+                step = int(line.split()[1].split("/")[0])  # "step N/T | ..."
                 deadline = time.monotonic() + 10.0
-                while not _save_in_flight(checkpoint_dir) and time.monotonic() < deadline:
+                while time.monotonic() < deadline:
+                    state = _save_state(checkpoint_dir, step)
+                    if state != "not started":
+                        break
                     time.sleep(0.001)
-                time.sleep(rng.uniform(0.0, 0.01))
+                if state == "writing":
+                    time.sleep(rng.uniform(0.0, 0.01))
                 break
     if not done and kill is not None:
         process.send_signal(signal.SIGKILL)
