@@ -143,7 +143,8 @@ def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
     if data * fsdp * tensor != num_devices or fsdp < 1:
         problems.append(f"mesh num_replicate={config.num_replicate} x num_shard={config.num_shard} "
                         f"x num_tensor={config.num_tensor} does not match the {num_devices} "
-                        "devices")  # fmt: skip
+                        "devices: the product must equal the device count (num_shard=-1 "
+                        "takes all the devices the other two leave)")  # fmt: skip
     elif config.rows_per_micro_batch % (data * fsdp):
         problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
                         f"data x fsdp = {data * fsdp} (rows are sharded over them)")  # fmt: skip
