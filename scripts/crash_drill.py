@@ -11,8 +11,8 @@ bit-identical to the uninterrupted run's. Kills are of two kinds, in random orde
 Every relaunch must resume from the newest *complete* step on disk, never a half-written one.
 
 Why: a half-written checkpoint must never be restored and a resumed run must continue exactly.
-tests/test_train_cli.py runs `kill_and_resume` with five kills on every CI run; this script is
-the longer version for a user's own machine and settings.
+tests/test_train_cli.py runs `kill_and_resume` with five kills on every CI run; this script runs
+the same drill on your machine, with as many steps, kills and seeds as you like.
 
     python scripts/crash_drill.py [--kills 5] [--steps 8] [--seed 0] [--out /tmp/crash_drill]
 """
