@@ -49,11 +49,8 @@ class Launch:
     resumed_at: int | None  # the step train.py said it resumed at (None: no resume line)
     listing_before: str
     listing_after: str
+    killed_mid_save: bool  # the step it was saving is half-written on disk after the kill
     output: str
-
-    @property
-    def left_half_written(self) -> bool:
-        return "*" in self.listing_after
 
 
 def listing(checkpoint_dir: str) -> str:
@@ -97,8 +94,9 @@ def kill_plan(kills: int, rng: random.Random) -> list[tuple[str, float]]:
     return plan
 
 
-def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int, str]:
-    """Run train.py once; kill it as `kill` says (None: let it finish). Returns (rc, output)."""
+def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int, str, bool]:
+    """Run train.py once; kill it as `kill` says (None: let it finish). Returns the exit code,
+    the output, and whether a 'save' kill left the step it was saving half-written."""
     env = dict(env, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -110,7 +108,7 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
         lines.put(None)
 
     threading.Thread(target=read, daemon=True).start()
-    start, output, step_lines, done = time.monotonic(), [], 0, False
+    start, output, step_lines, done, saving = time.monotonic(), [], 0, False, None
     while not done and kill is not None:
         kind, value = kill
         wait = start + value - time.monotonic() if kind == "startup" else 1.0
@@ -131,10 +129,10 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
             if step_lines == int(value):
                 # The step's checkpoint is saved asynchronously right after its line: wait for
                 # its half-written folder, then kill a random few milliseconds into the save.
-                step = int(line.split()[1].split("/")[0])  # "step N/T | ..."
+                saving = int(line.split()[1].split("/")[0])  # "step N/T | ..."
                 deadline = time.monotonic() + 10.0
                 while time.monotonic() < deadline:
-                    state = _save_state(checkpoint_dir, step)
+                    state = _save_state(checkpoint_dir, saving)
                     if state != "not started":
                         break
                     time.sleep(0.001)
@@ -150,7 +148,8 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
         process.wait()
     while (line := lines.get()) is not None:
         output.append(line)
-    return process.returncode, "".join(output)
+    mid_save = saving is not None and _save_state(checkpoint_dir, saving) == "writing"
+    return process.returncode, "".join(output), mid_save
 
 
 def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: str, kills: int,
@@ -161,7 +160,7 @@ def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: 
     launches = []
     for kill in [*kill_plan(kills, rng), None]:
         before, committed = listing(checkpoint_dir), newest_complete_step(checkpoint_dir)
-        rc, output = _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout)
+        rc, output, mid_save = _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout)
         if rc not in (0, -signal.SIGKILL) or (kill is None) != (rc == 0):
             raise RuntimeError(f"launch {len(launches) + 1} ({kill}): exit code {rc}\n"
                                f"{output[-4000:]}")  # fmt: skip
@@ -169,9 +168,10 @@ def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: 
         launch = Launch(kill=kill and kill[0], committed_before=committed,
                         resumed_at=int(resumed.group(1)) if resumed else None,
                         listing_before=before, listing_after=listing(checkpoint_dir),
-                        output=output)  # fmt: skip
+                        killed_mid_save=mid_save, output=output)  # fmt: skip
         launches.append(launch)
-        what = f"kill {len(launches)} ({launch.kill})" if kill else "final launch"
+        what = f"kill {len(launches)} ({launch.kill}" if kill else "final launch"
+        what += ", mid-save)" if mid_save else (")" if kill else "")
         log(f"{what}: checkpoint dirs before [{launch.listing_before}], after "
             f"[{launch.listing_after}] (* = not complete); resumed at {launch.resumed_at}")  # fmt: skip
     return launches
@@ -227,7 +227,7 @@ def main() -> int:
              if x.resumed_at is not None and x.resumed_at != x.committed_before]  # fmt: skip
     print(
         f"run completed after {args.kills} kills; "
-        f"{sum(x.left_half_written for x in launches)} left a half-written checkpoint; "
+        f"{sum(x.killed_mid_save for x in launches)} landed while a checkpoint was written; "
         f"launches that resumed from anything but the newest complete step: {wrong or 'none'}"
     )
 

@@ -153,9 +153,9 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
     )  # fmt: skip
     assert [x.kill for x in launches].count("save") == 3
     assert [x.kill for x in launches].count("startup") == 2
-    # A half-written step folder was on disk after at least one kill, and no launch resumed
-    # from it: each resumed from the newest complete step it found.
-    assert any(x.left_half_written for x in launches), [x.listing_after for x in launches]
+    # At least one kill left the step it was saving half-written, and no launch resumed from
+    # such a step: each resumed from the newest complete step it found.
+    assert any(x.killed_mid_save for x in launches), [x.listing_after for x in launches]
     for x in launches:
         if x.resumed_at is not None or (x.kill is None and x.committed_before is not None):
             assert x.resumed_at == x.committed_before, (x.listing_before, x.output[-2000:])
