@@ -177,6 +177,8 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
                             timeout=600)  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
+    assert re.findall(r"\[inject\] step (\d+): (\w+)", output) == [
+        ("2", "grads"), ("4", "loss"), ("5", "loss"), ("6", "loss")]  # fmt: skip
     assert ("3 consecutive steps with a non-finite loss or gradient (limit "
             "max_consecutive_bad_steps=2)") in output, output[-3000:]  # fmt: skip
     assert "Saved step 6" in output and "those after step 3, the last good step" in output

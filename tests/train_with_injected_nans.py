@@ -32,7 +32,13 @@ def _injections() -> dict[int, str]:
 
 def _make_poisoned_grad_step(*args, **kwargs):
     grad_step = _real_make_grad_step(*args, **kwargs)
-    plan, accum = _injections(), train._CONFIG.value.gradient_accumulation_steps
+    config = train._CONFIG.value
+    plan, accum = _injections(), config.gradient_accumulation_steps
+    # Calls are mapped to steps from 0, so the run must not resume from a checkpoint.
+    checkpoints = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
+    assert not (os.path.isdir(checkpoints) and os.listdir(checkpoints)), (
+        f"OPSD_INJECT needs a fresh run, but {checkpoints} holds checkpoints"
+    )
     calls = [0]
 
     def poisoned(*step_args):
@@ -40,6 +46,8 @@ def _make_poisoned_grad_step(*args, **kwargs):
         step, micro = divmod(calls[0], accum)  # a fresh run: call i is step i // accum + 1
         calls[0] += 1
         kind = plan.get(step + 1) if micro == 0 else None
+        if kind:
+            print(f"[inject] step {step + 1}: {kind}", flush=True)
         if kind == "grads":
             grads = jax.tree.map(lambda g: g * jnp.nan, grads)
         elif kind == "loss":
