@@ -175,7 +175,7 @@ def main(argv):
         if config.finetune_from_ema:
             teacher_source = restore_model_params(config.resume_from, abstract_params,
                                                   which="ema_params")  # fmt: skip
-    with jax.set_mesh(mesh):
+    with mesh_lib.use_mesh(mesh):
         state = train_step.init_state(
             params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
             fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=teacher_source,
@@ -248,7 +248,7 @@ def main(argv):
             for name, fraction in packs.padding_fraction.items():
                 add_mean(sums, f"pack/{name}_padding", fraction)
             sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
-        with logger.phase("step"), jax.set_mesh(mesh):
+        with logger.phase("step"), mesh_lib.use_mesh(mesh):
             micro_grads, metrics = grad_step(state.params, state.teacher_params,
                                              on_mesh(packs.student), on_mesh(packs.teacher))  # fmt: skip
         return micro_grads, metrics, tokens
@@ -267,7 +267,7 @@ def main(argv):
             add_mean(sums, "pack/sft_padding", packs.padding_fraction)
             add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
             sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
-        with logger.phase("step"), jax.set_mesh(mesh):
+        with logger.phase("step"), mesh_lib.use_mesh(mesh):
             micro_grads, metrics = sft_grad_step(state.params, on_mesh(packs.pack))
         return micro_grads, metrics, int((packs.pack.segment_ids > 0).sum())
 
@@ -318,7 +318,7 @@ def main(argv):
                     first_row = distributed.local_row_offset(prompt_pack.tokens)
                 row_ids = distributed.all_processes(local_to_global).reshape(-1)
                 student = nnx.merge(graphdef, state.params, rest)
-                with jax.set_mesh(mesh):
+                with mesh_lib.use_mesh(mesh):
                     completions = sampler.sample(
                         student, prompt_pack,
                         jax.random.fold_in(state.rng, step), special=special,
@@ -336,11 +336,11 @@ def main(argv):
             micro_grads, metrics, micro_tokens = micro_step(step, micro, samples, own_completions,
                                                             sums)  # fmt: skip
             tokens += micro_tokens
-            with logger.phase("step"), jax.set_mesh(mesh):
+            with logger.phase("step"), mesh_lib.use_mesh(mesh):
                 grads = micro_grads if grads is None else add_grads(grads, micro_grads)
             for key, value in metrics.items():
                 add_mean(sums, key, value)
-        with logger.phase("step"), jax.set_mesh(mesh):
+        with logger.phase("step"), mesh_lib.use_mesh(mesh):
             state, update_metrics = apply_update(state, grads, accum, sums["loss"])
         if distributed.to_host(update_metrics["nonfinite"]) > 0:
             bad_steps += 1

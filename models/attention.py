@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from models import sharding
+
 BACKENDS = ("chunked", "reference", "cudnn")
 
 _F32 = jnp.float32
@@ -72,10 +74,28 @@ def attention(
         q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end, q_block, kv_block
     )
     if backend == "reference":
-        return _reference(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
-    if backend == "cudnn":
-        return _cudnn(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
-    return _chunked(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end, q_block, kv_block)
+        kernel = _reference
+    elif backend == "cudnn":
+        kernel = _cudnn
+    else:
+        kernel = functools.partial(_chunked, q_block=q_block, kv_block=kv_block)
+    # Every backend runs per device on its own rows (and heads under tensor parallelism): the
+    # kernels slice tiles by row index, which sharding propagation cannot split by itself.
+    names = _arg_names(q, k)
+    per_device = sharding.per_row_shard_map(kernel, names, out_names=names[0])
+    return per_device(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
+
+
+def _arg_names(q, k):
+    """Logical names of the attention arguments. Heads are split only when the kv heads split
+    the same way as the query heads (else a device's query heads would miss their kv head)."""
+    heads, kv_heads = sharding.ROWS_HEADS, sharding.ROWS_KV_HEADS
+    q_spec = sharding.logical_spec(q.shape, heads)
+    kv_spec = sharding.logical_spec(k.shape, kv_heads)
+    if q_spec is not None and q_spec[2] != kv_spec[2]:
+        heads = kv_heads = ("act_batch", "act_length", None, None)
+    ids = sharding.ROWS_IDS
+    return (heads, kv_heads, kv_heads, ids, ids, ids, ids)
 
 
 def dense_mask(q_segment_ids, kv_segment_ids, k_start, k_end) -> jax.Array:
@@ -177,7 +197,7 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-def _chunked(q, k, v, q_seg, kv_seg, k_start, k_end, q_block, kv_block):
+def _chunked(q, k, v, q_seg, kv_seg, k_start, k_end, *, q_block, kv_block):
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     if T == 0 or S == 0:

@@ -22,9 +22,10 @@ import numpy as np
 from flax import nnx
 
 from models.configs import BagelConfig
-from models.layers import Projection
+from models.layers import Projection, compute_weight
 from models.pack import Pack
 from models.qwen2_mot import Qwen2MoT
+from models.sharding import ROWS_EMBED, constrain
 from models.siglip import SiglipVisionEncoder
 
 
@@ -86,8 +87,8 @@ class Bagel(nnx.Module):
     def image_embeddings(self, patches, position_ids, image_ids) -> jax.Array:
         """ViT -> connector -> + sin-cos table: [R, P, 588] patches -> [R, P, D] (compute dtype)."""
         features = self.connector(self.vit_model(patches, position_ids, image_ids))
-        table = self.vit_pos_embed[...].astype(features.dtype)
-        return features + jnp.take(table, position_ids, axis=0)
+        table = compute_weight(self.vit_pos_embed, ("vit_positions", "embed"), features.dtype)
+        return constrain(features + jnp.take(table, position_ids, axis=0), ROWS_EMBED)
 
     def embed(self, pack: Pack) -> jax.Array:
         """The LM's input rows [R, T, D]: token embeddings with patch slots filled by the ViT."""
@@ -98,11 +99,13 @@ class Bagel(nnx.Module):
             raise ValueError("the Pack has images but the model was built with visual_und=False")
         patch_embeddings = self.image_embeddings(
             pack.vit_patches, pack.vit_pos_ids, pack.vit_image_ids).astype(embeddings.dtype)  # fmt: skip
-        num_rows, length = pack.tokens.shape
+        length = pack.tokens.shape[1]
         # Padding patches (slot -1) are sent past the row end and dropped by the scatter.
         slots = jnp.where(pack.vit_slots >= 0, pack.vit_slots, length)
-        rows = jnp.arange(num_rows)[:, None]
-        return embeddings.at[rows, slots].set(patch_embeddings, mode="drop")
+        # Per row (vmap): the scatter then has a batch dimension that the SPMD partitioner
+        # keeps on each device's own rows.
+        fill = jax.vmap(lambda row, at, values: row.at[at].set(values, mode="drop"))
+        return constrain(fill(embeddings, slots, patch_embeddings), ROWS_EMBED)
 
     def __call__(self, pack: Pack, return_kv: bool = False):
         """One packed forward: final-normed hidden states [R, T, D].

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.sharding import constrain, in_use_names
+
 INIT_STD = 0.02  # HF's initializer_range; only matters for training from scratch.
 
 # Per-layer rematerialisation policies by config name ("none" = keep every activation).
@@ -38,6 +40,20 @@ def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...])
     return param(INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32), names)
 
 
+def compute_weight(weight: nnx.Param, names: tuple[str, ...], dtype) -> jax.Array:
+    """The fp32 master weight, cast to the compute dtype and gathered for use (FSDP).
+
+    Two constraints say where each step happens: the cast copy keeps the parameter's own
+    layout, so every device casts its shard; then it takes its in-use layout (hidden dimension
+    whole), so the all-gather moves the compute-dtype copy (bf16: half the bytes of gathering
+    fp32 and casting after). In the backward the weight gradient is reduce-scattered in that
+    dtype and cast to fp32 on the shard. Explicit gathering also keeps XLA from splitting a
+    table lookup over the hidden dimension (which would gather the indices instead).
+    """
+    shard = constrain(weight[...].astype(dtype), names)
+    return constrain(shard, in_use_names(names))
+
+
 class Projection(nnx.Module):
     """A linear map written as an einsum; the kernel is stored [in..., out...] (PyTorch W^T)."""
 
@@ -51,13 +67,14 @@ class Projection(nnx.Module):
         bias_names: tuple[str, ...] | None = None,
     ):
         self.equation = equation
+        self.kernel_names = kernel_names
         self.kernel = normal_param(rngs, kernel_shape, kernel_names)
         self.bias = (
             None if bias_shape is None else param(jnp.zeros(bias_shape, jnp.float32), bias_names)
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.einsum(self.equation, x, self.kernel[...].astype(x.dtype))
+        y = jnp.einsum(self.equation, x, compute_weight(self.kernel, self.kernel_names, x.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(x.dtype)
         return y

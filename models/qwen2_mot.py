@@ -31,8 +31,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models import attention as attention_lib
-from models.layers import Projection, RMSNorm, normal_param, scan_layers, stack_layers
 from models.configs import Qwen2Config
+from models.layers import (Projection, RMSNorm, compute_weight, normal_param, scan_layers,
+                           stack_layers)  # fmt: skip
+from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, ROWS_MLP, constrain, vocab_names
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -82,7 +84,8 @@ class Expert(nnx.Module):
         return q, k, v
 
     def mlp(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        hidden = constrain(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x), ROWS_MLP)
+        return self.down_proj(hidden)
 
 
 def route(gen_mask: jax.Array | None, und_out, gen_fn=None):
@@ -114,22 +117,24 @@ class DecoderLayer(nnx.Module):
         x = self._routed(gen_mask, lambda e: e.input_layernorm(h))
         q, k, v = self._routed(gen_mask, lambda e: e.qkv(x))
         theta = self.config.rope_theta
-        return apply_rope(q, positions, theta), apply_rope(k, positions, theta), v
+        q, k = apply_rope(q, positions, theta), apply_rope(k, positions, theta)
+        return constrain(q, ROWS_HEADS), constrain(k, ROWS_KV_HEADS), constrain(v, ROWS_KV_HEADS)
 
     def _finish(self, h, attention_out, gen_mask):
         """o_proj + residual, post-attention norm, MLP + residual."""
         h = h + self._routed(gen_mask, lambda e: e.o_proj(attention_out))
         x = self._routed(gen_mask, lambda e: e.post_attention_layernorm(h))
-        return h + self._routed(gen_mask, lambda e: e.mlp(x))
+        return constrain(h + self._routed(gen_mask, lambda e: e.mlp(x)), ROWS_EMBED)
 
     def __call__(self, h, positions, segment_ids, k_start, k_end, gen_mask, return_kv=False):
+        h = constrain(h, ROWS_EMBED)  # the layer's carry: rows over the batch axes
         q, k, v = self._qkv(h, positions, gen_mask)
         out = attention_lib.attention(
             q, k, v,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
             k_start=k_start, k_end=k_end,
             backend=self.config.attention_backend)  # fmt: skip
-        h = self._finish(h, out, gen_mask)
+        h = self._finish(h, constrain(out, ROWS_HEADS), gen_mask)
         return (h, (k, v)) if return_kv else h
 
     def decode(self, h, positions, cache, layer_index, write_slots, kv_lengths):
@@ -177,7 +182,8 @@ class Qwen2MoT(nnx.Module):
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         """[B, T] ids -> [B, T, D] embeddings in the compute dtype."""
-        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.compute_dtype)
+        table = compute_weight(self.embed_tokens, ("vocab", "embed"), self.compute_dtype)
+        return constrain(jnp.take(table, tokens, axis=0), ROWS_EMBED)
 
     def __call__(
         self,
@@ -232,7 +238,8 @@ class Qwen2MoT(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head over the last axis: [..., D] -> [..., V] in the hidden states' dtype."""
-        return jnp.einsum("...d,dv->...v", hidden, self.lm_head[...].astype(hidden.dtype))
+        weight = compute_weight(self.lm_head, ("embed", "vocab"), hidden.dtype)
+        return constrain(jnp.einsum("...d,dv->...v", hidden, weight), vocab_names(hidden.ndim))
 
     def init_moe(self) -> None:
         """Copy every und weight into its gen counterpart (BAGEL's `init_moe`)."""

@@ -21,7 +21,9 @@ from flax import nnx
 
 from models import attention as attention_lib
 from models.configs import SiglipConfig
-from models.layers import LayerNorm, Projection, normal_param, scan_layers, stack_layers
+from models.layers import (LayerNorm, Projection, compute_weight, normal_param, scan_layers,
+                           stack_layers)  # fmt: skip
+from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_MLP, constrain
 
 
 def image_ranges(image_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -61,13 +63,15 @@ class EncoderLayer(nnx.Module):
         self.fc2 = Projection(rngs, "btf,fd->btd", (f, d), ("mlp", "vit_embed"), (d,), ("norm",))
 
     def __call__(self, h, image_ids, k_start, k_end):
+        h = constrain(h, ROWS_EMBED)  # the layer's carry: rows over the batch axes
         x = self.layer_norm1(h)
+        q, k, v = (constrain(p(x), ROWS_HEADS) for p in (self.q_proj, self.k_proj, self.v_proj))
         out = attention_lib.attention(
-            self.q_proj(x), self.k_proj(x), self.v_proj(x),
-            q_segment_ids=image_ids, kv_segment_ids=image_ids, k_start=k_start, k_end=k_end,
-            backend=self.attention_backend)  # fmt: skip
-        h = h + self.out_proj(out)
-        return h + self.fc2(jax.nn.gelu(self.fc1(self.layer_norm2(h)), approximate=True))
+            q, k, v, q_segment_ids=image_ids, kv_segment_ids=image_ids, k_start=k_start,
+            k_end=k_end, backend=self.attention_backend)  # fmt: skip
+        h = h + self.out_proj(constrain(out, ROWS_HEADS))
+        hidden = constrain(jax.nn.gelu(self.fc1(self.layer_norm2(h)), approximate=True), ROWS_MLP)
+        return constrain(h + self.fc2(hidden), ROWS_EMBED)
 
 
 class SiglipVisionEncoder(nnx.Module):
@@ -94,7 +98,8 @@ class SiglipVisionEncoder(nnx.Module):
             raise ValueError(f"patches have {patches.shape[-1]} features per patch, expected "
                              f"{self.config.patch_dim} (patch_size^2 * channels)")  # fmt: skip
         h = self.patch_embedding(patches.astype(self.compute_dtype))
-        table = self.position_embedding[...].astype(self.compute_dtype)
+        table = compute_weight(self.position_embedding, ("vit_positions", "vit_embed"),
+                               self.compute_dtype)  # fmt: skip
         h = h + jnp.take(table, position_ids, axis=0)
         k_start, k_end = image_ranges(image_ids)
         h = scan_layers(self.layers, h, image_ids, k_start, k_end, remat=self.remat)

@@ -283,7 +283,7 @@ def evaluate(
         if mesh is None:
             completions = sample_fn(model, prompt_pack, rng, **sampling)
         else:
-            with jax.set_mesh(mesh):
+            with mesh_lib.use_mesh(mesh):
                 completions = sample_fn(model, place_rows(prompt_pack, mesh), rng, **sampling)
         for row in range(real):
             sample = batch[row]

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
+from opsd_jax import mesh as mesh_lib
 from opsd_jax.evaluation import place_rows
 from opsd_jax.opsd_packs import PromptOptions, build_training_packs
 
@@ -168,7 +169,7 @@ def kl_diagnostic(
         if mesh is None:
             kl = entry_kl(model, packs.student, packs.teacher, tokenizer.vocab_length, chunk_size)
         else:
-            with jax.set_mesh(mesh):
+            with mesh_lib.use_mesh(mesh):
                 kl = entry_kl(model, place_rows(packs.student, mesh),
                               place_rows(packs.teacher, mesh), tokenizer.vocab_length,
                               chunk_size)  # fmt: skip

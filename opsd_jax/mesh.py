@@ -7,13 +7,15 @@ Explicit axes, under which an FSDP-sharded embedding gather fails; see jax_idiom
 * fsdp   — parameter sharding (`num_shard`);
 * tensor — optional tensor parallelism (default 1).
 
-Model parameters carry logical axis names (models/ sets them); the rules below, kept as data,
-map those names to mesh axes. Changing a parallelism layout means changing the rules, not the
-model.
+Model parameters and activations carry logical axis names (models/ sets them); the rules
+below, kept as data, map those names to mesh axes. Changing a parallelism layout means changing
+the rules, not the model. `use_mesh(mesh)` sets the mesh and activates the rules: everything
+jitted and traced inside it gets the activation layout (models/sharding.py reads both).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -26,7 +28,20 @@ BATCH_AXES = ("data", "fsdp")
 
 # logical name -> mesh axis (or None = replicated). Pure FSDP over 'fsdp', as maxtext's
 # pure-fsdp rules, plus Megatron-style tensor splits of heads / MLP / vocab over 'tensor'.
+# Parameters: the hidden dimension ('embed') is split over 'fsdp' (each device stores 1/N and
+# gathers a layer's weights, in the compute dtype, just before using them). Activations
+# ('act_*'): rows over ('data', 'fsdp'), the hidden dimension whole, so under pure FSDP no
+# activation ever crosses the interconnect; 'tensor' splits heads, MLP and vocab of both.
 LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # activations
+    ("act_batch", BATCH_AXES),
+    ("act_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+    # parameters
     ("batch", BATCH_AXES),
     ("layers", None),
     ("embed", "fsdp"),
@@ -71,6 +86,18 @@ def make_mesh(
     )
 
 
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
+    """Set `mesh` and activate the logical-axis rules (parameters and activations).
+
+    Jitted functions must be traced inside it to get the activation layout; outside it the
+    model's constraints and per-device attention are no-ops (plain sharding propagation). jax
+    caches a trace per function and mesh, not per rules: trace a function under one of the two.
+    """
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        yield mesh
+
+
 def logical_to_spec(names: tuple[str | None, ...], rules=LOGICAL_RULES) -> PartitionSpec:
     """PartitionSpec for an array whose axes have these logical names (unknown -> replicated)."""
     table = dict(rules)
@@ -101,6 +128,6 @@ def create_sharded_model(make_model: Callable[[], nnx.Module], mesh, rules=LOGIC
     def init():
         return nnx.state(make_model())
 
-    with jax.set_mesh(mesh):
+    with use_mesh(mesh, rules):
         state = init()
     return nnx.merge(graphdef, state)

@@ -68,7 +68,7 @@ def test_fsdp_sharded_params_and_same_results(num_replicate):
     graphdef, state = nnx.split(lm)
     host_state = jax.device_get(state)
     batch = _batch(config)
-    with jax.set_mesh(mesh):
+    with mesh_lib.use_mesh(mesh):
         sharded_batch = {
             k: jax.device_put(v, mesh_lib.batch_sharding(mesh)) for k, v in batch.items()
         }
@@ -117,7 +117,7 @@ def test_sharded_multimodal_forward_matches_single_device():
         m = nnx.merge(graphdef, state)
         return m.logits_at(m(pack), pack.loss_rows)
 
-    with jax.set_mesh(mesh):
+    with mesh_lib.use_mesh(mesh):
         sharded_pack = jax.tree.map(
             lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), pack
         )

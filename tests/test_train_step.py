@@ -122,7 +122,7 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     abstract = mesh_lib.abstract_model(lambda: nnx.merge(graphdef, params, rest), mesh)[1]
     shardings = nnx.split_state(abstract, nnx.Param, ...)[0]
     shardings = jax.tree.map(lambda x: x.sharding, shardings)
-    with jax.set_mesh(mesh):
+    with mesh_lib.use_mesh(mesh):
         sharded_params = jax.device_put(jax.tree.map(jnp.copy, params), shardings)
         put = lambda pack: jax.tree.map(  # noqa: E731
             lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), pack

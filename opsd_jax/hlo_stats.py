@@ -1,0 +1,325 @@
+"""What a compiled XLA program moves between devices: its collectives, counted through loops.
+
+`partitioned_hlo(jax.jit(f).lower(...))` is the per-device program right after SPMD
+partitioning (see there why not the final one). `collectives(text)` lists every collective instruction in it with its operand and result shapes
+and how many times it runs per call: the product of the trip counts of the while loops around
+it (XLA writes `known_trip_count` on loops whose count it knows, e.g. a scan over layers; a loop
+with a data-dependent count is counted once and flagged). `summarize` turns that into bytes per
+device by kind. The layout tests and bench/scale.py both read programs through this module.
+
+Bytes per device, for a group of n devices (ring algorithms, what each device receives):
+  all-gather       result - operand               ((n-1)/n of the gathered array)
+  reduce-scatter   operand - result               ((n-1)/n of the summed array)
+  all-reduce       2 (n-1)/n x operand            (reduce-scatter + all-gather)
+  all-to-all       (n-1)/n x operand
+  collective-permute  operand
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import math
+import os
+import re
+import tempfile
+from collections import defaultdict
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as persistent_cache
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
+}  # fmt: skip
+
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
+_OPERAND_NAME = re.compile(r"%([\w.\-]+)")
+_CALLEES = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_CONSTANT = re.compile(r"^\s*(-?\d+)\s*$")
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+# Ops that only move or relabel data between an all-reduce and the slice that makes it a
+# reduce-scatter.
+_PASSTHROUGH = {"transpose", "reshape", "bitcast", "copy", "convert", "get-tuple-element"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return DTYPE_BYTES.get(self.dtype, 4) * math.prod(self.dims)
+
+    def __str__(self):
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    name: str
+    computation: str
+    operands: tuple[Shape, ...]
+    results: tuple[Shape, ...]
+    group_size: int  # devices taking part in one group (0 when the program does not say)
+    count: int  # executions per call of the program (product of enclosing trip counts)
+    in_unknown_loop: bool  # inside a loop whose trip count XLA does not know (count is a floor)
+
+    @property
+    def operand_bytes(self) -> int:
+        return sum(s.bytes for s in self.operands)
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(s.bytes for s in self.results)
+
+    @property
+    def moved_bytes(self) -> float:
+        """Bytes each device receives for one execution (see the module docstring)."""
+        n = max(self.group_size, 1)
+        if self.kind == "all-gather":
+            return self.result_bytes - self.operand_bytes
+        if self.kind == "reduce-scatter":
+            return self.operand_bytes - self.result_bytes
+        if self.kind == "all-reduce":
+            return 2 * (n - 1) / n * self.operand_bytes
+        if self.kind == "all-to-all":
+            return (n - 1) / n * self.operand_bytes
+        return float(self.operand_bytes)
+
+    @property
+    def dtypes(self) -> set[str]:
+        return {s.dtype for s in self.operands + self.results}
+
+
+def _shapes(text: str) -> tuple[Shape, ...]:
+    return tuple(
+        Shape(dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _SHAPE.findall(text)
+    )
+
+
+def _split_operands(rest: str) -> str:
+    """The text inside the instruction's argument parentheses (rest starts after '(')."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += ch in "({["
+        depth -= ch in ")}]"
+        if depth == 0:
+            return rest[:i]
+    return rest
+
+
+def _kind(opcode: str) -> str | None:
+    base = opcode[: -len("-start")] if opcode.endswith("-start") else opcode
+    return base if base in KINDS else None
+
+
+@dataclasses.dataclass
+class _Instruction:
+    name: str
+    opcode: str
+    result: str  # the result type text
+    operands: list[str]  # operand instruction names (a tuple element 'x#3' counts as 'x')
+    operand_text: str
+    attributes: str
+
+
+def _parse(text: str):
+    """{computation: [_Instruction]} and the entry computation's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if _COMPUTATION.match(stripped) and not _INSTRUCTION.match(stripped):
+            current = _COMPUTATION.match(stripped).group(1)
+            computations[current] = []
+            if stripped.startswith("ENTRY"):
+                entry = current
+            continue
+        inst = _INSTRUCTION.match(line) if current is not None else None
+        if inst:
+            name, result, opcode, rest = inst.groups()
+            operand_text = _split_operands(rest)
+            computations[current].append(_Instruction(
+                name, opcode, result, _OPERAND_NAME.findall(operand_text), operand_text,
+                rest[len(operand_text):]))  # fmt: skip
+    if entry is None:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return computations, entry
+
+
+def _trip_count(loop: _Instruction, computations) -> int | None:
+    """Iterations of a while loop: XLA's annotation when present, else a condition of the form
+    `counter < constant` (how jax writes scan / map loops; the counter starts at 0)."""
+    found = _TRIP_COUNT.search(loop.attributes)
+    if found:
+        return int(found.group(1))
+    condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
+    body = computations.get(condition.group(1), []) if condition else []
+    constants = {i.name: i.operand_text for i in body if i.opcode == "constant"}
+    for inst in body:
+        if inst.opcode == "compare" and "direction=LT" in inst.attributes and inst.operands:
+            bound = constants.get(inst.operands[-1].split("#")[0])
+            if bound is not None and _CONSTANT.match(bound):
+                return int(bound)
+    return None
+
+
+def _group_size(attributes: str) -> int:
+    mesh = _MESH_GROUPS.search(attributes)
+    if mesh:  # replica_groups=mesh['data'=1,'fsdp'=8,'tensor'=1] {'fsdp'}
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", mesh.group(1)))
+        axes = re.findall(r"'([^']+)'", mesh.group(2))
+        return math.prod(int(sizes[a]) for a in axes if a in sizes)
+    groups = _GROUPS.search(attributes)
+    if groups:
+        return len(groups.group(1).split(","))
+    iota = _GROUPS_IOTA.search(attributes)
+    return int(iota.group(2)) if iota else 0
+
+
+def _operand_type(operand: str, results: dict[str, str]) -> str:
+    """The type text of an operand; 'x#3' is element 3 of x's tuple type."""
+    name, _, index = operand.partition("#")
+    text = results.get(name, "")
+    if not index or not text.startswith("("):
+        return text
+    text = re.sub(r"/\*.*?\*/", "", text[1:-1])
+    elements, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            elements.append(text[start:i])
+            start = i + 1
+    elements.append(text[start:])
+    return elements[int(index)] if int(index) < len(elements) else ""
+
+
+def _feeds_only_slices(inst: _Instruction, users: dict) -> bool:
+    """True when every use of `inst` (through data-movement ops) is a dynamic-slice: an
+    all-reduce of which each device keeps 1/n is a reduce-scatter (XLA's GPU and TPU pipelines
+    rewrite it into one; the CPU pipeline keeps the pair)."""
+    pending, seen, sliced = [inst.name], set(), False
+    while pending:
+        name = pending.pop()
+        for user in users.get(name, ()):
+            if user.name in seen:
+                continue
+            seen.add(user.name)
+            if user.opcode == "dynamic-slice":
+                sliced = True
+            elif user.opcode in _PASSTHROUGH:
+                pending.append(user.name)
+            else:
+                return False
+    return sliced
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective of an HLO module, with its per-call execution count."""
+    computations, entry = _parse(text)
+    counts: dict[str, int] = defaultdict(int)
+    unknown: dict[str, bool] = defaultdict(bool)
+
+    def visit(computation: str, multiplier: int, in_unknown: bool, depth: int = 0):
+        if depth > 64 or computation not in computations:
+            return
+        counts[computation] += multiplier
+        unknown[computation] |= in_unknown
+        for inst in computations[computation]:
+            callees = [c for _, c in _CALLEES.findall(inst.attributes)]
+            for branches in _BRANCHES.findall(inst.attributes):
+                callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+            if not callees:
+                continue
+            trips, loop_unknown = 1, False
+            if inst.opcode == "while":
+                trips = _trip_count(inst, computations)
+                trips, loop_unknown = (1, True) if trips is None else (trips, False)
+            for callee in dict.fromkeys(callees):
+                visit(callee, multiplier * trips, in_unknown or loop_unknown, depth + 1)
+
+    visit(entry, 1, False)
+    found: list[Collective] = []
+    for computation, instructions in computations.items():
+        if not counts.get(computation):
+            continue
+        results = {i.name: i.result for i in instructions}
+        users: dict[str, list] = defaultdict(list)
+        for i in instructions:
+            for operand in i.operands:
+                users[operand.split("#")[0]].append(i)
+        for inst in instructions:
+            kind = _kind(inst.opcode)
+            if kind is None:
+                continue
+            if kind == "all-reduce" and _feeds_only_slices(inst, users):
+                kind = "reduce-scatter"
+            operand_types = " ".join(_operand_type(o, results) for o in inst.operands)
+            operands = _shapes(operand_types or inst.operand_text)
+            result_shapes = _shapes(inst.result)
+            group_size = _group_size(inst.attributes)
+            if kind == "reduce-scatter" and inst.opcode.startswith("all-reduce"):
+                # Reported as the reduce-scatter it becomes: each device keeps 1/n.
+                n = max(group_size, 1)
+                result_shapes = tuple(Shape(r.dtype, (math.prod(r.dims) // n,))
+                                      for r in result_shapes)  # fmt: skip
+            found.append(Collective(
+                kind=kind, name=inst.name, computation=computation, operands=operands,
+                results=result_shapes, group_size=group_size, count=counts[computation],
+                in_unknown_loop=unknown[computation],
+            ))  # fmt: skip
+    return found
+
+
+def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
+    """{kind: {'count': executions per call, 'bytes': bytes received per device per call}}."""
+    table = {kind: {"count": 0, "bytes": 0.0} for kind in KINDS}
+    for c in found:
+        table[c.kind]["count"] += c.count
+        table[c.kind]["bytes"] += c.count * c.moved_bytes
+    return table
+
+
+def partitioned_hlo(lowered) -> str:
+    """The HLO of a lowered jax computation right after SPMD partitioning, compiled for the
+    current backend.
+
+    Why not `compile().as_text()`: that is the program after the backend's own passes, and the
+    CPU backend widens bf16 collectives to f32 and never forms reduce-scatters; right after
+    partitioning the program says what a GPU or TPU build would move (XLA dump of that pass).
+    """
+    # A persistent-cache hit would skip the passes, and with them the dump (the cache key
+    # ignores dump options). jax decides once whether the cache is used; reset_cache makes it
+    # read the setting again, before and after.
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    persistent_cache.reset_cache()
+    try:
+        with tempfile.TemporaryDirectory(prefix="opsd-hlo-") as folder:
+            lowered.compile(compiler_options={
+                "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
+            dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
+            if not dumps:
+                raise RuntimeError(f"XLA wrote no after-spmd-partitioning dump in {folder}: "
+                                   f"{sorted(os.listdir(folder))[:20]}")
+            with open(dumps[-1]) as f:
+                return f.read()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cache_was_on)
+        persistent_cache.reset_cache()
