@@ -22,6 +22,9 @@ Backends:
   "reference" dense mask and plain softmax in float32; small, obviously correct, used by tests.
   "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") with the dense mask; GPU only,
               fp16/bf16 only, never the default.
+  "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);
+              NVIDIA GPUs sm80+ (A100, H100, H200).
+  "auto"      "pallas" where it runs, else "chunked" (resolve_backend).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-BACKENDS = ("chunked", "reference", "cudnn")
+BACKENDS = ("chunked", "reference", "cudnn", "pallas", "auto")
 
 _F32 = jnp.float32
 
@@ -60,7 +63,7 @@ def attention(
         h // (Hq // Hkv).
       q_segment_ids, k_start, k_end: [B, T] int32, per query.
       kv_segment_ids: [B, S] int32, per key.
-      backend: "chunked", "reference" or "cudnn".
+      backend: one of BACKENDS (see the module docstring).
       q_block, kv_block: tile sizes of the chunked backend (clamped to the sequence lengths).
 
     Returns:
@@ -75,7 +78,23 @@ def attention(
         return _reference(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
     if backend == "cudnn":
         return _cudnn(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
+    if resolve_backend(backend) == "pallas":
+        from models import attention_pallas  # Pallas/Triton is imported only when used
+
+        return attention_pallas.range_attention(q, k, v, q_segment_ids=q_segment_ids,
+                                                kv_segment_ids=kv_segment_ids, k_start=k_start,
+                                                k_end=k_end)  # fmt: skip
     return _chunked(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end, q_block, kv_block)
+
+
+def resolve_backend(name: str) -> str:
+    """The backend "auto" stands for on this machine (other names are returned unchanged):
+    the Pallas kernel on an NVIDIA GPU it supports, else "chunked"."""
+    if name != "auto" or jax.default_backend() != "gpu":
+        return "chunked" if name == "auto" else name
+    from models import attention_pallas
+
+    return "pallas" if attention_pallas.unsupported_reason() is None else "chunked"
 
 
 def dense_mask(q_segment_ids, kv_segment_ids, k_start, k_end) -> jax.Array:
