@@ -406,7 +406,7 @@ def lower_for_gpu(fn, *args, device_kind: str = GPU_FOR_LOWERING) -> str:
 
     The Triton lowering runs in-process (jax picks the target from an abstract device), so this
     checks on CPU that every kernel lowers to Triton IR (power-of-two tiles, supported ops); it
-    does not run ptxas or the kernel. Used by the tests and `bench/attention.py --lower-only`.
+    does not run ptxas or the kernel.
     """
     global _lowering_for_gpu
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
