@@ -21,7 +21,7 @@ or the Pallas interpreter with --interpret: slow, small T only), auto.
 On an H100/H200, BAGEL-7B's attention layout (28 query heads, 4 kv heads, head dim 128, bf16):
 
     python bench/attention.py --seq-lens 4096 10240 16384 40960 --backends pallas cudnn chunked \\
-        --q-heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16 --max-run-gib 100
+        --q-heads 28 --kv-heads 4 --head-dim 128 --dtype bfloat16 --max-run-gib 100 --check
 
 On a CPU (defaults: small heads, float32):
 
@@ -182,7 +182,21 @@ def measure(backend, length, args):
     except Exception as e:  # out of memory at run time
         return dict(result, note=f"run failed: {type(e).__name__}: {str(e)[:120]}")
     result["peak_mib"] = peak_mib()
+    if args.check and backend not in ("chunked", "reference"):
+        result["note"] = check_against_chunked(compiled_f, compiled_fb, inputs, args)
     return result
+
+
+def check_against_chunked(compiled_f, compiled_fb, inputs, args):
+    """Largest error of (out, dq, dk, dv) against the chunked backend (itself tested against the
+    dense reference), each relative to max(1, max |chunked value|)."""
+    got = (compiled_f(*inputs),) + tuple(compiled_fb(*inputs))
+    want = (forward("chunked", args)(*inputs),) + tuple(fwd_bwd("chunked", args)(*inputs))
+    errors = []
+    for a, b in zip(got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        errors.append(float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b)))))
+    return "vs chunked out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errors)
 
 
 def measure_isolated(backend, length, args):
@@ -218,6 +232,8 @@ def main():
                         help="run the pallas backend in the Pallas interpreter (CPU; slow)")
     parser.add_argument("--max-run-gib", type=float, default=6.0,
                         help="compile but do not run a case whose temp memory exceeds this")
+    parser.add_argument("--check", action="store_true",
+                        help="also report each backend's error against chunked (out and grads)")
     parser.add_argument("--in-process", action="store_true",
                         help="run every case in this process (the peak column is then cumulative)")
     parser.add_argument("--case", nargs=2, metavar=("BACKEND", "T"), help=argparse.SUPPRESS)

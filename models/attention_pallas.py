@@ -39,6 +39,11 @@ kernels to Triton IR for an H100 so a moved API fails there, on CPU.
 Head dims are padded to a power of two (>= 16), as Triton tiles must be: free for BAGEL's LLM
 (128), a ~1.8x compute overhead for SigLIP's 72.
 
+Sharding: a pallas_call is an opaque custom call to XLA's SPMD partitioner, which cannot split
+it by rows; under jit with row-sharded activations it must run inside a shard_map over the row
+axes (each device on its own rows, as DESIGN.md's "attention runs per device" asks), or XLA
+gathers its operands. That wrapper belongs to the caller's sharding layer, not to this kernel.
+
 Without a GPU, `interpret=True` runs the very same kernels in the Pallas interpreter (slow; for
 tests). The product never does that: attention.resolve_backend('auto') picks this kernel only on
 a supported GPU.
