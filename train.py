@@ -141,7 +141,7 @@ def main(argv):
 
     # ---- model and tokenizer --------------------------------------------------------------------
     t0 = time.perf_counter()
-    backend = attention.resolve_backend(config.attention_backend)  # "auto" -> what this machine runs
+    backend = attention.resolve_backend(config.attention_backend)  # "auto" -> this machine's
     say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
     runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
                    remat=config.remat)  # fmt: skip

@@ -272,7 +272,8 @@ def _dq_kernel(lo_ref, hi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref
 
 
 def _dkdv_kernel(qlo_ref, qhi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref, v_ref,
-                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, qk_scale, scale, bq, group):  # fmt: skip
+                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, qk_scale, scale, bq,
+                 group):  # fmt: skip
     j = pl.program_id(0)
     k, v, kv_seg = k_ref[...], v_ref[...], kv_seg_ref[...]
     bk, dp = k.shape
