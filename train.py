@@ -19,6 +19,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from models import attention
 from opsd_jax import distributed, evaluation, sampler, sft_packs, train_config, train_step
 from opsd_jax import mesh as mesh_lib
 from opsd_jax.checkpoint import Checkpointer, restore_model_params
@@ -140,7 +141,9 @@ def main(argv):
 
     # ---- model and tokenizer --------------------------------------------------------------------
     t0 = time.perf_counter()
-    runtime = dict(compute_dtype=config.compute_dtype, attention_backend=config.attention_backend,
+    backend = attention.resolve_backend(config.attention_backend)  # "auto" -> this machine's
+    say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
+    runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
                    remat=config.remat)  # fmt: skip
     model, model_config, tokenizer = load_hf(
         config.model_path, mesh=mesh, config_changes={"llm": runtime},

@@ -16,7 +16,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model_path = ""  # BAGEL / ThinkMorph HF directory (llm_config.json, vit_config.json, ...)
     c.weights = ""  # "ema" | "model" | "" (auto: ema.safetensors wins if both exist)
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
-    c.attention_backend = "chunked"  # chunked | reference | cudnn (GPU)
+    c.attention_backend = "auto"  # auto (pallas on GPU else chunked) | chunked | pallas | cudnn
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
 
     # --- data -------------------------------------------------------------------------------------

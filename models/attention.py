@@ -22,6 +22,9 @@ Backends:
   "reference" dense mask and plain softmax in float32; small, obviously correct, used by tests.
   "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") with the dense mask; GPU only,
               fp16/bf16 only, never the default.
+  "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);
+              NVIDIA GPUs sm80+ (A100, H100, H200).
+  "auto"      "pallas" where it runs, else "chunked" (resolve_backend).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from jax import lax
 
 from models import sharding
 
-BACKENDS = ("chunked", "reference", "cudnn")
+BACKENDS = ("chunked", "reference", "cudnn", "pallas", "auto")
 
 _F32 = jnp.float32
 
@@ -62,7 +65,7 @@ def attention(
         h // (Hq // Hkv).
       q_segment_ids, k_start, k_end: [B, T] int32, per query.
       kv_segment_ids: [B, S] int32, per key.
-      backend: "chunked", "reference" or "cudnn".
+      backend: one of BACKENDS (see the module docstring).
       q_block, kv_block: tile sizes of the chunked backend (clamped to the sequence lengths).
 
     Returns:
@@ -77,13 +80,26 @@ def attention(
         kernel = _reference
     elif backend == "cudnn":
         kernel = _cudnn
+    elif resolve_backend(backend) == "pallas":
+        from models import attention_pallas  # Pallas/Triton is imported only when used
+
+        kernel = _pallas_kernel(attention_pallas.range_attention)
     else:
         kernel = functools.partial(_chunked, q_block=q_block, kv_block=kv_block)
     # Every backend runs per device on its own rows (and heads under tensor parallelism): the
-    # kernels slice tiles by row index, which sharding propagation cannot split by itself.
+    # kernels slice tiles by row index (a pallas_call cannot be split at all), which sharding
+    # propagation cannot do by itself.
     names = _arg_names(q, k)
     per_device = sharding.per_row_shard_map(kernel, names, out_names=names[0])
     return per_device(q, k, v, q_segment_ids, kv_segment_ids, k_start, k_end)
+
+
+def _pallas_kernel(range_attention):
+    def kernel(q, k, v, q_seg, kv_seg, k_start, k_end):
+        return range_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                               k_start=k_start, k_end=k_end)  # fmt: skip
+
+    return kernel
 
 
 def _arg_names(q, k):
@@ -96,6 +112,16 @@ def _arg_names(q, k):
         heads = kv_heads = ("act_batch", "act_length", None, None)
     ids = sharding.ROWS_IDS
     return (heads, kv_heads, kv_heads, ids, ids, ids, ids)
+
+
+def resolve_backend(name: str) -> str:
+    """The backend "auto" stands for on this machine (other names are returned unchanged):
+    the Pallas kernel on an NVIDIA GPU it supports, else "chunked"."""
+    if name != "auto" or jax.default_backend() != "gpu":
+        return "chunked" if name == "auto" else name
+    from models import attention_pallas
+
+    return "pallas" if attention_pallas.unsupported_reason() is None else "chunked"
 
 
 def dense_mask(q_segment_ids, kv_segment_ids, k_start, k_end) -> jax.Array:

@@ -65,7 +65,7 @@ class Qwen2Config:
     build_gen_expert: bool = False
     # --- runtime (not in the checkpoint) ---
     compute_dtype: str = "bfloat16"
-    attention_backend: str = "chunked"
+    attention_backend: str = "auto"
     remat: str = "full"
 
     def __post_init__(self):
