@@ -413,16 +413,9 @@ def save_results(result: EvalResult, out_dir: str | os.PathLike, name: str = "ev
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """A `configs/<name>.py` file's `get_config()` as a plain dict."""
-    import importlib.util
+    from opsd_jax.train_config import load_config_file as load
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--config {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"_eval_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"--config {path}: defines no get_config()")
-    config = module.get_config()
+    config = load(path)
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
