@@ -438,6 +438,13 @@ def checkpoint_step_dir(path: str | os.PathLike) -> str:
                             "(or in its checkpoints/ folder)")  # fmt: skip
 
 
+def run_dir_of(checkpoint: str | os.PathLike) -> str:
+    """The training run a checkpoint belongs to: the folder holding its `checkpoints/` (or, for
+    a checkpoint directory named otherwise, that directory itself)."""
+    root = os.path.dirname(checkpoint_step_dir(checkpoint))
+    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
+
+
 def checkpoint_config(step_dir: str | os.PathLike) -> dict[str, Any] | None:
     """The training config saved with a checkpoint step (its JSON `config` item), if any."""
     item = os.path.join(step_dir, "config", "metadata")

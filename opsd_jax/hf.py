@@ -710,6 +710,10 @@ def save_hf(
         if writer
         else None
     )
+    if tmp is not None:
+        # mkdtemp makes it private (0700); it becomes the user's export directory, so give it
+        # the mode a plain mkdir would (the umask's).
+        tmp.chmod(0o777 & ~_umask())
     try:
         for file in files.files:
             items = [
@@ -758,6 +762,12 @@ def save_hf(
         if bar is not None:
             bar.close()
     return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the umask can only be read by setting it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def _ours_producer(value, rule: Rule, layer: int | None, dtype: np.dtype):

@@ -14,7 +14,8 @@ Context: `student` ([system?, image, question]) or `teacher` (plus the VT images
 `--noise_vt` the VT pixels are noise). `--temperature 0` (default) is greedy decoding.
 
 Writes `<out>/<name>_generations.jsonl`, `<name>_summary.json` and `<name>_table.md`, name =
-`<context>[_noise_vt]`, and prints the table.
+`<context>[_noise_vt]`, and prints the table. `--out` defaults to `<run>/eval/` with
+`--checkpoint` (next to the evaluations the trainer writes there), else `results/eval/`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
                       help="a dataset (repeatable); replaces the config's datasets")  # fmt: skip
     data.add_argument("--split", choices=SPLITS, default="eval")
     data.add_argument("--num_samples", type=int, default=None,
-                      help="at most this many samples per dataset (default: all)")  # fmt: skip
+                      help="at most this many samples from EACH dataset, not in total "
+                      "(default: all)")  # fmt: skip
     data.add_argument("--image_size", default=None, metavar="MAX,MIN",
                       help="ViT resize bounds (default: the config's, else BAGEL's 980,378)")  # fmt: skip
     data.add_argument("--noise_vt", action="store_true",
@@ -112,7 +114,8 @@ def main(argv=None) -> None:
                         help="default: the config's sample_max_new_tokens, else 1024")  # fmt: skip
     parser.add_argument("--max_image_skips", type=int, default=None,
                         help="default: the config's sample_max_image_skips, else 0")  # fmt: skip
-    parser.add_argument("--out", default="results/eval", help="output directory")
+    parser.add_argument("--out", default=None, help="output directory (default: RUN/eval with "
+                        "--checkpoint RUN, else results/eval)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.temperature < 0:
         raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
@@ -140,7 +143,11 @@ def main(argv=None) -> None:
         config=args.config, split=args.split,
     )  # fmt: skip
     name = args.context + ("_noise_vt" if args.noise_vt else "")
-    paths = evaluation.save_results(result, args.out, name)
+    out = args.out
+    if out is None:
+        out = (os.path.join(evaluation.run_dir_of(args.checkpoint), "eval") if args.checkpoint
+               else "results/eval")  # fmt: skip
+    paths = evaluation.save_results(result, out, name)
     print()
     print(evaluation.markdown_table(result.summary), end="")
     print()

@@ -318,6 +318,9 @@ def test_convert_script_round_trip(toy_fp32_sharded, tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "111 tensors (73 from our params, 38 copied" in printed
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(back.stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
     before, after = WeightDirectory(toy_fp32_sharded), WeightDirectory(back)
     assert len(after.files) == 3
     for key in before.keys():
