@@ -683,6 +683,8 @@ def test_tinker_values_and_diagnostics():
     loss, diag = TINKER(*args, reduction="token_mean")
     assert_nats_close(loss, -(log_q - log_p)[mask].mean())
     assert_nats_close(diag["k1_reverse_kl"], (log_p - log_q)[mask].mean())
+    # The PyTorch trainer's logged value: -mean(A log p), A = log q - log p.
+    assert_nats_close(diag["pytorch_surrogate"], -((log_q - log_p) * log_p)[mask].mean())
 
     loss, diag = TINKER(
         *args,
@@ -700,6 +702,26 @@ def test_tinker_values_and_diagnostics():
     # The warning is raised while tracing, so eval_shape checks it without compiling.
     with pytest.warns(UserWarning, match="sampling temperature"):
         jax.eval_shape(functools.partial(losses.tinker_loss, sample_temperature=1.1), *args)
+
+
+def test_tinker_has_the_gradient_of_the_pytorch_surrogate():
+    """Our value -mean(A) and PyTorch's -mean(A log p) differ; their gradients must not."""
+    zs, zt = pair(25)
+    ids = jnp.asarray(np.random.default_rng(8).integers(0, SHAPE[-1], SHAPE[:2]))
+    mask = jnp.ones(SHAPE[:2], bool)
+
+    def ours(z):
+        return losses.tinker_loss(z, zt, ids, mask, reduction="token_mean")[0]
+
+    def pytorch(z):
+        log_p = jnp.take_along_axis(jax.nn.log_softmax(z), ids[..., None], -1)[..., 0]
+        log_q = jnp.take_along_axis(jax.nn.log_softmax(zt), ids[..., None], -1)[..., 0]
+        return -jnp.mean(jax.lax.stop_gradient(log_q - log_p) * log_p)
+
+    grad_ours, grad_pytorch = jax.jit(lambda z: (jax.grad(ours)(z), jax.grad(pytorch)(z)))(zs)
+    assert float(jnp.abs(grad_pytorch).max()) > 1e-3  # not vacuous
+    assert_close_to_scale(grad_ours, grad_pytorch, rel=1e-5)
+    assert abs(float(ours(zs)) - float(pytorch(zs))) > 1e-3  # the logged numbers do differ
 
 
 def test_completion_ce_is_nll_of_sampled_tokens():

@@ -144,6 +144,25 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     assert len(embed.sharding.device_set) == 8 and "fsdp" in str(embed.sharding.spec)
 
 
+def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
+    packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
+    vocab = int(packs.student.loss_targets.max()) + 1
+    keys = jax.random.split(jax.random.key(3))
+    student, teacher = (jax.random.normal(k, packs.student.loss_targets.shape + (vocab,))
+                        for k in keys)  # fmt: skip
+    settings = train_step.LossSettings(jsd_loss_kind="tinker", num_samples=2)
+    loss, metrics = train_step.completion_loss(student, teacher, packs.student, settings)
+    _, diag = train_step.losses.tinker_loss(
+        student, teacher, packs.student.loss_targets, packs.student.loss_mask,
+        sample_ids=packs.student.loss_sample, num_samples=2)  # fmt: skip
+    assert float(metrics["tinker_k1"]) == float(metrics["jsd"]) == float(loss)
+    assert float(metrics["tinker_surrogate"]) == float(diag["pytorch_surrogate"])
+    assert float(metrics["tinker_surrogate"]) != float(loss)
+    jsd_metrics = train_step.completion_loss(student, teacher, packs.student,
+                                             train_step.LossSettings(num_samples=2))[1]  # fmt: skip
+    assert not {"tinker_k1", "tinker_surrogate"} & set(jsd_metrics)
+
+
 def test_frozen_vit_stays_bit_identical(split_model):
     graphdef, params, rest = split_model
     optimizer = train_step.make_optimizer(optim_config(freeze_vit=True), params)
