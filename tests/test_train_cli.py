@@ -163,6 +163,26 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
     assert_same_params(root / "checkpoints", checkpoints, 6)
 
 
+def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_path):
+    """scripts/generate.py on the run's results_dir: its saved config gives the model, the
+    image size and the prompt; the last step's params are restored; a completion is printed."""
+    from PIL import Image
+
+    root, result = straight
+    assert result.returncode == 0
+    image = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8)).save(image)
+    command = [sys.executable, "scripts/generate.py", "--checkpoint", str(root), "--image",
+               str(image), "--question", "Which way out?", "--max_new_tokens", "6"]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=subprocess_env(1), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"model: params of {root / 'checkpoints' / '6'} on " in run.stderr, run.stderr
+    summary = re.search(r"^answer: .*; (\d+) tokens, (\d+) round\(s\), ", run.stderr, re.M)
+    assert summary and 1 <= int(summary.group(1)) <= 6, run.stderr
+    assert run.stdout.strip() and run.stdout.count("\n") >= 1  # the completion
+
+
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     """NaN gradients injected at step 2 and an infinite loss at steps 4-6: step 2 is skipped
     (params, optimizer state and EMA unchanged) and training goes on; three bad steps in a row
