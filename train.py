@@ -9,8 +9,11 @@ config check -> distributed init -> mesh -> model + tokenizer -> data -> train s
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 import time
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +37,45 @@ from opsd_jax.opsd_packs import (
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 flags.mark_flags_as_required(["config"])
+
+
+# ---- command line: a config error is one message and exit status 2, never a traceback ---------
+
+
+def config_error(message) -> NoReturn:
+    print(f"train.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (app.run's flags_parser), with the config checked first.
+
+    ml_collections raises a bare AttributeError from inside its parser for an unknown
+    `--config.<key>` (one key at a time) and an IOError only when a missing config file is
+    first read; here every unknown key is named, with the nearest valid ones, and the rest of
+    absl's parse errors (a value of the wrong type, no --config) are printed without usage."""
+    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)  # --flagfile, as absl does
+    path, keys = None, []
+    for i, arg in enumerate(argv):
+        if re.match(r"^--?config(=|$)", arg):  # --config=FILE or --config FILE
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1:] or [None])[0]
+        elif re.match(r"^--?(no)?config\.", arg):  # --config.KEY=VALUE, --[no]config.KEY
+            keys.append(arg.split("=", 1)[0].split(".", 1)[1])
+    if path:
+        try:
+            # Loading the (small) config file once more here is the price of naming every
+            # unknown key before absl stops at the first.
+            config = train_config.load_config_file(path)
+        except (FileNotFoundError, ValueError) as e:
+            config_error(e)
+        problems = train_config.unknown_keys(config, keys)
+        if problems:
+            config_error(f"unknown config keys for {path}:\n  --config." +
+                         "\n  --config.".join(problems))  # fmt: skip
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        config_error(e)
 
 
 # ---- toy assets (tiny configs) ---------------------------------------------------------------
@@ -123,11 +165,17 @@ def main(argv):
 
     # ---- config check: every bad value named before anything compiles ------------------------
     train_config.resolve_dataset_paths(config)
-    train_config.validate(config)  # values only: no device may be touched before the init below
+    try:
+        train_config.validate(config)  # values only: no device may be touched before the init
+    except train_config.ConfigError as e:
+        config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)
-    train_config.validate(config, jax.device_count(), jax.process_count())
+    try:
+        train_config.validate(config, jax.device_count(), jax.process_count())
+    except train_config.ConfigError as e:
+        config_error(e)
     num_processes, process_index = jax.process_count(), jax.process_index()
     if num_processes > 1:
         say(f"{num_processes} processes, {jax.local_device_count()} devices each")
@@ -402,4 +450,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -710,6 +710,10 @@ def save_hf(
         if writer
         else None
     )
+    if tmp is not None:
+        # mkdtemp makes it private (0700); it becomes the user's export directory, so give it
+        # the mode a plain mkdir would (the umask's).
+        tmp.chmod(0o777 & ~_umask())
     try:
         for file in files.files:
             items = [
@@ -758,6 +762,12 @@ def save_hf(
         if bar is not None:
             bar.close()
     return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the umask can only be read by setting it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def _ours_producer(value, rule: Rule, layer: int | None, dtype: np.dtype):
@@ -832,8 +842,10 @@ def restore_params(
     import orbax.checkpoint as ocp
 
     path = find_params_item(ckpt, item)
-    checkpointer = ocp.StandardCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
+    # The item's handler, not a Checkpointer: a training step keeps its checkpoint-level
+    # metadata one folder up, and a Checkpointer warns on every item it reads without one.
+    handler = ocp.StandardCheckpointHandler()
+    tree = handler.metadata(path).tree
     saved = {}
     for key_path, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
@@ -863,7 +875,10 @@ def restore_params(
         for part in names[:-1]:
             node = node.setdefault(part, {})
         node[names[-1]] = spec
-    restored = checkpointer.restore(path, target)
+    try:
+        restored = handler.restore(path, args=ocp.args.StandardRestore(target))
+    finally:
+        handler.close()
     return {dotted: _get(restored, names) for dotted, names in ours.items()}
 
 

@@ -609,10 +609,15 @@ def tinker_loss(
     [..., C] the sampler's recorded log-probs; sample_temperature, if given and different from
     `temperature`, triggers a warning (the estimator is then biased).
 
+    The loss value is therefore -reduce(A) (with rho = 1: the k1 estimate of KL(p || q)), not
+    the PyTorch OPSD trainer's -mean(A * log p(y)): same gradient, different number. That one is
+    returned as 'pytorch_surrogate' (reduced like the loss), for comparing logs.
+
     Returns:
       (loss, diagnostics). Besides the common keys: 'k1_reverse_kl' (mean of l(y) - log q(y), the
       k1 estimate of KL(p || q)), 'importance_ratio_mean', 'importance_ratio_max',
-      'advantage_mean' and 'advantage_clip_fraction', all over valid entries.
+      'advantage_mean' and 'advantage_clip_fraction', all over valid entries, and
+      'pytorch_surrogate' (-reduce(A * log p(y)), no gradient).
     """
     num_samples = _check_common(
         student_logits,
@@ -676,6 +681,9 @@ def tinker_loss(
     diagnostics["advantage_mean"] = _valid_mean(advantage, valid)
     clipped = (advantage != raw_advantage).astype(ratio.dtype)
     diagnostics["advantage_clip_fraction"] = _valid_mean(clipped, valid)
+    surrogate = jnp.where(valid, -advantage * stats(log_p), 0.0)
+    diagnostics["pytorch_surrogate"] = _reduce(surrogate, valid, flat_ids, num_samples,
+                                               reduction)[0]  # fmt: skip
     return loss, diagnostics
 
 

@@ -128,6 +128,12 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
         if key in diag:
             metrics[key] = diag[key]
+    if settings.jsd_loss_kind == "tinker":
+        # Under 'tinker' the distillation value (`jsd`, and `loss`) is -reduce(A), the k1 KL
+        # estimate; the PyTorch trainer logs -reduce(A * log p) for the same gradient. Both are
+        # logged under names that say which is which, so the two trainers' logs can be compared.
+        metrics["tinker_k1"] = distill
+        metrics["tinker_surrogate"] = diag["pytorch_surrogate"]
     loss = settings.jsd_weight * distill
     if settings.ce_weight:
         ce, _ = losses.completion_ce(

@@ -3,6 +3,7 @@ back with EventAccumulator), phase timings, non-main silence, the missing-wandb 
 device-array values. A fake clock makes throughput, ETA and phase numbers exact."""
 
 import json
+import re
 import sys
 
 import jax.numpy as jnp
@@ -181,15 +182,54 @@ def test_log_text_and_config(tmp_path, clock, capsys):
     assert json.loads(acc.Tensors("config")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
 
 
-def test_progress_bar_keeps_lines_on_stdout(clock, capsys):
+def _log_four_steps_and_a_completion(clock):
     logger = MetricsLogger(None, total_steps=4, log_every=2, progress_bar=True)
     for step in range(1, 5):
+        clock.t += 0.5
         logger.log_step(step, {"loss": 0.5})
+        if step == 2:
+            logger.log_text(step, "completion", "two\nlines")
     logger.close()
+
+
+def test_progress_bar_on_a_terminal_keeps_lines_on_stdout(clock, capsys, monkeypatch):
+    monkeypatch.setattr(metrics, "_is_terminal", lambda stream: True)
+    _log_four_steps_and_a_completion(clock)
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("step 2/4 | loss 0.5 |")
-    assert "4/4" in captured.err  # the bar itself goes to stderr
+    assert len(lines) == 3 and lines[0].startswith("step 2/4 | loss 0.5 |")
+    assert lines[1] == "[step 2] completion: two\\nlines"
+    assert "4/4" in captured.err and "\r" in captured.err  # the bar itself goes to stderr
+
+
+def test_no_progress_bar_when_output_is_not_a_terminal(clock, capsys):
+    """Redirected to a file (capsys is not a terminal): no bar, no carriage return, one line per
+    event, even for a multi-line completion."""
+    _log_four_steps_and_a_completion(clock)
+    captured = capsys.readouterr()
+    assert captured.err == "" and "\r" not in captured.out
+    assert captured.out.splitlines() == [
+        "step 2/4 | loss 0.5 | 2 steps/s | ETA 1s",
+        "[step 2] completion: two\\nlines",
+        "step 4/4 | loss 0.5 | 2 steps/s | ETA 0s",
+    ]
+
+
+def test_control_characters_in_text_are_escaped_in_every_sink(tmp_path, clock, capsys):
+    text = "red \x1b[31mtext\x1b[0m\x07 nul\x00 del\x7f csi\x9b2J\nnext\tline é"
+    logger = MetricsLogger(str(tmp_path), total_steps=10, log_every=5, progress_bar=False)
+    logger.log_text(3, "completion", text)
+    logger.close()
+    controls = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # every control but newline
+    out = capsys.readouterr().out
+    assert out == ("[step 3] completion: red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f "
+                   "csi\\x9b2J\\nnext\\tline é\n")  # fmt: skip
+    raw = (tmp_path / "text.jsonl").read_text(encoding="utf-8")
+    assert not controls.search(raw) and raw.count("\n") == 1
+    assert json.loads(raw)["text"] == text  # the exact text, in JSON escapes
+    logged = _accumulator(tmp_path).Tensors("completion")[0].tensor_proto.string_val[0]
+    assert logged.decode() == ("red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f csi\\x9b2J\n"
+                               "next\tline é")  # fmt: skip
 
 
 @pytest.mark.parametrize(

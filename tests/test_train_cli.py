@@ -163,6 +163,26 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
     assert_same_params(root / "checkpoints", checkpoints, 6)
 
 
+def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_path):
+    """scripts/generate.py on the run's results_dir: its saved config gives the model, the
+    image size and the prompt; the last step's params are restored; a completion is printed."""
+    from PIL import Image
+
+    root, result = straight
+    assert result.returncode == 0
+    image = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8)).save(image)
+    command = [sys.executable, "scripts/generate.py", "--checkpoint", str(root), "--image",
+               str(image), "--question", "Which way out?", "--max_new_tokens", "6"]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=subprocess_env(1), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"model: params of {root / 'checkpoints' / '6'} on " in run.stderr, run.stderr
+    summary = re.search(r"^answer: .*; (\d+) tokens, (\d+) round\(s\), ", run.stderr, re.M)
+    assert summary and 1 <= int(summary.group(1)) <= 6, run.stderr
+    assert run.stdout.strip() and run.stdout.count("\n") >= 1  # the completion
+
+
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     """NaN gradients injected at step 2 and an infinite loss at steps 4-6: step 2 is skipped
     (params, optimizer state and EMA unchanged) and training goes on; three bad steps in a row
@@ -203,17 +223,38 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     assert any(changed)  # step 3 was a good step and trained
 
 
-def test_a_typo_in_a_config_key_is_an_error(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine")
-    assert result.returncode != 0
-    assert "lr_schedular" in result.stderr
+def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine",
+                       "--config.nonexistent_key=1", "--config.data.image_transform.max_sise=3")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "train.py: unknown config keys for configs/tiny.py:",
+        "  --config.lr_schedular: no such key; did you mean lr_scheduler?",
+        "  --config.nonexistent_key: no such key; nothing similar (configs/common.py lists every "
+        "key)",
+        "  --config.data.image_transform.max_sise: no such key; did you mean "
+        "data.image_transform.max_size, data.image_transform.max_pixels, "
+        "data.image_transform.min_size?",
+    ]  # fmt: skip
     assert not (tmp_path / "checkpoints").exists()
+    missing = subprocess.run([sys.executable, "train.py", "--config", "configs/nope.py"], cwd=ROOT,
+                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 2
+    assert missing.stderr == "train.py: --config configs/nope.py: no such file\n"
 
 
-def test_a_bad_value_fails_before_any_compute(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor")
-    assert result.returncode != 0
-    assert "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'" in result.stderr
+def test_bad_values_are_all_named_before_any_compute(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor",
+                       "--config.jsd_beta=2.0", "--config.model_path=/nonexistent")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "train.py: bad training config:",
+        "  teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'",
+        "  jsd_beta=2.0: must be a number in [0, 1]",
+        "  model_path='/nonexistent': not a directory",
+    ]
     assert "mesh" not in result.stdout  # stopped before building anything
 
 
