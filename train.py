@@ -19,12 +19,19 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from opsd_jax import distributed, evaluation, sampler, sft_packs, train_config, train_step
+from opsd_jax import (
+    distributed,
+    evaluation,
+    init_weights,
+    sampler,
+    sft_packs,
+    train_config,
+    train_step,
+)
 from opsd_jax import mesh as mesh_lib
-from opsd_jax.checkpoint import Checkpointer, restore_model_params
+from opsd_jax.checkpoint import Checkpointer
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
-from opsd_jax.hf import load_hf
 from opsd_jax.metrics import MetricsLogger
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
@@ -138,20 +145,29 @@ def main(argv):
     mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size)
     say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
 
-    # ---- model and tokenizer --------------------------------------------------------------------
+    # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
+    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
+    checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
+                                max_to_keep=config.max_checkpoints)  # fmt: skip
+    resumed = None
+    if config.auto_resume and checkpointer.latest_step() is not None:
+        resumed = checkpoint_dir
+    elif config.resume_from and not config.resume_model_only:
+        resumed = config.resume_from
+
+    # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
     runtime = dict(compute_dtype=config.compute_dtype, attention_backend=config.attention_backend,
                    remat=config.remat)  # fmt: skip
-    model, model_config, tokenizer = load_hf(
-        config.model_path, mesh=mesh, config_changes={"llm": runtime},
-        weights=config.weights or None,
-    )  # fmt: skip
+    start = init_weights.load(config, mesh, config_changes={"llm": runtime},
+                              full_resume=resumed is not None)  # fmt: skip
+    graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
     special = tokenizer.special_tokens()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    del model
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model {config.model_path}: {num_params:,} parameters, "
           f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    if resumed is None:
+        say(f"starting weights: {start.description}")
 
     # ---- data ------------------------------------------------------------------------------------
     data_config = DataConfig.from_dict(
@@ -167,32 +183,16 @@ def main(argv):
 
     # ---- train state -----------------------------------------------------------------------------
     optimizer = train_step.make_optimizer(config, params)
-    teacher_source = None
-    if config.resume_from and config.resume_model_only:
-        abstract_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
-        params = restore_model_params(config.resume_from, abstract_params, which="params")
-        if config.finetune_from_ema:
-            teacher_source = restore_model_params(config.resume_from, abstract_params,
-                                                  which="ema_params")  # fmt: skip
     with jax.set_mesh(mesh):
         state = train_step.init_state(
             params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
-            fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=teacher_source,
+            fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=start.teacher_source,
         )  # fmt: skip
-    del params, teacher_source
+    del params, start
 
     # ---- resume ----------------------------------------------------------------------------------
-    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
-    checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
-                                max_to_keep=config.max_checkpoints)  # fmt: skip
     abstract_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)  # fmt: skip
-    resumed = None
-    if config.auto_resume and checkpointer.latest_step() is not None:
-        resumed = checkpoint_dir
-    elif config.resume_from and not config.resume_model_only:
-        resumed = config.resume_from
     if resumed:
         state, data_state, _ = checkpointer.restore(abstract_state, directory=resumed)
         if data_state:

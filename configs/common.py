@@ -14,7 +14,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     # --- model ------------------------------------------------------------------------------------
     c.model_path = ""  # BAGEL / ThinkMorph HF directory (llm_config.json, vit_config.json, ...)
-    c.weights = ""  # "ema" | "model" | "" (auto: ema.safetensors wins if both exist)
+    # auto: as the PyTorch launcher, the student from model.safetensors and the EMA teacher from
+    # ema.safetensors when both exist (else the one file for both); ema | model: that file for all.
+    c.weights = "auto"
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
     c.attention_backend = "chunked"  # chunked | reference | cudnn (GPU)
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from models import attention, configs
-from opsd_jax import losses, train_step
+from opsd_jax import hf, losses, train_step
 
 MODES = ("opsd", "sft")
 
@@ -27,7 +27,7 @@ _CHOICES = {
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
     "remat": configs.REMAT_CHOICES,
-    "weights": ("", "ema", "model"),
+    "weights": hf.WEIGHT_CHOICES,
     "wandb_mode": ("offline", "online", "disabled"),
 }
 
