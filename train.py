@@ -81,7 +81,8 @@ def _write_toy_assets(config) -> None:
             config.model_path = model_dir
 
 
-def loss_settings(config) -> train_step.LossSettings:
+def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSettings:
+    """The loss knobs; `vocab_limit` is the tokenizer length (the sampler's limit too)."""
     return train_step.LossSettings(
         jsd_weight=config.jsd_weight,
         ce_weight=config.ce_weight,
@@ -93,6 +94,7 @@ def loss_settings(config) -> train_step.LossSettings:
         jsd_clip_mode=config.jsd_clip_mode,
         reduction=config.loss_reduction,
         num_samples=config.samples_per_micro_batch,
+        vocab_limit=vocab_limit,
     )
 
 
@@ -201,7 +203,7 @@ def main(argv):
     start_step = int(distributed.to_host(state.step))
 
     # ---- jitted pieces -------------------------------------------------------------------------
-    settings = loss_settings(config)
+    settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, config.teacher_mode)
     sft_grad_step = train_step.make_sft_grad_step(graphdef, rest, settings)  # mode 'sft'
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)

@@ -57,7 +57,7 @@ def main():
     options = evaluation.prompt_options_from_config(config)
     optimizer = train_step.make_optimizer(config, params)
     state = train_step.init_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    grad_step = train_step.make_grad_step(graphdef, rest, train.loss_settings(config),
+    grad_step = train_step.make_grad_step(graphdef, rest, train.loss_settings(config, tokenizer.vocab_length),
                                           config.teacher_mode)  # fmt: skip
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps

@@ -52,6 +52,9 @@ class LossSettings:
     jsd_clip_mode: str = "entry"
     reduction: str = "seq_mean"
     num_samples: int = 1  # samples per micro-batch (per-sample reduction)
+    # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
+    # as the sampler masks them (losses.mask_vocab); None keeps the whole table.
+    vocab_limit: int | None = None
 
 
 @flax.struct.dataclass
@@ -117,12 +120,13 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
             beta=settings.jsd_beta, temperature=settings.jsd_temperature,
             top_k=settings.jsd_top_k, clip=settings.jsd_token_clip,
             clip_mode=settings.jsd_clip_mode, reduction=settings.reduction,
-            token_ids=pack.loss_targets, **common,
+            token_ids=pack.loss_targets, vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
     else:
         distill, diag = losses.tinker_loss(
             student_logits, teacher_logits, pack.loss_targets, pack.loss_mask,
-            temperature=settings.jsd_temperature, reduction=settings.reduction, **common,
+            temperature=settings.jsd_temperature, reduction=settings.reduction,
+            vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
     metrics = {"jsd": distill}
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
@@ -132,7 +136,7 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     if settings.ce_weight:
         ce, _ = losses.completion_ce(
             student_logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
-            **common,
+            vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
         loss = loss + settings.ce_weight * ce
         metrics["ce"] = ce
@@ -234,8 +238,10 @@ def make_sft_grad_step(graphdef, rest, settings: LossSettings):
         ce, _ = losses.completion_ce(
             logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
             sample_ids=pack.loss_sample, num_samples=settings.num_samples,
+            vocab_limit=settings.vocab_limit,
         )  # fmt: skip
-        hits = (jnp.argmax(logits, axis=-1) == pack.loss_targets) & pack.loss_mask
+        predicted = jnp.argmax(losses.mask_vocab(logits, settings.vocab_limit), axis=-1)
+        hits = (predicted == pack.loss_targets) & pack.loss_mask
         tokens = jnp.sum(pack.loss_mask)
         metrics = {"ce": ce, "loss": ce, "loss_tokens": tokens,
                    "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1)}  # fmt: skip
