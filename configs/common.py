@@ -90,7 +90,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.gradient_accumulation_steps = 2
     c.freeze_llm = False
     c.freeze_vit = False
-    c.freeze_und = False  # BAGEL's flag; meaningless without the gen expert (refused if set)
+    # BAGEL's flag: understanding-token activations are detached; with understanding-only data
+    # that leaves only lm_head training (opsd_jax/train_step.py trainable_labels).
+    c.freeze_und = False
 
     # --- checkpoints, resume, logging -------------------------------------------------------------
     c.results_dir = "results/run"  # TensorBoard logs, metrics.jsonl, samples

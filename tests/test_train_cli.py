@@ -241,7 +241,6 @@ def _valid_config(tmp_path):
         ("num_replicate", 3, "does not match the 1 devices"),
         ("rows_per_micro_batch", 3, "rows_per_micro_batch=3 exceeds samples_per_micro_batch=2"),
         ("model_path", "/nonexistent/model", "model_path='/nonexistent/model': not a directory"),
-        ("freeze_und", True, "freeze_und=True"),
         ("compute_dtype", "fp8", "compute_dtype='fp8'"),
     ],
 )
@@ -253,6 +252,17 @@ def test_bad_configs_are_named(tmp_path, key, value, message):
     with pytest.raises(ValueError) as error:
         train_config.validate(config, num_devices=1)
     assert message in str(error.value)
+
+
+def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.freeze_und = True
+    train_config.validate(config, num_devices=1)  # trains lm_head alone
+    with config.unlocked():
+        config.freeze_llm = True
+    with pytest.raises(ValueError, match="freeze_und=True and freeze_llm=True: nothing left"):
+        train_config.validate(config, num_devices=1)
 
 
 def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
