@@ -32,7 +32,7 @@ from opsd_jax import mesh as mesh_lib
 from opsd_jax.checkpoint import Checkpointer
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
-from opsd_jax.metrics import MetricsLogger
+from opsd_jax.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
@@ -195,12 +195,18 @@ def main(argv):
     # ---- resume ----------------------------------------------------------------------------------
     abstract_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)  # fmt: skip
+    saved_config = None
     if resumed:
-        state, data_state, _ = checkpointer.restore(abstract_state, directory=resumed)
+        state, data_state, saved_config = checkpointer.restore(abstract_state, directory=resumed)
         if data_state:
             data.set_state(data_state)
         say(f"resumed from {resumed} at step {int(distributed.to_host(state.step))}")
     start_step = int(distributed.to_host(state.step))
+    if config.wandb_project:
+        # One W&B run across restarts: the id goes into every checkpoint's config and a resume
+        # of this run (its own checkpoint_dir, not another run's) reads it back.
+        own = saved_config if resumed == checkpoint_dir else None
+        config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
     # ---- jitted pieces -------------------------------------------------------------------------
     settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
@@ -225,7 +231,8 @@ def main(argv):
         config.results_dir, total_steps=config.total_steps, log_every=config.log_every,
         start_step=start_step, progress_bar=config.progress_bar, is_main=distributed.is_main(),
         wandb=(dict(project=config.wandb_project, name=config.wandb_name or None,
-                    mode=config.wandb_mode) if config.wandb_project else None),
+                    mode=config.wandb_mode, id=config.wandb_runid, resume=config.wandb_resume)
+               if config.wandb_project else None),
         config=config.to_dict(),
     )  # fmt: skip
     sft = config.mode == "sft"

@@ -115,6 +115,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.wandb_project = ""  # empty: no W&B
     c.wandb_name = ""
     c.wandb_mode = "offline"
+    # The W&B run id; empty: a new one on a fresh start, kept in the checkpoints' config, so a
+    # resumed run continues the same W&B run (with wandb_resume, wandb.init's `resume`).
+    c.wandb_runid = ""
+    c.wandb_resume = "allow"  # allow | must | never | auto
 
     # --- mesh -----------------------------------------------------------------------------------------
     c.num_replicate = 1  # the 'data' axis (HYBRID_SHARD replicas)

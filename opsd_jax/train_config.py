@@ -29,6 +29,7 @@ _CHOICES = {
     "remat": configs.REMAT_CHOICES,
     "weights": hf.WEIGHT_CHOICES,
     "wandb_mode": ("offline", "online", "disabled"),
+    "wandb_resume": ("allow", "must", "never", "auto"),
 }
 
 # (key, test, description of what is allowed)
