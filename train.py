@@ -172,10 +172,11 @@ def main(argv):
         say(f"starting weights: {start.description}")
 
     # ---- data ------------------------------------------------------------------------------------
+    # The model's ViT patch size and position grid decide the images' patches and position ids.
     data_config = DataConfig.from_dict(
         dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
              seed=config.global_seed)
-    )  # fmt: skip
+    ).for_model(start.model_config)  # fmt: skip
     # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes

@@ -87,7 +87,6 @@ def setup(args, log=print):
     # Data first: a wrong path fails before the (possibly long) model load.
     data_config = evaluation.data_config_from(config, args.data,
                                               image_transform_arg(args.image_size))  # fmt: skip
-    samples = evaluation.load_eval_samples(data_config, args.split, args.num_samples, log=log)
     model_dir = args.model_dir
     if model_dir is None and file_config is not None and not args.checkpoint:
         model_dir = evaluation.model_dir_from_config(file_config)
@@ -98,6 +97,9 @@ def setup(args, log=print):
         model_dir, args.checkpoint, which=args.params, compute_dtype=args.compute_dtype,
         mesh=mesh, weights=args.weights, log=log,
     )  # fmt: skip
+    # The images' patches and position ids follow the model's ViT (patch size, position grid).
+    samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
+                                           args.num_samples, log=log)  # fmt: skip
     options = evaluation.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh
 
