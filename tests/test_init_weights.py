@@ -1,4 +1,4 @@
-"""Which weights a training run starts from: the PyTorch launcher's rules (opsd_jax/init_weights.py).
+"""Which weights a training run starts from: the PyTorch launcher's rules (init_weights.py).
 
 The toy HF directory holds a model.safetensors and an ema.safetensors with different values, so
 every copy (student, EMA teacher, fixed teacher) can be traced to the file it came from.

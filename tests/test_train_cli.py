@@ -108,7 +108,7 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
 
 
-FAKE_WANDB = '''"""A stand-in for the optional wandb package: appends each init's arguments to a file."""
+FAKE_WANDB = '''"""A stand-in for the optional wandb package: appends init's arguments to a file."""
 import json, os, types
 
 

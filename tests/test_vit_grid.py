@@ -60,7 +60,7 @@ def test_images_get_ids_on_the_models_grid_and_too_large_ones_are_named():
 
 
 def test_a_transform_larger_than_the_grid_is_a_config_error():
-    with pytest.raises(ValueError, match=r"data.image_transform.max_size=980 .* grid of 8 .* <= 112"):
+    with pytest.raises(ValueError, match=r"image_transform.max_size=980 .* grid of 8 .* <= 112"):
         data_config().for_model(GRID8)  # vit_chat: 980 px
     with pytest.raises(ValueError, match=r"stride=7 is not a multiple of the ViT's patch_size=14"):
         data_config(image_transform=ImageTransform(112, 56, 7))

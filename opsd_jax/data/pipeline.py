@@ -2,7 +2,8 @@
 
 What: per dataset `MapDataset.source -> shuffle(seed) -> slice[process_index::process_count] ->
 repeat()`, then `MapDataset.mix(weights)`, then one `.map` that decodes the row and runs the ViT
-image transform (patches + r*G+c position ids, G the model's ViT grid), then `to_iter_dataset` with a few read threads.
+image transform (patches + r*G+c position ids, G the model's ViT grid), then `to_iter_dataset`
+with a few read threads.
 `DataIterator` wraps the grain iterator: it drops bad rows, counts them per reason, and exposes a
 small JSON-able state (`get_state` / `set_state`) for our checkpoints.
 

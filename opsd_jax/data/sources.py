@@ -147,9 +147,10 @@ class DataConfig:
             )
 
     def for_model(self, model_config) -> DataConfig:
-        """This config with the ViT patch size and position grid of `model_config` (a BagelConfig)."""
+        """This config with the ViT patch size and position grid of `model_config`, a BagelConfig."""
+        grid = model_config.vit_max_num_patch_per_side
         return dataclasses.replace(self, vit_patch_size=model_config.vit.patch_size,
-                                   vit_max_patches_per_side=model_config.vit_max_num_patch_per_side)  # fmt: skip
+                                   vit_max_patches_per_side=grid)  # fmt: skip
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> DataConfig:
