@@ -66,11 +66,16 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     if model_only:
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
+        saved_mode = saved_teacher_mode(config.resume_from)
+        if from_ema and saved_mode != "ema":
+            # Its 'ema_params' item, if any, holds a fixed teacher: not an EMA of the student.
+            raise ValueError(f"finetune_from_ema=True: resume_from={config.resume_from!r} was "
+                             f"saved with teacher_mode={saved_mode!r}, so it has no EMA weights")  # fmt: skip
         item = EMA_PARAMS if from_ema else PARAMS
         params = restore_model_params(config.resume_from, abstract, which=item)
         described["student"] = f"{config.resume_from} {item}"
         if config.teacher_mode == "ema" and not from_ema:
-            if saved_teacher_mode(config.resume_from) == "ema":
+            if saved_mode == "ema":
                 teacher_source = restore_model_params(config.resume_from, abstract,
                                                       which=EMA_PARAMS)  # fmt: skip
                 described["ema teacher"] = f"{config.resume_from} {EMA_PARAMS}"

@@ -150,3 +150,13 @@ def test_resume_model_only(two_files, mesh, file_params, tmp_path):
     start = load(run_config(two_files, teacher_mode="fixed", **resume), mesh)
     assert_same(start.params, params)
     assert_same(start.teacher_source, file_params["model"])
+
+    # A run saved with a fixed teacher has no EMA to fine-tune from.
+    fixed = train_step.init_state(params, train_step.make_optimizer(config, params), "fixed",
+                                  jax.random.key(0), teacher_source=ema)  # fmt: skip
+    fixed_checkpoints = tmp_path / "fixed"
+    with Checkpointer(fixed_checkpoints, save_every=1) as checkpointer:
+        checkpointer.save(1, fixed, data_state=None, config={"teacher_mode": "fixed"}, force=True)
+    with pytest.raises(ValueError, match="teacher_mode='fixed', so it has no EMA weights"):
+        load(run_config(two_files, teacher_mode="ema", finetune_from_ema=True,
+                        resume_from=str(fixed_checkpoints), resume_model_only=True), mesh)  # fmt: skip
