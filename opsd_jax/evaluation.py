@@ -344,7 +344,10 @@ def answer(model, tokenizer, image, question: str, *, options: PromptOptions | N
     from opsd_jax.data.sources import image_transform_from
 
     transform = ImageTransform.vit_chat() if image_transform is None else image_transform
-    vit = prepare_vit_image(image, image_transform_from(transform))
+    # Patches and position ids for this model's ViT (its patch size and position grid).
+    vit = prepare_vit_image(image, image_transform_from(transform),
+                            patch_size=model.config.vit.patch_size,
+                            max_patches_per_side=model.config.vit_max_num_patch_per_side)  # fmt: skip
     sample = Sample(pid="prompt", dataset="", question=question, answer="", problem_image=vit,
                     vt_images=[], thoughts=[], full_text_only_thought=None)  # fmt: skip
     completions = sample_prompts(

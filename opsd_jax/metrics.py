@@ -45,6 +45,8 @@ from typing import Any, Self
 import jax
 import numpy as np
 
+from opsd_jax import distributed
+
 # Interval clock; a module attribute so tests can substitute a deterministic one.
 _now = time.perf_counter
 
@@ -134,6 +136,22 @@ def _to_float(value: Any) -> float | None:
     return float(arr) if arr.size == 1 else float(arr.mean())
 
 
+def wandb_run_id(configured: str, saved_config: Mapping | None) -> str:
+    """The W&B run id of a training run, so that a resumed run continues its W&B run.
+
+    `configured` (config `wandb_runid`) wins when set. Otherwise the id recorded in the config of
+    the run's own checkpoint (`saved_config`, None on a fresh start), else a new random id:
+    process 0's on every process (call this on all of them), so the config every process holds,
+    and the checkpoints save, is the same.
+    """
+    if configured:
+        return str(configured)
+    if saved_config and saved_config.get("wandb_runid"):
+        return str(saved_config["wandb_runid"])
+    words = distributed.all_processes(np.frombuffer(os.urandom(8), np.uint32))[0]
+    return "".join(f"{int(w):08x}" for w in words)
+
+
 class MetricsLogger:
     """Accumulates per-step scalars and phase timings; writes averaged records every `log_every`
     steps (see the module docstring). All methods are no-ops on non-main processes."""
@@ -207,6 +225,9 @@ class MetricsLogger:
                 name=options.get("name"),
                 mode=options.get("mode", "offline"),
                 dir=options.get("dir"),
+                # The same id after a restart continues the same W&B run (see wandb_run_id).
+                id=options.get("id"),
+                resume=options.get("resume"),
                 config=config,
             )
         except Exception as e:  # noqa: BLE001 - logging must not take the training run down

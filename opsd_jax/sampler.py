@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
+from opsd_jax import losses
 from opsd_jax.distributed import rows_array, to_host
 from opsd_jax.packing import SpecialTokens
 
@@ -159,9 +160,7 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
 
     def choose(logits, step):
-        logits = logits.astype(jnp.float32)
-        vocab = jnp.arange(logits.shape[-1])
-        logits = jnp.where(vocab < settings.vocab_limit, logits, -jnp.inf)
+        logits = losses.mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
         scaled = logits / settings.temperature if settings.do_sample else logits
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
         if settings.do_sample:

@@ -15,7 +15,7 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax import losses, train_step
+from opsd_jax import hf, losses, train_step
 
 MODES = ("opsd", "sft")
 
@@ -30,8 +30,9 @@ _CHOICES = {
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
     "remat": configs.REMAT_CHOICES,
-    "weights": ("", "ema", "model"),
+    "weights": hf.WEIGHT_CHOICES,
     "wandb_mode": ("offline", "online", "disabled"),
+    "wandb_resume": ("allow", "must", "never", "auto"),
 }
 
 # (key, test, description of what is allowed)
@@ -159,11 +160,12 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
     if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
         problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
                         "'teacher' or 'student,teacher'")  # fmt: skip
-    if config.freeze_und:
-        problems.append("freeze_und=True: BAGEL's flag only matters with the gen expert, which "
-                        "understanding-only training does not build; allowed value is False")  # fmt: skip
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
+    if config.freeze_und and config.freeze_llm:
+        # freeze_und leaves only lm_head trainable (train_step.trainable_labels), a part of the LM.
+        problems.append("freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
+                        "trains only lm_head, which freeze_llm freezes)")  # fmt: skip
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if config.resume_from and not os.path.exists(config.resume_from):

@@ -154,8 +154,10 @@ def setup(args, log=print):
     # Data first: a wrong path fails before the (possibly long) model load.
     data_config = evaluation.data_config_from(config, args.data,
                                               image_transform_arg(args.image_size))  # fmt: skip
-    samples = evaluation.load_eval_samples(data_config, args.split, args.num_samples, log=log)
     model, tokenizer, mesh = load_model(args, file_config, config, log=log)
+    # The images' patches and position ids follow the model's ViT (patch size, position grid).
+    samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
+                                           args.num_samples, log=log)  # fmt: skip
     options = evaluation.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh
 

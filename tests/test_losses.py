@@ -480,6 +480,52 @@ def test_padded_minus_inf_vocabulary_is_safe(beta, top_k):
     assert (grad[..., 6:] == 0).all()
 
 
+LIMIT_SETTINGS = ((0.5, 3), (0.5, 0), (1.0, 0))  # (beta, top_k): top-k and full vocabulary
+
+
+@functools.partial(jax.jit, static_argnames="vocab_limit")
+def limited_table(zs, zt, ids, vocab_limit):
+    """{loss: (value and diagnostics, gradient)} for every loss with `vocab_limit`."""
+    mask = jnp.ones(ids.shape, bool)
+    table = {}
+    for beta, top_k in LIMIT_SETTINGS:
+
+        def jsd_loss(z, beta=beta, top_k=top_k):
+            value, diag = losses.generalized_jsd(z, zt, mask, beta, top_k=top_k, clip=PADDED_CLIP,
+                                                 token_ids=ids, vocab_limit=vocab_limit)  # fmt: skip
+            return value, (diag["teacher_topk_mass"], diag["k1_reverse_kl"], diag["clip_fraction"])
+
+        table[f"jsd beta={beta} top_k={top_k}"] = jax.value_and_grad(jsd_loss, has_aux=True)(zs)
+    table["tinker"] = jax.value_and_grad(
+        lambda z: losses.tinker_loss(z, zt, ids, mask, vocab_limit=vocab_limit)[0])(zs)  # fmt: skip
+    table["ce"] = jax.value_and_grad(
+        lambda z: losses.completion_ce(z, ids, mask, vocab_limit=vocab_limit)[0])(zs)  # fmt: skip
+    return table
+
+
+def test_ids_past_vocab_limit_are_no_tokens_for_any_loss():
+    """Padded lm_head rows (ids >= vocab_limit, no token): the teacher puts almost all its mass
+    on one of them and the student on another; with vocab_limit every loss, the teacher's top-k
+    and the diagnostics equal those on the logits cut at the limit, and no gradient reaches them."""
+    limit = 6
+    zs, zt = (np.array(z) for z in pair(31))
+    zt[..., 7] = 40.0
+    zs[..., 8] = 40.0
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, limit, SHAPE[:-1]))
+    limited = limited_table(zs, zt, ids, vocab_limit=limit)
+    cut = limited_table(zs[..., :limit], zt[..., :limit], ids, vocab_limit=None)
+    for key, (value, grad) in limited.items():
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                     value, cut[key][0])  # fmt: skip
+        np.testing.assert_allclose(grad[..., :limit], cut[key][1], rtol=1e-5, atol=1e-7)
+        assert (np.asarray(grad[..., limit:]) == 0).all(), key
+    # Without the limit the padded ids dominate: this test would see it.
+    unlimited = limited_table(zs, zt, ids, vocab_limit=None)
+    for beta, top_k in LIMIT_SETTINGS:
+        key = f"jsd beta={beta} top_k={top_k}"
+        assert abs(float(unlimited[key][0][0]) - float(cut[key][0][0])) > 1e-2, key
+
+
 def test_sharded_leading_rows_need_no_cross_device_gather():
     # The trainer shards packed rows over devices; chunking along C and the top-k partitioning
     # rule must keep every device on its own rows (only the small per-sample sums are reduced).

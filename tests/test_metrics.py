@@ -5,13 +5,14 @@ device-array values. A fake clock makes throughput, ETA and phase numbers exact.
 import json
 import re
 import sys
+import types
 
 import jax.numpy as jnp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from opsd_jax import metrics
-from opsd_jax.metrics import MetricsLogger, format_duration, format_number
+from opsd_jax.metrics import MetricsLogger, format_duration, format_number, wandb_run_id
 
 
 class FakeClock:
@@ -151,6 +152,41 @@ def test_wandb_missing_warns_and_continues(tmp_path, clock, capsys, monkeypatch)
     logger.close()
     out = capsys.readouterr().out
     assert out.count("WARNING") == 1 and "wandb" in out
+
+
+class FakeWandb(types.ModuleType):
+    """A stand-in `wandb` module (the real one is optional and not installed): records init
+    kwargs and logged records."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logged = [], []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return types.SimpleNamespace(log=lambda record, step: self.logged.append((step, record)),
+                                     finish=lambda: None)  # fmt: skip
+
+
+def test_wandb_gets_the_run_id_and_resume_mode(tmp_path, clock, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    options = {"project": "p", "name": "n", "id": "abc123", "resume": "allow"}
+    logger = MetricsLogger(str(tmp_path), total_steps=4, start_step=2, log_every=1,
+                           progress_bar=False, wandb=options, config={"lr": 1.0})  # fmt: skip
+    logger.log_step(3, {"loss": 2.0})
+    logger.close()
+    (init,) = fake.inits
+    assert (init["project"], init["name"], init["id"], init["resume"]) == ("p", "n", "abc123",
+                                                                          "allow")  # fmt: skip
+    assert fake.logged[0][0] == 3 and fake.logged[0][1]["loss"] == 2.0
+
+
+def test_wandb_run_id_is_configured_or_kept_or_new():
+    assert wandb_run_id("mine", {"wandb_runid": "old"}) == "mine"
+    assert wandb_run_id("", {"wandb_runid": "old"}) == "old"
+    new = {wandb_run_id("", None), wandb_run_id("", {"wandb_runid": ""})}
+    assert len(new) == 2 and all(len(i) == 16 and int(i, 16) >= 0 for i in new)
 
 
 def test_jax_array_values(tmp_path, clock):

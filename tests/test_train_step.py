@@ -190,6 +190,29 @@ def test_frozen_vit_stays_bit_identical(split_model):
     assert moments <= 2 * trainable + 16
 
 
+def test_freeze_und_trains_lm_head_alone(split_model):
+    """BAGEL's freeze_und detaches every understanding-token activation; on understanding-only
+    data only lm_head has a gradient, so everything else must stay bit-identical and keep no
+    optimizer state, even under a gradient that touches every parameter."""
+    _, params, _ = split_model
+    labels = train_step.trainable_labels(params, freeze_vit=False, freeze_llm=False,
+                                         freeze_und=True)  # fmt: skip
+    flat = dict(nnx.to_flat_state(nnx.State(labels)))
+    assert {path for path, label in flat.items() if label.get_value() == "train"} == {
+        ("language_model", "lm_head")}  # fmt: skip
+    optimizer = train_step.make_optimizer(optim_config(freeze_und=True), params)
+    state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "self",
+                                  jax.random.key(0))  # fmt: skip
+    before = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params)}
+    grads = jax.tree.map(jnp.ones_like, params)
+    state, _ = train_step.make_apply_update(optimizer, "self", 0.0)(state, grads, 1)
+    for path, new in nnx.to_flat_state(state.params):
+        moved = not np.array_equal(before[path], np.asarray(new.get_value()))
+        assert moved == (tuple(path[:2]) == ("language_model", "lm_head")), path
+    lm_head = params["language_model"]["lm_head"][...]
+    assert sum(x.size for x in jax.tree.leaves(state.opt_state)) <= 2 * lm_head.size + 16
+
+
 def test_learning_rate_schedule_values():
     cosine = train_step.learning_rate_schedule(
         optim_config(
