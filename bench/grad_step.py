@@ -44,7 +44,7 @@ def main():
     from opsd_jax.packing import SpecialTokens
 
     config = CONFIGS["m64"]()
-    config = config.replace(llm=config.llm.replace(compute_dtype=args.compute_dtype))
+    config = config.replace(llm=dict(compute_dtype=args.compute_dtype))
     mesh = mesh_lib.make_mesh()
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -224,22 +224,24 @@ def main():
         f"grad step (student {samples}x{args.student_len}, teacher {samples}x{args.teacher_len}, "
         f"C={args.loss_entries})", grad_compiled, grad_text, seconds)  # fmt: skip
 
-    # Activation collectives: anything that is not a weight gather / gradient reduction.
-    weight_like = [c for c in grad_found if c.kind in ("all-gather", "reduce-scatter")]
-    other = [c for c in grad_found if c not in weight_like]
-    other_bytes = sum(c.count * c.moved_bytes for c in other)
-    print(f"  weight all-gathers + gradient reduce-scatters: {len(weight_like)} ops; every other "
-          f"collective (small replicated grads, loss sums; activations would be here): "
-          f"{other_bytes / 2**20:.2f} MiB")  # fmt: skip
-    bf16_param_bytes = num_params * 2
-    expected_gather = 3 * bf16_param_bytes / n * (n - 1) / (args.num_tensor or 1)
+    # Activation collectives: anything that is not a weight or weight gradient (or a scalar).
+    f = n // (args.num_replicate * args.num_tensor)
+    splits = {f, args.num_tensor, f * args.num_tensor}
+    activations = hlo_stats.activation_collectives(grad_found, (abstract_params, rest), splits)
+    print(f"  activation collectives: {sum(c.count for c in activations)} per call, "
+          f"{sum(c.count * c.moved_bytes for c in activations) / 2**20:.2f} MiB"
+          + (" (under tensor parallelism the per-layer all-reduces of the split heads and MLP "
+             "are expected here)" if args.num_tensor > 1 else ""))  # fmt: skip
+    # Weights are gathered over the fsdp axis only (replicas hold the same shards).
+    bf16_param_bytes = num_params * 2 / args.num_tensor
+    expected_gather = 3 * bf16_param_bytes / f * (f - 1)
     gathered = grad_table["all-gather"]["bytes"]
     print(f"  all-gather per micro-batch {gathered / gib:.3f} GiB vs (student fwd + student bwd "
-          f"re-gather + teacher fwd) x bf16 params / {n} x {n - 1} = {expected_gather / gib:.3f} GiB "
+          f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / gib:.3f} GiB "
           f"(ratio {gathered / expected_gather:.3f})")  # fmt: skip
     scattered = grad_table["reduce-scatter"]["bytes"]
     print(f"  reduce-scatter per micro-batch {scattered / gib:.3f} GiB = "
-          f"{scattered / (bf16_param_bytes / n * (n - 1)):.3f} x one bf16 copy of the params "
+          f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x one bf16 copy of the params "
           f"(bf16 gradient reduction, summed into the fp32 accumulator on each shard)")  # fmt: skip
 
     state_args = (abstract_state, abstract_state.params, 2, jnp.float32(0))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import itertools
 import math
 import os
 import re
@@ -211,11 +212,12 @@ def _operand_type(operand: str, results: dict[str, str]) -> str:
     return elements[int(index)] if int(index) < len(elements) else ""
 
 
-def _feeds_only_slices(inst: _Instruction, users: dict) -> bool:
-    """True when every use of `inst` (through data-movement ops) is a dynamic-slice: an
-    all-reduce of which each device keeps 1/n is a reduce-scatter (XLA's GPU and TPU pipelines
-    rewrite it into one; the CPU pipeline keeps the pair)."""
-    pending, seen, sliced = [inst.name], set(), False
+def _slice_fraction(inst: _Instruction, users: dict, results: dict) -> float | None:
+    """The share of `inst`'s result that its uses keep, when every use (through data-movement
+    ops) is a dynamic-slice of the same size; None otherwise. An all-reduce of which each device
+    keeps 1/n, n its group size, is a reduce-scatter (XLA's GPU and TPU pipelines rewrite it into
+    one; the CPU pipeline keeps the pair)."""
+    pending, seen, sizes = [inst.name], set(), set()
     while pending:
         name = pending.pop()
         for user in users.get(name, ()):
@@ -223,12 +225,13 @@ def _feeds_only_slices(inst: _Instruction, users: dict) -> bool:
                 continue
             seen.add(user.name)
             if user.opcode == "dynamic-slice":
-                sliced = True
+                sizes.add(math.prod(s for shape in _shapes(user.result) for s in shape.dims))
             elif user.opcode in _PASSTHROUGH:
                 pending.append(user.name)
             else:
-                return False
-    return sliced
+                return None
+    whole = math.prod(s for shape in _shapes(inst.result) for s in shape.dims)
+    return sizes.pop() / whole if len(sizes) == 1 and whole else None
 
 
 def _multiplicities(computations, entry):
@@ -301,12 +304,14 @@ def collectives(text: str) -> list[Collective]:
             kind = _kind(inst.opcode)
             if kind is None:
                 continue
-            if kind == "all-reduce" and _feeds_only_slices(inst, users):
-                kind = "reduce-scatter"
+            group_size = _group_size(inst.attributes)
+            if kind == "all-reduce" and group_size > 1:
+                kept = _slice_fraction(inst, users, results)
+                if kept is not None and abs(kept * group_size - 1) < 1e-9:
+                    kind = "reduce-scatter"
             operand_types = " ".join(_operand_type(o, results) for o in inst.operands)
             operands = _shapes(operand_types or inst.operand_text)
             result_shapes = _shapes(inst.result)
-            group_size = _group_size(inst.attributes)
             if kind == "reduce-scatter" and inst.opcode.startswith("all-reduce"):
                 # Reported as the reduce-scatter it becomes: each device keeps 1/n.
                 n = max(group_size, 1)
@@ -327,6 +332,51 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
         table[c.kind]["count"] += c.count
         table[c.kind]["bytes"] += c.count * c.moved_bytes
     return table
+
+
+def weight_shapes(weights) -> set[tuple[int, ...]]:
+    """Every array's shape in a pytree of weights, also without the leading layer axis for the
+    stacked ones (what one step of a layer scan moves)."""
+    shapes = set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        shapes.add(tuple(leaf.shape))
+        if "layers" in jax.tree_util.keystr(path):
+            shapes.add(tuple(leaf.shape[1:]))
+    return shapes
+
+
+def _is_weight_like(dims: tuple[int, ...], shapes: set[tuple[int, ...]], splits: set[int]) -> bool:
+    """A weight's shape, possibly transposed, whole or split into one of `splits` parts (each
+    split dimension and their product by a mesh-axis size: one device's shard)."""
+    for shape in shapes:
+        if len(shape) != len(dims):
+            continue
+        for order in set(itertools.permutations(dims)):
+            if not all(d > 0 and w % d == 0 for w, d in zip(shape, order)):
+                continue
+            factors = [w // d for w, d in zip(shape, order)]
+            if all(f in splits for f in factors) and math.prod(factors) in splits:
+                return True
+    return False
+
+
+def activation_collectives(found: list[Collective], weights, splits: set[int],
+                           small: int = 64) -> list[Collective]:  # fmt: skip
+    """The collectives that move neither a weight nor a weight gradient (whole or one device's
+    shard, `splits` = the ways the mesh splits a weight, e.g. {1, fsdp}) nor a small statistic
+    (at most `small` elements): under FSDP and data parallelism that is an activation crossing
+    devices, a layout bug. Reduce-scatters are judged by their operand (the result is reported
+    flattened)."""
+    shapes = weight_shapes(weights)
+    splits = set(splits) | {1}
+    bad = []
+    for c in found:
+        arrays = c.operands if c.kind == "reduce-scatter" else c.operands + c.results
+        if all(math.prod(a.dims) <= small for a in arrays):
+            continue
+        if not all(_is_weight_like(a.dims, shapes, splits) for a in arrays):
+            bad.append(c)
+    return bad
 
 
 def partitioned_hlo(lowered) -> str:

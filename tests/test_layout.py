@@ -26,43 +26,8 @@ OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prom
 SMALL = 64  # elements: scalars and per-sample loss sums may be all-reduced
 
 
-def weight_shapes(weights) -> set[tuple[int, ...]]:
-    """Every weight's shape, also per layer for the stacked ones (what one scan step uses), as
-    sorted dims: XLA may move a weight (or its gradient) transposed."""
-    shapes = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(weights)[0]:
-        shapes.add(tuple(sorted(leaf.shape)))
-        if any(getattr(k, "key", None) == "layers" for k in path):
-            shapes.add(tuple(sorted(leaf.shape[1:])))
-    return shapes
-
-
-def shard_shapes(shapes, n) -> set[tuple[int, ...]]:
-    """Each shape with one dimension divided by n (one device's FSDP shard)."""
-    out = set()
-    for shape in shapes:
-        for i, d in enumerate(shape):
-            if d % n == 0:
-                out.add(tuple(sorted(shape[:i] + (d // n,) + shape[i + 1 :])))
-    return out
-
-
-def activation_collectives(found, weights, group=8):
-    """The collectives that do not move a weight, a weight gradient or a small statistic."""
-    full = weight_shapes(weights)
-    shards = shard_shapes(full, group)
-    bad = []
-    for c in found:
-        operands = {tuple(sorted(s.dims)) for s in c.operands}
-        results = {tuple(sorted(s.dims)) for s in c.results}
-        if all(np.prod(s.dims) <= SMALL for s in c.operands + c.results):
-            continue
-        if c.kind == "all-gather" and operands <= shards and results <= full:
-            continue
-        if c.kind in ("reduce-scatter", "all-reduce") and operands <= full:
-            continue
-        bad.append(c)
-    return bad
+def activation_collectives(found, weights):
+    return hlo_stats.activation_collectives(found, weights, splits={8})  # pure FSDP over 8
 
 
 def describe(collectives):
