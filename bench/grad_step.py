@@ -79,13 +79,16 @@ def main():
         compiled = grad_step.lower(params, params, student, teacher).compile()
         compile_s = time.perf_counter() - t0
         jax.block_until_ready(compiled(params, params, student, teacher))
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             jax.block_until_ready(compiled(params, params, student, teacher))
         step_s = (time.perf_counter() - t0) / args.steps
+        # CPU seconds of this process: less sensitive than wall time to other load on the machine.
+        cpu_s = (time.process_time() - cpu0) / args.steps
     print(f"m64 grad step, {len(jax.devices())} device(s), {args.compute_dtype}, student "
           f"{packs.student.tokens.shape} teacher {packs.teacher.tokens.shape}: compile "
-          f"{compile_s:.1f} s, {step_s:.3f} s per step, {tokens / step_s:.0f} tokens/s")  # fmt: skip
+          f"{compile_s:.1f} s, {step_s:.3f} s per step ({cpu_s:.3f} CPU s), "
+          f"{tokens / step_s:.0f} tokens/s")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -239,10 +239,12 @@ def main():
     print(f"  all-gather per micro-batch {gathered / gib:.3f} GiB vs (student fwd + student bwd "
           f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / gib:.3f} GiB "
           f"(ratio {gathered / expected_gather:.3f})")  # fmt: skip
-    scattered = grad_table["reduce-scatter"]["bytes"]
-    print(f"  reduce-scatter per micro-batch {scattered / gib:.3f} GiB = "
-          f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x one bf16 copy of the params "
-          f"(bf16 gradient reduction, summed into the fp32 accumulator on each shard)")  # fmt: skip
+    scattered = grad_table["reduce-scatter"]["bytes"] + grad_table["all-reduce"]["bytes"]
+    print(f"  gradient reduction per micro-batch {scattered / gib:.3f} GiB = "
+          f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
+          f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
+          + ("; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
+             "(counted as an all-reduce: an upper bound)" if args.num_replicate > 1 else ""))  # fmt: skip
 
     state_args = (abstract_state, abstract_state.params, 2, jnp.float32(0))
     with mesh_lib.use_mesh(mesh):
