@@ -21,9 +21,9 @@ def get_config() -> ml_collections.ConfigDict:
         config.teacher_mode = "self"  # the teacher is the cache: no EMA copy
         config.offline_cache_dir = "results/offline_tiny/teacher_cache"
         config.offline_top_k = 64
-        config.offline_shard_samples = 64
+        config.offline_shard_samples = 8
         config.ce_weight = 1.0  # the PyTorch offline trainer's CE + kd_weight * KL
-        config.data.datasets = [dict(name="toy_count", path="", weight=1.0, num_used_data=64)]
+        config.data.datasets = [dict(name="toy_count", path="", weight=1.0, num_used_data=16)]
         config.total_steps = 6
         config.save_every = 3
         config.samples_per_micro_batch = 4

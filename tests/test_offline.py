@@ -3,13 +3,17 @@ refusal of another model / tokenizer), and the offline loss against the online o
 
 import json
 import os
+import pathlib
+import re
+import subprocess
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close_to_scale, assert_trees_close_to_scale
+from conftest import assert_close_to_scale, assert_trees_close_to_scale, subprocess_env
 from flax import nnx
 from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
@@ -276,3 +280,33 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     with pytest.raises(offline_cache.CacheError, match="'toy/a': the cached target"):
         offline_cache.offline_batch(other, offline_cache.CacheReader(str(tmp_path), manifest),
                                     encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256)  # fmt: skip
+
+
+# ---- the two commands as a user runs them ---------------------------------------------------------
+
+
+def test_collect_traces_then_train_offline(tmp_path):
+    """scripts/collect_traces.py then train.py mode 'offline' on the toy task (16 samples)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    common = ["--config", "configs/offline_tiny.py", f"--config.results_dir={tmp_path}",
+              f"--config.offline_cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+
+    def run(*args):
+        result = subprocess.run([sys.executable, *args], cwd=root, env=subprocess_env(1),
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    out = run("scripts/collect_traces.py", *common)
+    assert "[p0] 16/16 samples" in out and "ETA" in out
+    assert re.search(r"done: 16 samples written, 0 were cached before, skipped none", out), out
+    assert "16 samples, " in out.splitlines()[-1]  # the cache size per sample is reported
+    out = run("train.py", *common, "--config.total_steps=2", "--config.log_every=1",
+              "--config.progress_bar=False")  # fmt: skip
+    assert "offline teacher cache" in out and "done: 2 steps" in out
+    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [1, 2]
+    for m in logged:
+        assert m["kd"] > 0 and m["ce"] > 0 and m["vt_weight_mean"] > 0
+        assert m["loss"] == pytest.approx(m["ce"] + 0.5 * m["kd"], rel=1e-5)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
