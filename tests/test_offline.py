@@ -310,3 +310,45 @@ def test_collect_traces_then_train_offline(tmp_path):
         assert m["kd"] > 0 and m["ce"] > 0 and m["vt_weight_mean"] > 0
         assert m["loss"] == pytest.approx(m["ce"] + 0.5 * m["kd"], rel=1e-5)
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_offline_config_values_are_checked(tmp_path):
+    from configs import offline_7b, offline_tiny, thinkmorph_7b
+    from opsd_jax import train_config
+
+    config = offline_tiny.get_config()
+    with config.unlocked():
+        config.model_path, config.toy_data = str(tmp_path), False
+        config.data.datasets = [dict(name="d", path=str(tmp_path))]
+        config.offline_cache_dir = str(tmp_path)
+    open(tmp_path / offline_cache.MANIFEST, "w").close()
+    train_config.validate(config, num_devices=1)
+    for key, value, message in [
+        ("teacher_mode", "ema", "teacher_mode='ema' with mode='offline'"),
+        ("kd_temperature", 0.0, "kd_temperature=0.0: must be > 0"),
+        ("kd_weight", -1.0, "kd_weight=-1.0: must be >= 0"),
+        ("kd_student_norm", "vocab", "kd_student_norm='vocab': allowed values are 'full', 'top_k'"),
+        ("offline_logprob_dtype", "int8", "offline_logprob_dtype='int8': allowed values"),
+        ("offline_cache_dir", "", "offline_cache_dir is empty"),
+        ("offline_cache_dir", str(tmp_path / "none"), "no manifest.json; make the cache first"),
+    ]:  # fmt: skip
+        bad = config.copy_and_resolve_references()
+        with bad.unlocked():
+            bad[key] = value
+        with pytest.raises(train_config.ConfigError) as error:
+            train_config.validate(bad, num_devices=1)
+        assert message in str(error.value)
+    # The collector makes the cache: it only needs the directory named.
+    with config.unlocked():
+        config.offline_cache_dir = str(tmp_path / "new")
+    train_config.validate(config, num_devices=1, need_cache=False)
+    # The 7B offline config is the paper recipe's data / optimiser / mesh with the PyTorch
+    # offline trainer's loss, steps and collector settings.
+    paper, offline = thinkmorph_7b.get_config().to_dict(), offline_7b.get_config().to_dict()
+    changed = {k for k in paper if paper[k] != offline[k]}
+    assert changed == {"mode", "teacher_mode", "offline_cache_dir", "ce_weight", "jsd_weight",
+                       "gradient_accumulation_steps", "total_steps", "save_every",
+                       "results_dir"}  # fmt: skip
+    assert (offline["kd_weight"], offline["kd_temperature"], offline["kd_use_vt_weights"],
+            offline["offline_top_k"], offline["offline_logprob_dtype"]) == (
+                0.5, 2.0, True, 256, "float16")  # fmt: skip
