@@ -145,7 +145,8 @@ def build_offline_packs(samples, encode: Encode, options: PromptOptions, special
     def pack(items):
         return pack_samples(
             items, row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
-            num_rows=num_rows, max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
+            num_rows=num_rows,
+            max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
             max_loss_entries=entries, special=special, rows_of=rows_of,
         )  # fmt: skip
 
@@ -276,8 +277,8 @@ def _read_progress(path: str) -> dict:
 
 
 def _all_progress(directory: str) -> list[dict]:
-    return [_read_progress(p) for p in sorted(glob.glob(os.path.join(directory, "progress-p*.json")))
-            ]  # fmt: skip
+    paths = sorted(glob.glob(os.path.join(directory, "progress-p*.json")))
+    return [_read_progress(p) for p in paths]
 
 
 def _schema(logprob_dtype: str):
@@ -430,7 +431,7 @@ class CacheReader:
                             np.asarray(record["vt_weights"], np.float32))  # fmt: skip
 
 
-# ---- training: one micro-batch's pack and cached teacher ------------------------------------------
+# ---- training: one micro-batch's pack and cached teacher ------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,7 +498,7 @@ def put_cache_rows(cache: dict, pack_on_mesh: Pack, mesh) -> dict:
     return {name: put(value) for name, value in cache.items()}
 
 
-# ---- collection -------------------------------------------------------------------------------------
+# ---- collection ----------------------------------------------------------------------------------
 
 
 def make_collect_step(graphdef, rest, *, top_k: int, vocab_limit: int | None):

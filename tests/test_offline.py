@@ -282,7 +282,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
                                     encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256)  # fmt: skip
 
 
-# ---- the two commands as a user runs them ---------------------------------------------------------
+# ---- the two commands as a user runs them ------------------------------------------------------
 
 
 def test_collect_traces_then_train_offline(tmp_path):
