@@ -212,6 +212,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         weights = cache["vt_weights"][row, cols]
         assert (np.abs(weights[:before]) < 1e-6).all() and (weights[before:] > 1e-6).all()
 
+    @jax.jit
     def logits_of(params, view):
         model = nnx.merge(graphdef, params, rest)
         return model.logits_at(model(view), view.loss_rows)
