@@ -550,12 +550,13 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
             directory: str, manifest: dict, samples_per_batch: int, rows_per_batch: int,
             max_forward_tokens: int, shard_samples: int, process_index: int = 0,
             process_count: int = 1, max_samples: int | None = None,
-            log: Callable[[str], None] = print,
+            log: Callable[[str], None] = print, log_every_s: float = 10.0,
             on_commit: Callable[[str], None] | None = None) -> CollectSummary:  # fmt: skip
     """Run the teacher over this process's rows in batches and commit shards as they fill.
 
     Resumable: rows whose key a previous run listed (or recorded as skipped) are not read
-    again. `max_samples` stops after that many new samples (tests, dry runs)."""
+    again. `max_samples` stops after that many new samples (tests, dry runs). Progress (done /
+    total, rate, ETA) is logged at most every `log_every_s` seconds, and at the end."""
     import jax
 
     from opsd_jax import distributed
@@ -577,11 +578,24 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     done = done_keys(directory)
     todo = [row for row in _rows_of_process(data_config, process_index, process_count)]
     start, written, already, skipped = time.perf_counter(), 0, 0, {}
+    last_log = start
     special = tokenizer.special_tokens()
 
     def skip(key, reason):
         writer.skip(key, reason)
         skipped[reason] = skipped.get(reason, 0) + 1
+
+    def report(final=False):
+        nonlocal last_log
+        now = time.perf_counter()
+        if not final and now - last_log < log_every_s:
+            return
+        last_log = now
+        left = len(todo) - already - written - sum(skipped.values())
+        rate = written / max(now - start, 1e-9)
+        log(f"[p{process_index}] {written + already + sum(skipped.values())}/{len(todo)} samples "
+            f"({already} cached before, {sum(skipped.values())} skipped), {rate:.2f} samples/s, "
+            f"ETA {_eta(left / rate) if rate > 0 else '?'}")  # fmt: skip
 
     def run(batch):
         nonlocal written
@@ -601,12 +615,7 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
                 writer.add(batch[index][0], targets, top_ids[row, cols], top_logprobs[row, cols],
                            kl[row, cols])  # fmt: skip
                 written += 1
-        elapsed = time.perf_counter() - start
-        left = len(todo) - already - written - sum(skipped.values())
-        rate = written / max(elapsed, 1e-9)
-        log(f"[p{process_index}] {written + already + sum(skipped.values())}/{len(todo)} samples "
-            f"({already} cached before, {sum(skipped.values())} skipped), {rate:.2f} samples/s, "
-            f"ETA {_eta(left / rate) if rate > 0 else '?'}")  # fmt: skip
+        report()
 
     batch, seen = [], set()
     for _, name, source, r in todo:
@@ -635,6 +644,7 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     if batch:
         run(batch)
     writer.commit()
+    report(final=True)
     return CollectSummary(written, skipped, already, time.perf_counter() - start)
 
 
