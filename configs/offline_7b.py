@@ -35,7 +35,6 @@ def get_config() -> ml_collections.ConfigDict:
         config.kd_use_vt_weights = True
         config.kd_student_norm = "full"
         config.ce_weight = 1.0
-        config.jsd_weight = 0.0  # no online JSD in this mode (documented, not read)
         config.gradient_accumulation_steps = 1
         config.total_steps = 8000
         config.save_every = 1000

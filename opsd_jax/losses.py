@@ -1,4 +1,5 @@
-"""OPSD distillation losses: generalized JSD, the sampled-token ("tinker") loss and completion CE.
+"""OPSD distillation losses: generalized JSD, the sampled-token ("tinker") loss and completion CE;
+for offline mode, the teacher's cached entries and the KL against them (end of the file).
 
 The student and the teacher are run teacher-forced on the same sampled completion; row t of the
 loss compares their next-token distributions (see shared/reference/opsd_loss_spec.md, section a).

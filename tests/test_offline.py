@@ -347,7 +347,7 @@ def test_offline_config_values_are_checked(tmp_path):
     # offline trainer's loss, steps and collector settings.
     paper, offline = thinkmorph_7b.get_config().to_dict(), offline_7b.get_config().to_dict()
     changed = {k for k in paper if paper[k] != offline[k]}
-    assert changed == {"mode", "teacher_mode", "offline_cache_dir", "ce_weight", "jsd_weight",
+    assert changed == {"mode", "teacher_mode", "offline_cache_dir", "ce_weight",
                        "gradient_accumulation_steps", "total_steps", "save_every",
                        "results_dir"}  # fmt: skip
     assert (offline["kd_weight"], offline["kd_temperature"], offline["kd_use_vt_weights"],
