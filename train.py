@@ -27,6 +27,7 @@ from opsd_jax import (
     distributed,
     evaluation,
     init_weights,
+    offline_cache,
     sampler,
     sft_packs,
     train_config,
@@ -138,6 +139,10 @@ def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSett
         reduction=config.loss_reduction,
         num_samples=config.samples_per_micro_batch,
         vocab_limit=vocab_limit,
+        kd_weight=config.kd_weight,
+        kd_temperature=config.kd_temperature,
+        kd_use_vt_weights=config.kd_use_vt_weights,
+        kd_student_norm=config.kd_student_norm,
     )
 
 
@@ -215,6 +220,7 @@ def main(argv):
     start = init_weights.load(config, mesh, config_changes={"llm": runtime},
                               full_resume=resumed is not None)  # fmt: skip
     graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
+    model_config = start.model_config
     special = tokenizer.special_tokens()
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model {config.model_path}: {num_params:,} parameters, "
@@ -264,6 +270,17 @@ def main(argv):
     settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, config.teacher_mode)
     sft_grad_step = train_step.make_sft_grad_step(graphdef, rest, settings)  # mode 'sft'
+    offline_grad_step, cache_reader = None, None
+    if config.mode == "offline":  # the cached teacher, refused if made for another model
+        try:
+            manifest = offline_cache.check_manifest(config.offline_cache_dir, model_config,
+                                                    tokenizer, options)  # fmt: skip
+        except offline_cache.CacheError as e:
+            config_error(e)
+        cache_reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
+        offline_grad_step = train_step.make_offline_grad_step(graphdef, rest, settings)
+        say(f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
+            f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}")  # fmt: skip
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
     add_grads = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
     schedule = train_step.learning_rate_schedule(config)
@@ -289,6 +306,8 @@ def main(argv):
     )  # fmt: skip
     sft = config.mode == "sft"
     recipe = (f"SFT, VT context for {config.sft_vt_fraction:.0%} of samples" if sft else
+              f"offline: cached teacher, kd_weight {config.kd_weight}, kd_temperature "
+              f"{config.kd_temperature}" if config.mode == "offline" else
               f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'")  # fmt: skip
     say(f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
           f"per step, {recipe}")  # fmt: skip
@@ -332,6 +351,23 @@ def main(argv):
             micro_grads, metrics = sft_grad_step(state.params, on_mesh(packs.pack))
         return micro_grads, metrics, int((packs.pack.segment_ids > 0).sum())
 
+    def offline_micro(step, micro, samples, completions, sums):
+        """One offline micro-batch: text-only pack + the cached teacher at its entries -> grads."""
+        del step, completions  # nothing is sampled
+        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
+        with logger.phase("pack"):
+            batch = offline_cache.offline_batch(
+                chunk, cache_reader, encode, options, special, num_rows=local_rows,
+                max_forward_tokens=config.max_forward_tokens,
+            )  # fmt: skip
+            add_mean(sums, "pack/offline_padding", batch.padding_fraction)
+            sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
+        with logger.phase("step"), mesh_lib.use_mesh(mesh):
+            pack = on_mesh(batch.pack)
+            micro_grads, metrics = offline_grad_step(
+                state.params, pack, offline_cache.put_cache_rows(batch.cache, pack, mesh))
+        return micro_grads, metrics, int((batch.pack.segment_ids > 0).sum())
+
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
     if config.eval_every:
@@ -367,8 +403,8 @@ def main(argv):
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
             samples = data.take(accum * local_per_micro)
-        completions, own_completions = None, None  # SFT samples nothing
-        if not sft:
+        completions, own_completions = None, None  # SFT and offline sample nothing
+        if config.mode == "opsd":
             with logger.phase("sample"):
                 prompt_pack = build_prompt_pack(samples, encode, options, special)
                 # One prompt per row. Rows go on the mesh when they divide over it (always with
@@ -393,7 +429,7 @@ def main(argv):
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
         grads, sums, tokens = None, {}, 0
         for micro in range(accum):
-            micro_step = sft_micro if sft else opsd_micro
+            micro_step = {"sft": sft_micro, "offline": offline_micro}.get(config.mode, opsd_micro)
             micro_grads, metrics, micro_tokens = micro_step(step, micro, samples, own_completions,
                                                             sums)  # fmt: skip
             tokens += micro_tokens

@@ -37,11 +37,27 @@ def base_config() -> ml_collections.ConfigDict:
     # --- training mode ---------------------------------------------------------------------------
     # opsd: Visual-OPSD (sample, then distil the VT-seeing teacher into the student).
     # sft: the SFT baseline, plain CE on the reference text-only thought + answer (no sampler, no
-    # teacher; needs teacher_mode='self' so no EMA copy is kept).
+    # teacher; needs teacher_mode='self' so no EMA copy is kept). offline: distil a cached
+    # teacher (below; no sampler, no teacher forward; teacher_mode='self' as for sft).
     c.mode = "opsd"
     # SFT only: share of samples trained in the teacher context (with the VT images) instead of
     # the student context; 0 is the plain baseline, > 0 trains a model that reads VT images.
     c.sft_vt_fraction = 0.0
+
+    # --- offline Visual-OPSD (mode 'offline'): a teacher cached once -----------------------------
+    # scripts/collect_traces.py runs the model over the data once and writes the cache to
+    # offline_cache_dir; mode 'offline' then trains the student on the text-only view with
+    # ce_weight * CE + kd_weight * top-k KL against it (the PyTorch offline trainer's knobs).
+    c.offline_cache_dir = ""
+    c.kd_weight = 0.5
+    c.kd_temperature = 2.0
+    c.kd_use_vt_weights = True  # weight each token by KL(teacher with VT || text-only view)
+    # full: the student's log-softmax over the whole vocabulary at the cached ids (PyTorch
+    # offline trainer); top_k: renormalised over them (the online JSD's support, spec a.1).
+    c.kd_student_norm = "full"
+    c.offline_top_k = 256  # ids kept per token by the collector
+    c.offline_logprob_dtype = "float16"  # float16 | bfloat16 | float32 (cached log-probs)
+    c.offline_shard_samples = 200  # samples per committed shard
 
     # --- Visual-OPSD: teacher and loss ----------------------------------------------------------
     c.teacher_mode = "ema"  # self | ema | fixed

@@ -15,9 +15,9 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax import hf, losses, train_step
+from opsd_jax import hf, losses, offline_cache, train_step
 
-MODES = ("opsd", "sft")
+MODES = ("opsd", "sft", "offline")
 
 _CHOICES = {
     "mode": MODES,
@@ -31,6 +31,8 @@ _CHOICES = {
     "attention_backend": attention.BACKENDS,
     "remat": configs.REMAT_CHOICES,
     "weights": hf.WEIGHT_CHOICES,
+    "kd_student_norm": losses.STUDENT_NORMS,
+    "offline_logprob_dtype": offline_cache.LOGPROB_DTYPES,
     "wandb_mode": ("offline", "online", "disabled"),
     "wandb_resume": ("allow", "must", "never", "auto"),
 }
@@ -41,6 +43,10 @@ _RANGES = (
     ("jsd_temperature", lambda v: v > 0, "> 0"),
     ("jsd_top_k", lambda v: v >= 0, ">= 0 (0 = full vocabulary)"),
     ("ema_decay", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    ("kd_weight", lambda v: v >= 0, ">= 0"),
+    ("kd_temperature", lambda v: v > 0, "> 0"),
+    ("offline_top_k", lambda v: v >= 1, ">= 1"),
+    ("offline_shard_samples", lambda v: v >= 1, ">= 1"),
     ("sft_vt_fraction", lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"),
     ("sample_max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("sample_temperature", lambda v: v > 0, "> 0"),
@@ -140,7 +146,9 @@ def resolve_dataset_paths(config) -> None:
         ]
 
 
-def validate(config, num_devices: int | None = None, num_processes: int = 1) -> None:
+def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
+             need_cache: bool = True) -> None:  # fmt: skip
+    """`need_cache=False`: for scripts/collect_traces.py, which makes the offline cache."""
     problems = []
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:
@@ -156,6 +164,18 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
         # training without one (SFT has no teacher; 'self' keeps no EMA / fixed copy).
         problems.append(f"teacher_mode={config.teacher_mode!r} with mode='sft': SFT has no "
                         "teacher; allowed value is 'self' (no EMA / fixed copy is kept)")  # fmt: skip
+    if config.mode == "offline" and config.teacher_mode != "self":
+        problems.append(f"teacher_mode={config.teacher_mode!r} with mode='offline': the teacher is "
+                        "the cache; allowed value is 'self' (no EMA / fixed copy is kept)")  # fmt: skip
+    if config.mode == "offline" or not need_cache:
+        manifest = os.path.join(config.offline_cache_dir, offline_cache.MANIFEST)
+        if not config.offline_cache_dir:
+            problems.append("offline_cache_dir is empty: give the teacher cache's directory "
+                            "(made by scripts/collect_traces.py)")  # fmt: skip
+        elif need_cache and not os.path.isfile(manifest):
+            problems.append(f"offline_cache_dir={config.offline_cache_dir!r}: no "
+                            f"{offline_cache.MANIFEST}; make the cache first: python scripts/"
+                            "collect_traces.py --config <the same config>")  # fmt: skip
     contexts = [c for c in str(config.eval_contexts).split(",") if c]
     if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
         problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "

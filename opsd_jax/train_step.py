@@ -56,6 +56,11 @@ class LossSettings:
     # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
     # as the sampler masks them (losses.mask_vocab); None keeps the whole table.
     vocab_limit: int | None = None
+    # Offline mode (a cached teacher, opsd_jax/offline_cache.py): the PyTorch offline trainer's.
+    kd_weight: float = 0.5
+    kd_temperature: float = 2.0
+    kd_use_vt_weights: bool = True
+    kd_student_norm: str = "full"
 
 
 @flax.struct.dataclass
@@ -271,6 +276,47 @@ def make_sft_grad_step(graphdef, rest, settings: LossSettings):
     @jax.jit
     def grad_step(params, pack):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pack)
+        return grads, metrics
+
+    return grad_step
+
+
+def make_offline_grad_step(graphdef, rest, settings: LossSettings):
+    """Offline Visual-OPSD: jit(params, pack, cache) -> (grads, metrics) of
+    `ce_weight * CE + kd_weight * KL(cached teacher top-k || student)` on the text-only pack.
+
+    `cache` holds the teacher's top-k log-probs and ids and the VT-sensitivity weights at the
+    pack's loss entries (offline_cache.offline_batch). No teacher forward and no teacher copy
+    (train.py requires teacher_mode='self' in offline mode).
+    """
+
+    def loss_fn(params, pack, cache):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model.logits_at(model(pack), pack.loss_rows)
+        common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples,
+                      vocab_limit=settings.vocab_limit)  # fmt: skip
+        kd, _ = losses.cached_top_k_kl(
+            logits, cache["top_logprobs"], cache["top_ids"], pack.loss_mask,
+            temperature=settings.kd_temperature, reduction=settings.reduction,
+            weights=cache["vt_weights"] if settings.kd_use_vt_weights else None,
+            student_norm=settings.kd_student_norm, **common,
+        )  # fmt: skip
+        tokens = jnp.sum(pack.loss_mask)
+        loss = settings.kd_weight * kd
+        metrics = {"kd": kd, "loss_tokens": tokens,
+                   "vt_weight_mean": jnp.sum(jnp.where(pack.loss_mask, cache["vt_weights"], 0.0))
+                   / jnp.maximum(tokens, 1)}  # fmt: skip
+        if settings.ce_weight:
+            ce, _ = losses.completion_ce(logits, pack.loss_targets, pack.loss_mask,
+                                         reduction=settings.reduction, **common)  # fmt: skip
+            loss = loss + settings.ce_weight * ce
+            metrics["ce"] = ce
+        metrics["loss"] = loss
+        return loss, metrics
+
+    @jax.jit
+    def grad_step(params, pack, cache):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pack, cache)
         return grads, metrics
 
     return grad_step

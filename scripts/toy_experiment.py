@@ -1,6 +1,7 @@
 """The toy Visual-OPSD experiment (issue #9), one command: SFT -> Visual-OPSD vs noise-VT control.
 
     python scripts/toy_experiment.py [--seed 0] [--out results/toy_experiment/seed0] [--quick]
+        [--offline]
 
 The claim under test: a model that reasons better when it sees the visual-thought (VT) image
 (teacher context) transfers part of that ability to itself without it (student context) by
@@ -11,6 +12,8 @@ on-policy self-distillation, and replacing the VT image by noise removes the eff
    well and the bare problem image less well.
 2. Stage 2, configs/toy_opsd.py: Visual-OPSD from the stage-1 weights with the EMA teacher
    (arm `opsd`), and the same with the VT pixels replaced by noise (arm `control`).
+   With --offline, a third arm: the stage-1 model cached once as teacher
+   (scripts/collect_traces.py), then configs/toy_offline.py (CE + KD against the cache).
 3. Held-out exact-match accuracy (greedy decoding, the pipeline's `eval` split, which no stage
    trains on) in the student context (no VT) and the teacher context (with VT) after stage 1
    and at every stage-2 checkpoint; the training JSD of both arms from their metrics.jsonl.
@@ -39,7 +42,14 @@ sys.path.insert(0, ROOT)
 from scripts import make_toy_data
 
 TASK = "toy_majority"
-ARMS = ("opsd", "control")
+ARMS = ("opsd", "control")  # stage-2 arms; --offline adds "offline"
+ARM_NAMES = {
+    "opsd": "Visual-OPSD (VT teacher)",
+    "control": "control (noise-VT teacher)",
+    "offline": "offline Visual-OPSD (cached VT teacher, CE + KD)",
+}
+# The distillation term each arm logs: the on-policy JSD, or the offline KD against the cache.
+DISTILL_METRIC = {"opsd": "jsd", "control": "jsd", "offline": "kd"}
 
 # Stage lengths and evaluation size: (full, quick).
 SETTINGS = {
@@ -67,13 +77,15 @@ def log(message: str) -> None:
 
 
 class TrainRun:
-    """train.py with `config_file` and overrides in a subprocess; its output goes to `log_path`,
-    with its step lines echoed (shortened) as progress."""
+    """train.py (or another script taking a --config, `script`) with `config_file` and overrides
+    in a subprocess; its output goes to `log_path`, with its step lines echoed (shortened) as
+    progress."""
 
-    def __init__(self, config_file: str, results_dir: str, overrides: list[str], log_path: str):
+    def __init__(self, config_file: str, results_dir: str, overrides: list[str], log_path: str,
+                 script: str = "train.py"):  # fmt: skip
         command = [
             sys.executable,
-            os.path.join(ROOT, "train.py"),
+            os.path.join(ROOT, script),
             "--config",
             os.path.join(ROOT, config_file),
             f"--config.results_dir={results_dir}",
@@ -87,10 +99,11 @@ class TrainRun:
             f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
         )
         env["PYTHONUNBUFFERED"] = "1"  # progress lines as they happen, not per 4 kB block
-        self.name, self.config_file, self.log_path = (
+        self.name, self.config_file, self.log_path, self.script = (
             os.path.basename(results_dir),
             config_file,
             log_path,
+            script,
         )
         self.start = time.perf_counter()
         self.process = subprocess.Popen(
@@ -105,7 +118,7 @@ class TrainRun:
                 out.write(line)
                 if line.startswith("step "):  # one line per log_every steps
                     fields = line.split(" | ")
-                    keep = [f for f in fields if f.split(" ")[0] in ("ce", "jsd", "loss")]
+                    keep = [f for f in fields if f.split(" ")[0] in ("ce", "jsd", "kd", "loss")]
                     log(f"  {self.name}: {fields[0]} | {' | '.join(keep)}")
 
     def wait(self) -> None:
@@ -115,7 +128,7 @@ class TrainRun:
             with open(self.log_path, encoding="utf-8") as f:
                 tail = f.read()[-4000:]
             raise RuntimeError(
-                f"train.py {self.config_file} failed (exit "
+                f"{self.script} {self.config_file} failed (exit "
                 f"{self.process.returncode}); log {self.log_path}:\n{tail}"
             )
         log(f"  {self.name} done in {time.perf_counter() - self.start:.0f}s")
@@ -241,18 +254,19 @@ def markdown(results: dict) -> str:
             "Student = problem image + question; teacher = plus the VT image."
         ),
         "",
-        "| model | student (no VT) | teacher (VT) | teacher (noise VT) | train JSD first -> last |",
+        "| model | student (no VT) | teacher (VT) | teacher (noise VT) | train JSD (KD) first -> last |",
         "|---|---:|---:|---:|---:|",
         (
             f"| stage 1: SFT ({sft['steps']} steps) | {sft['student']:.1%} | "
             f"{sft['teacher']:.1%} | {sft['teacher_noise']:.1%} | - |"
         ),
     ]
-    for arm in ARMS:
+    arms = list(results["arms"])
+    for arm in arms:
         r = results["arms"][arm]
         jsd = r["jsd"]
         jsd_text = f"{jsd[0][1]:.4f} -> {jsd[-1][1]:.4f}" if jsd else "-"
-        name = "Visual-OPSD (VT teacher)" if arm == "opsd" else "control (noise-VT teacher)"
+        name = ARM_NAMES[arm]
         lines.append(
             f"| stage 2: {name}, {r['steps']} steps | {r['student']:.1%} | "
             f"{r['teacher']:.1%} | - | {jsd_text} |"
@@ -261,18 +275,18 @@ def markdown(results: dict) -> str:
         "",
         "Student accuracy at each stage-2 checkpoint:",
         "",
-        "| step | " + " | ".join(ARMS) + " |",
-        "|---:|" + "---:|" * len(ARMS),
+        "| step | " + " | ".join(arms) + " |",
+        "|---:|" + "---:|" * len(arms),
     ]
-    steps = sorted({s for arm in ARMS for s, _ in results["arms"][arm]["student_curve"]})
+    steps = sorted({s for arm in arms for s, _ in results["arms"][arm]["student_curve"]})
     for step in steps:
         cells = []
-        for arm in ARMS:
+        for arm in arms:
             curve = dict(results["arms"][arm]["student_curve"])
             cells.append(f"{curve[step]:.1%}" if step in curve else "-")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     agreement = ", ".join(
-        f"{arm} {results['arms'][arm]['thought_answer_agreement']:.0%}" for arm in ARMS
+        f"{arm} {results['arms'][arm]['thought_answer_agreement']:.0%}" for arm in arms
     )
     lines += [
         "",
@@ -290,9 +304,9 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    colours = {"opsd": "tab:blue", "control": "tab:red"}
-    labels = {"opsd": "Visual-OPSD", "control": "noise-VT control"}
-    for arm in ARMS:
+    colours = {"opsd": "tab:blue", "control": "tab:red", "offline": "tab:green"}
+    labels = {"opsd": "Visual-OPSD", "control": "noise-VT control", "offline": "offline (KD)"}
+    for arm in results["arms"]:
         r = results["arms"][arm]
         student = r["student_curve"]
         left.plot(
@@ -318,7 +332,7 @@ def plot(results: dict, path: str) -> None:
         title="held-out exact match",
     )
     right.set(
-        xlabel="stage-2 step", ylabel="train JSD (student vs its teacher)", title="training JSD"
+        xlabel="stage-2 step", ylabel="train JSD (offline: KD) vs the teacher", title="training JSD"
     )
     left.legend(fontsize=8)
     right.legend(fontsize=8)
@@ -338,7 +352,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="global_seed of every stage (and data)")
     parser.add_argument("--out", default=None, help="default: results/toy_experiment/seed<seed>")
     parser.add_argument("--quick", action="store_true", help="a few steps of each stage (CI)")
+    parser.add_argument("--offline", action="store_true",
+                        help="add the offline arm: cache the stage-1 model as teacher once "
+                             "(scripts/collect_traces.py), then configs/toy_offline.py")  # fmt: skip
     args = parser.parse_args(argv)
+    stage2_arms = ARMS + (("offline",) if args.offline else ())
     out = os.path.abspath(
         args.out or os.path.join(ROOT, "results", "toy_experiment", f"seed{args.seed}")
     )
@@ -374,25 +392,28 @@ def main(argv=None) -> dict:
     sft_last = sft_steps[max(sft_steps)]
 
     # ---- stage 2: Visual-OPSD and the noise-VT control, side by side (independent runs) ---------
-    arm_dirs = {arm: os.path.join(out, arm) for arm in ARMS}
+    arm_dirs = {arm: os.path.join(out, arm) for arm in stage2_arms}
     runs = []
-    for arm in ARMS:
+    for arm in stage2_arms:
+        config_file = "configs/toy_offline.py" if arm == "offline" else "configs/toy_opsd.py"
         log(
-            f"stage 2 [{arm}]: Visual-OPSD from stage 1 (configs/toy_opsd.py"
+            f"stage 2 [{arm}]: {ARM_NAMES[arm]} from stage 1 ({config_file}"
             f"{', noise_vt=True' if arm == 'control' else ''})"
         )
         link_toy_assets(arm_dirs[arm], toy_dir)
-        overrides = seed + [
-            f"--config.resume_from={os.path.join(sft_dir, 'checkpoints')}",
-            f"--config.noise_vt={arm == 'control'}",
-        ]
+        overrides = seed + [f"--config.resume_from={os.path.join(sft_dir, 'checkpoints')}"]
+        if arm == "offline":
+            # The teacher is the stage-1 model, cached once before the student trains.
+            overrides.append(f"--config.offline_cache_dir={os.path.join(arm_dirs[arm], 'cache')}")
+            TrainRun(config_file, arm_dirs[arm], overrides, os.path.join(out, "collect.log"),
+                     script="scripts/collect_traces.py").wait()  # fmt: skip
+        else:
+            overrides.append(f"--config.noise_vt={arm == 'control'}")
         overrides += steps("opsd_steps", "total_steps") + steps("save_every", "save_every")
         if args.quick:
             overrides += ["--config.log_every=1", "--config.warmup_steps=1"]
         runs.append(
-            TrainRun(
-                "configs/toy_opsd.py", arm_dirs[arm], overrides, os.path.join(out, f"{arm}.log")
-            )
+            TrainRun(config_file, arm_dirs[arm], overrides, os.path.join(out, f"{arm}.log"))
         )
     for run in runs:
         run.wait()
@@ -419,7 +440,7 @@ def main(argv=None) -> dict:
         f"teacher with noise VT {stage1['teacher_noise']:.1%}"
     )
     arms = {}
-    for arm in ARMS:
+    for arm in stage2_arms:
         checkpoints = step_dirs(arm_dirs[arm])
         config = evaluation.checkpoint_config(checkpoints[max(checkpoints)])
         curve = [(0, stage1["student"])]
@@ -435,7 +456,7 @@ def main(argv=None) -> dict:
             "student": curve[-1][1],
             "teacher": teacher,
             "student_curve": curve,
-            "jsd": read_metric(arm_dirs[arm], "jsd"),
+            "jsd": read_metric(arm_dirs[arm], DISTILL_METRIC[arm]),
             "thought_answer_agreement": thought_answer_agreement(
                 os.path.join(generations, f"{arm}_student_generations.jsonl")
             ),

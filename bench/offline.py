@@ -1,0 +1,178 @@
+"""Offline vs on-policy Visual-OPSD: step time on the same samples, and cache bytes per sample.
+
+One run, the toy model and toy data (configs/offline_tiny.py), one device:
+
+* collects the teacher cache of the toy rows (offline_cache.collect, as scripts/collect_traces.py);
+* times, on the same samples every step, the on-policy step (sample completions -> student and
+  teacher packs -> grad step with the EMA teacher's forward -> update) and the offline step
+  (text-only pack + cache read -> grad step -> update), after a warm-up that compiles both;
+* prints their ratio, and the cache bytes per sample: measured on the toy cache, and for a 7B
+  shape (top-256 of a 152,064-id vocabulary, `--tokens_7b` target tokens) by writing one
+  synthetic sample through the same shard writer (random ids: an upper bound for compression).
+
+    python bench/offline.py [--steps 6] [--warmup 2] [--max_new_tokens 64] [--tokens_7b 1024]
+
+The on-policy step samples up to `--max_new_tokens` (default 64, about the toy targets' length)
+and trains on them; the offline step trains on the whole reference target. Token counts per
+step are printed next to the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import train  # noqa: E402
+from configs import offline_tiny  # noqa: E402
+from opsd_jax import evaluation, offline_cache, sampler, train_step  # noqa: E402
+from opsd_jax import mesh as mesh_lib  # noqa: E402
+from opsd_jax.data.pipeline import make_iterator  # noqa: E402
+from opsd_jax.data.sources import DataConfig  # noqa: E402
+from opsd_jax.hf import load_hf  # noqa: E402
+from opsd_jax.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
+
+VOCAB_7B = 152_064
+TOP_K_7B = 256
+SAMPLES_7B = 24_990  # the paper's ThinkMorph training rows
+
+
+def synthetic_bytes(tokens: int, top_k: int, vocab: int, logprob_dtype: str) -> int:
+    """Parquet bytes of one cached sample of `tokens` target tokens at this shape."""
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.choice(vocab, top_k, replace=False) for _ in range(tokens)])
+    logits = np.sort(rng.standard_normal((tokens, top_k)) * 3.0, axis=-1)[:, ::-1]
+    logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True) * 1.5)
+    directory = tempfile.mkdtemp(prefix="opsd-bench-offline-")
+    try:
+        writer = offline_cache.ShardWriter(directory, 0, logprob_dtype, shard_samples=1)
+        writer.add("synthetic/0", rng.integers(0, vocab, tokens), ids, logprobs,
+                   rng.random(tokens))  # fmt: skip
+        return offline_cache.cache_bytes(directory)[0]
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--tokens_7b", type=int, default=1024)
+    # 64: about the toy targets' length, so both arms train on about as many tokens.
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--results-dir", default="/tmp/opsd_bench_offline")
+    args = parser.parse_args()
+
+    config = offline_tiny.get_config()
+    with config.unlocked():
+        config.results_dir = args.results_dir
+        config.offline_cache_dir = os.path.join(args.results_dir, "teacher_cache")
+    train.prepare_toy_assets(config)
+    model, model_config, tokenizer = load_hf(config.model_path, config_changes={"llm": dict(
+        compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
+    special, encode = tokenizer.special_tokens(), tokenizer.encode
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model_config)
+    options = evaluation.prompt_options_from_config(config)
+    mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+    # ---- the cache --------------------------------------------------------------------------------
+    shutil.rmtree(config.offline_cache_dir, ignore_errors=True)
+    manifest = offline_cache.make_manifest(
+        model_config, tokenizer, options, top_k=config.offline_top_k,
+        logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+    summary = offline_cache.collect(
+        collect_step=offline_cache.make_collect_step(graphdef, rest, top_k=config.offline_top_k,
+                                                     vocab_limit=tokenizer.vocab_length),
+        params=params, tokenizer=tokenizer, data_config=data_config, options=options, mesh=mesh,
+        directory=config.offline_cache_dir, manifest=manifest,
+        samples_per_batch=config.samples_per_micro_batch,
+        rows_per_batch=config.rows_per_micro_batch, max_forward_tokens=config.max_forward_tokens,
+        shard_samples=config.offline_shard_samples, log=lambda line: None,
+    )  # fmt: skip
+    reader = offline_cache.CacheReader(config.offline_cache_dir)
+
+    # ---- the two steps on the same samples ---------------------------------------------------------
+    optimizer = train_step.make_optimizer(config, params)
+    copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (each arm donates its own)
+    online_state = train_step.init_state(copy(), optimizer, "ema", jax.random.key(0))
+    offline_state = train_step.init_state(copy(), optimizer, "self", jax.random.key(0))
+    settings = train.loss_settings(config, tokenizer.vocab_length)
+    online_grad = train_step.make_grad_step(graphdef, rest, settings, "ema")
+    offline_grad = train_step.make_offline_grad_step(graphdef, rest, settings)
+    online_update = train_step.make_apply_update(optimizer, "ema", config.ema_decay)
+    offline_update = train_step.make_apply_update(optimizer, "self", 0.0)
+    rows, per_step = config.rows_per_micro_batch, config.samples_per_micro_batch
+    data = make_iterator(data_config, "train")
+    samples = data.take(per_step)  # the same samples every step: same pack shapes, no recompiles
+    times, tokens = {"on-policy": [], "offline": []}, {"on-policy": [], "offline": []}
+    split = {"on-policy": [], "offline": []}  # (sample, pack [+ cache read], grad + update)
+    for step in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        prompt = build_prompt_pack(samples, encode, options, special)
+        completions = sampler.sample(
+            nnx.merge(graphdef, online_state.params, rest), prompt, jax.random.key(step),
+            special=special, vocab_limit=tokenizer.vocab_length,
+            max_new_tokens=args.max_new_tokens, max_image_skips=0,
+        )  # fmt: skip
+        ts = time.perf_counter()
+        packs = build_training_packs(samples, [completions.row(i) for i in range(per_step)],
+                                     encode, options, special, num_rows=rows,
+                                     max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+        tp = time.perf_counter()
+        grads, _ = online_grad(online_state.params, online_state.teacher_params, packs.student,
+                               packs.teacher)  # fmt: skip
+        online_state, _ = online_update(online_state, grads, 1)
+        jax.block_until_ready(online_state)
+        t1 = time.perf_counter()
+        batch = offline_cache.offline_batch(samples, reader, encode, options, special,
+                                            num_rows=rows,
+                                            max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+        tq = time.perf_counter()
+        grads, _ = offline_grad(offline_state.params, batch.pack, batch.cache)
+        offline_state, _ = offline_update(offline_state, grads, 1)
+        jax.block_until_ready(offline_state)
+        t2 = time.perf_counter()
+        if step >= args.warmup:
+            times["on-policy"].append(t1 - t0)
+            times["offline"].append(t2 - t1)
+            split["on-policy"].append((ts - t0, tp - ts, t1 - tp))
+            split["offline"].append((0.0, tq - t1, t2 - tq))
+            tokens["on-policy"].append(int(packs.student.loss_mask.sum()))
+            tokens["offline"].append(int(batch.pack.loss_mask.sum()))
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; toy model "
+          f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters), {per_step} samples "
+          f"per step in {rows} rows, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
+    for arm in times:
+        print(f"  {arm:>9}: {np.mean(times[arm]) * 1e3:8.1f} ms/step, "
+              f"{np.mean(tokens[arm]):.0f} trained tokens/step; sample / pack (+ cache read) / "
+              "grad + update " + " / ".join(f"{x * 1e3:.1f}" for x in np.mean(split[arm], 0))
+              + " ms")  # fmt: skip
+    ratio = np.mean(times["on-policy"]) / np.mean(times["offline"])
+    print(f"  on-policy / offline step time: {ratio:.2f}x")
+
+    total, count = offline_cache.cache_bytes(config.offline_cache_dir)
+    entries = np.mean([len(reader.lookup(k).target_ids) for k in reader.keys()])
+    print(f"\ncache, tiny: {count} samples ({summary.seconds:.1f}s to collect), {total / count:,.0f}"
+          f" bytes/sample, {entries:.0f} target tokens/sample, top-{config.offline_top_k} "
+          f"{config.offline_logprob_dtype}")  # fmt: skip
+    for dtype in ("float16", "float32"):
+        size = synthetic_bytes(args.tokens_7b, TOP_K_7B, VOCAB_7B, dtype)
+        raw = args.tokens_7b * (TOP_K_7B * (np.dtype(dtype).itemsize + 4) + 4 + 4)
+        print(f"cache, 7B shape: {args.tokens_7b} target tokens, top-{TOP_K_7B} {dtype} + int32 "
+              f"ids: {size / 1e6:.2f} MB/sample (raw {raw / 1e6:.2f} MB), "
+              f"{size * SAMPLES_7B / 1e9:.1f} GB for {SAMPLES_7B:,} samples")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Offline Visual-OPSD on the toy task, CPU-quick: cache the teacher once, then train on it.
+
+    python scripts/collect_traces.py --config configs/offline_tiny.py   # the cache (once)
+    python train.py --config configs/offline_tiny.py                    # the student
+
+Same toy model and data as configs/tiny.py (made under `results_dir` if absent). The collector
+runs that model over the toy training rows and writes the cache to `offline_cache_dir`; the
+trainer (mode 'offline') trains the student on the text-only view with CE + kd_weight * top-k
+KL against it, without a sampler or a teacher forward.
+"""
+
+import ml_collections
+
+from configs import tiny
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = tiny.get_config()
+    with config.unlocked():
+        config.mode = "offline"
+        config.teacher_mode = "self"  # the teacher is the cache: no EMA copy
+        config.offline_cache_dir = "results/offline_tiny/teacher_cache"
+        config.offline_top_k = 64
+        config.offline_shard_samples = 8
+        config.ce_weight = 1.0  # the PyTorch offline trainer's CE + kd_weight * KL
+        config.data.datasets = [dict(name="toy_count", path="", weight=1.0, num_used_data=16)]
+        config.total_steps = 6
+        config.save_every = 3
+        config.samples_per_micro_batch = 4
+        config.rows_per_micro_batch = 2
+        config.gradient_accumulation_steps = 1
+        config.results_dir = "results/offline_tiny"
+    config.lock()
+    return config

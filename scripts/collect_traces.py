@@ -1,0 +1,101 @@
+"""Offline Visual-OPSD, step 1: run the teacher once over the training data and cache it.
+
+    python scripts/collect_traces.py --config configs/offline_tiny.py [--config.key=value ...]
+        [--process_index=I --process_count=N] [--max_samples=M]
+
+Writes to `offline_cache_dir`, per training sample: the teacher's top-`offline_top_k` log-probs
+and ids at every target token of the VT (interleaved) view, and the VT-sensitivity weight
+KL(teacher with VT || the same model on the text-only view); then train with the same config
+(`mode='offline'`). The model, data, prompt and `max_forward_tokens` come from that config, so
+the cache matches what the trainer packs; `rows_per_micro_batch` rows of
+`samples_per_micro_batch` samples go through each forward.
+
+Resumable: run the same command again after a kill and it continues with the samples not yet
+committed (each exactly once). Several processes (e.g. one per host, each on its own devices,
+no communication) split the rows with --process_index / --process_count and write their own
+shards into the same directory. The format is in opsd_jax/offline_cache.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
+from models import attention  # noqa: E402
+from opsd_jax import evaluation, init_weights, offline_cache, train_config  # noqa: E402
+from opsd_jax import mesh as mesh_lib  # noqa: E402
+from opsd_jax.data.sources import DataConfig  # noqa: E402
+
+_PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
+_PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")
+_MAX_SAMPLES = flags.DEFINE_integer("max_samples", None, "stop after this many new samples")
+
+
+def main(argv) -> None:
+    del argv
+    config = train._CONFIG.value
+    index, count = _PROCESS_INDEX.value, _PROCESS_COUNT.value
+    if not 0 <= index < count:
+        train.config_error(f"--process_index={index} must be in [0, --process_count={count})")
+    train_config.resolve_dataset_paths(config)
+    devices = jax.local_devices()  # each process collects alone, on its own devices
+    try:
+        train_config.validate(config, len(devices), need_cache=False)
+    except train_config.ConfigError as e:
+        train.config_error(e)
+    if config.toy_data:
+        train._write_toy_assets(config)
+
+    mesh = mesh_lib.make_mesh(*train_config.mesh_shape(config, len(devices)), devices=devices)
+    runtime = dict(compute_dtype=config.compute_dtype, remat=config.remat,
+                   attention_backend=attention.resolve_backend(config.attention_backend))  # fmt: skip
+    t0 = time.perf_counter()
+    # The student's starting weights are the teacher (the PyTorch collector loads the model
+    # file; weights='ema' here caches the EMA weights instead).
+    start = init_weights.load(config, mesh, config_changes={"llm": runtime})
+    tokenizer = start.tokenizer
+    print(f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
+          f"mesh {dict(mesh.shape)}", flush=True)  # fmt: skip
+    data_config = DataConfig.from_dict(
+        dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
+             seed=config.global_seed)
+    ).for_model(start.model_config)  # fmt: skip
+    options = evaluation.prompt_options_from_config(config)
+    data = dict(datasets=[dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
+                          for d in data_config.datasets],
+                heldout_fraction=data_config.heldout_fraction)  # fmt: skip
+    manifest = offline_cache.make_manifest(
+        start.model_config, tokenizer, options, top_k=config.offline_top_k,
+        logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens,
+        data=data, model_path=config.model_path,
+    )  # fmt: skip
+    step = offline_cache.make_collect_step(start.graphdef, start.rest, top_k=config.offline_top_k,
+                                           vocab_limit=tokenizer.vocab_length)  # fmt: skip
+    try:
+        summary = offline_cache.collect(
+            collect_step=step, params=start.params, tokenizer=tokenizer, data_config=data_config,
+            options=options, mesh=mesh, directory=config.offline_cache_dir, manifest=manifest,
+            samples_per_batch=config.samples_per_micro_batch,
+            rows_per_batch=config.rows_per_micro_batch,
+            max_forward_tokens=config.max_forward_tokens,
+            shard_samples=config.offline_shard_samples, process_index=index, process_count=count,
+            max_samples=_MAX_SAMPLES.value, log=lambda line: print(line, flush=True),
+        )  # fmt: skip
+    except offline_cache.CacheError as e:
+        train.config_error(e)
+    total, samples = offline_cache.cache_bytes(config.offline_cache_dir)
+    print(f"[p{index}] done: {summary.written} samples written, {summary.already_done} were "
+          f"cached before, skipped {summary.skipped or 'none'}, {summary.seconds:.1f}s; cache "
+          f"{config.offline_cache_dir}: {samples} samples, {total / 1e6:.1f} MB "
+          f"({total / max(samples, 1) / 1e3:.1f} kB per sample)", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=train.parse_flags)

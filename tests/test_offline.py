@@ -1,0 +1,355 @@
+"""Offline Visual-OPSD: the two views, the cache on disk (crash + resume, several processes,
+refusal of another model / tokenizer), and the offline loss against the online one."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_close_to_scale, assert_trees_close_to_scale, subprocess_env
+from flax import nnx
+from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
+
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax import losses, offline_cache, train_step
+from opsd_jax import mesh as mesh_lib
+from opsd_jax.opsd_packs import PromptOptions
+
+OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+
+
+def sample(pid, thoughts=("t0", "t1"), vts=((1, 1),), answer="A", question="q"):
+    return types.SimpleNamespace(
+        pid=pid, dataset="toy", question=question, answer=answer, problem_image=vit(1, 2, 0.5),
+        vt_images=[vit(h, w, -0.5) for h, w in vts], thoughts=list(thoughts),
+        full_text_only_thought="unused",
+    )  # fmt: skip
+
+
+def test_views_share_the_target_and_differ_by_the_vt_images():
+    s = sample("a")
+    # Written out by hand: ThinkMorph's output split at the VT image (opsd_loss_spec.md §c.2).
+    segments = ["<think>t0</think><image_start>", "<image_end><think>t1</think><answer>A</answer>"]
+    assert offline_cache.target_segments(s) == segments
+    assert offline_cache.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
+    packs = offline_cache.build_offline_packs([s, sample("b", vts=((1, 2),))], encode, OPTIONS,
+                                              SPECIAL, num_rows=1, max_forward_tokens=256,
+                                              with_teacher=True)  # fmt: skip
+    target = encode(segments[0]) + [IME] + encode(segments[1]) + [IME]
+    for j in range(2):
+        rows = {}
+        for name, pack in (("student", packs.student), ("teacher", packs.teacher)):
+            row, cols = offline_cache.sample_entries(pack, j)
+            rows[name] = pack.loss_rows[row, cols]
+            if j == 0:
+                assert pack.loss_targets[row, cols].tolist() == target
+                assert pack.tokens[row, rows[name][0]] == IMS
+            segment = pack.segment_ids[row, rows[name][0]]
+            images = ((pack.tokens[row] == VS) & (pack.segment_ids[row] == segment)).sum()
+            assert images == (2 if name == "teacher" else 1)  # the problem image (+ the VT)
+        # The teacher's second block sits after the VT image block: later rows, same targets.
+        assert (rows["teacher"] >= rows["student"]).all()
+    # The longer (teacher) view decides what is dropped.
+    packs = offline_cache.build_offline_packs([s], encode, OPTIONS, SPECIAL, num_rows=1,
+                                              max_forward_tokens=60, with_teacher=True)  # fmt: skip
+    assert packs.kept == [] and packs.dropped == [0]
+
+
+# ---- the cache on disk: crash between a shard's rename and its listing, resume, 2 processes ---
+
+
+class _Tokenizer:
+    vocab_length = 128
+
+    def __init__(self, vocab=128):
+        self.hf = types.SimpleNamespace(get_vocab=lambda: {chr(i): i for i in range(vocab)})
+
+    def encode(self, text):
+        return [ord(c) % 120 for c in text]
+
+    def special_tokens(self):
+        return SPECIAL
+
+
+def _fake_step(params, teacher, text):
+    """A stand-in for the teacher forward (no compile): values derived from the targets."""
+    targets = np.asarray(teacher.loss_targets, np.float32)
+    top = np.stack([targets + i for i in range(4)], axis=-1)
+    return -top / 100.0, top.astype(np.int32), targets / 10.0
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    from scripts import make_toy_data
+    from opsd_jax.data.sources import DataConfig
+
+    root = tmp_path_factory.mktemp("toy")
+    rows = make_toy_data.make_rows("toy_count", "train", 14, seed=0)
+    make_toy_data.write_parquet(rows, str(root / "count" / "data" / "train-0.parquet"))
+    rows = make_toy_data.make_rows("toy_maze", "train", 9, seed=0)
+    make_toy_data.write_parquet(rows, str(root / "maze" / "data" / "train-0.parquet"))
+    config = DataConfig.from_dict(dict(
+        datasets=[dict(name="count", path=str(root / "count")),
+                  dict(name="maze", path=str(root / "maze"))],
+        image_transform=dict(max_size=112, min_size=56, stride=14, max_pixels=112 * 112),
+        heldout_fraction=0.0))  # fmt: skip
+    return config
+
+
+def _collect(directory, data_config, process=0, count=1, **kwargs):
+    manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
+                                           logprob_dtype="float16", max_forward_tokens=4096)  # fmt: skip
+    mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    return offline_cache.collect(
+        collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=data_config,
+        options=OPTIONS, mesh=mesh, directory=str(directory), manifest=manifest,
+        samples_per_batch=2, rows_per_batch=1, max_forward_tokens=4096, shard_samples=3,
+        process_index=process, process_count=count, log=lambda line: None, **kwargs,
+    )  # fmt: skip
+
+
+def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_path, toy_data):
+    def crash(path):
+        if path.endswith("-000001.parquet"):  # renamed, not yet listed: the worst moment
+            raise KeyboardInterrupt("killed")
+
+    with pytest.raises(KeyboardInterrupt):
+        _collect(tmp_path, toy_data, process=0, count=2, on_commit=crash)
+    open(tmp_path / "p0-000002.parquet.tmp", "w").close()  # a half-written shard
+    assert len(offline_cache.CacheReader(str(tmp_path))) == 3  # only the listed shard counts
+    first = _collect(tmp_path, toy_data, process=0, count=2)
+    assert first.already_done == 3 and first.written == 12 - 3  # rows 0, 2, .., 22 of 23
+    other = _collect(tmp_path, toy_data, process=1, count=2)
+    assert other.written == 11
+    reader = offline_cache.CacheReader(str(tmp_path))
+    keys = reader.keys()
+    assert len(keys) == len(set(keys)) == 23
+    assert {k.split("/")[0] for k in keys} == {"count", "maze"}
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+    listed = {s["file"] for p in (0, 1) for s in json.load(open(tmp_path / f"progress-p{p}.json"))
+              ["shards"]}  # fmt: skip
+    assert listed == {f for f in os.listdir(tmp_path) if f.endswith(".parquet")}
+    # A sample reads back as written (log-probs through float16).
+    cached = reader.lookup(keys[0])
+    assert cached.top_ids.shape == cached.top_logprobs.shape == (len(cached.target_ids), 4)
+    np.testing.assert_array_equal(cached.top_ids[:, 1], cached.target_ids + 1)
+    np.testing.assert_allclose(cached.top_logprobs[:, 0], -cached.target_ids / 100, rtol=1e-3)
+    assert _collect(tmp_path, toy_data).written == 0  # all done: nothing collected twice
+    # Another model config: the collector refuses to mix it into this cache.
+    with pytest.raises(offline_cache.CacheError, match="model_config.llm.hidden_size"):
+        offline_cache.collect(
+            collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=toy_data,
+            options=OPTIONS, mesh=None, directory=str(tmp_path), samples_per_batch=2,
+            manifest=offline_cache.make_manifest(
+                BagelConfig.tiny(llm=dict(hidden_size=128)), _Tokenizer(), OPTIONS, top_k=4,
+                logprob_dtype="float16", max_forward_tokens=4096),
+            rows_per_batch=1, max_forward_tokens=4096, shard_samples=3, log=lambda line: None,
+        )  # fmt: skip
+
+
+def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
+    manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
+                                           logprob_dtype="float16", max_forward_tokens=64)  # fmt: skip
+    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
+    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=dict(remat="none")),
+                                 _Tokenizer(), OPTIONS)  # runtime switches do not matter
+    with pytest.raises(offline_cache.CacheError, match="tokenizer.sha256"):
+        offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(100), OPTIONS)
+    with pytest.raises(offline_cache.CacheError, match="num_hidden_layers"):
+        offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=dict(num_hidden_layers=3)),
+                                     _Tokenizer(), OPTIONS)  # fmt: skip
+    with pytest.raises(offline_cache.CacheError, match="no manifest.json"):
+        offline_cache.check_manifest(str(tmp_path / "nowhere"), BagelConfig.tiny(), _Tokenizer(),
+                                     OPTIONS)  # fmt: skip
+
+
+# ---- the offline loss equals the online one on the same teacher and completion -----------------
+
+
+def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
+    config = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none"))
+    graphdef, teacher_params, rest = nnx.split(Bagel(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    leaves, tree = jax.tree.flatten(teacher_params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    student_params = jax.tree.unflatten(
+        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])  # fmt: skip
+    samples = [sample("a"), sample("b", thoughts=("x",), vts=((1, 2),), answer="BB"), sample("c")]
+    k, tau, vocab = 16, 2.0, config.llm.vocab_size - 5  # a padded table: ids >= vocab masked
+
+    # Collect (the teacher on both views), then through the fp32 cache on disk. One row, so
+    # the trainer's text-only pack has the collector's layout and entries compare one to one.
+    packs = offline_cache.build_offline_packs(samples, encode, OPTIONS, SPECIAL, num_rows=1,
+                                              max_forward_tokens=256, with_teacher=True)  # fmt: skip
+    step = offline_cache.make_collect_step(graphdef, rest, top_k=k, vocab_limit=vocab)
+    top_logprobs, top_ids, vt_kl = (np.asarray(x) for x in
+                                    step(teacher_params, packs.teacher, packs.student))  # fmt: skip
+    writer = offline_cache.ShardWriter(str(tmp_path), 0, "float32", shard_samples=10)
+    for j, s in enumerate(samples):
+        row, cols = offline_cache.sample_entries(packs.teacher, j)
+        writer.add(offline_cache.cache_key(s), packs.teacher.loss_targets[row, cols],
+                   top_ids[row, cols], top_logprobs[row, cols], vt_kl[row, cols])  # fmt: skip
+    writer.commit()
+    manifest = dict(top_k=k, logprob_dtype="float32", format=offline_cache.CACHE_FORMAT)
+    batch = offline_cache.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
+                                        encode, OPTIONS, SPECIAL, num_rows=1,
+                                        max_forward_tokens=256)  # fmt: skip
+    pack, mask, cache = batch.pack, batch.pack.loss_mask, batch.cache
+    assert batch.num_dropped == 0
+    np.testing.assert_array_equal(pack.tokens, packs.student.tokens)
+    for j, s in enumerate(samples):
+        # Before the first VT image both views are the same text (causal attention): weight 0;
+        # after it the teacher sees the image, the text-only view does not.
+        row, cols = offline_cache.sample_entries(pack, j)
+        before = len(encode(offline_cache.target_segments(s)[0])) + 1
+        weights = cache["vt_weights"][row, cols]
+        assert (np.abs(weights[:before]) < 1e-6).all() and (weights[before:] > 1e-6).all()
+
+    @jax.jit
+    def logits_of(params, view):
+        model = nnx.merge(graphdef, params, rest)
+        return model.logits_at(model(view), view.loss_rows)
+
+    teacher_logits = logits_of(teacher_params, packs.teacher)
+    text_logits = logits_of(teacher_params, pack)  # the teacher model on the text-only view
+    common = dict(sample_ids=pack.loss_sample, num_samples=3, vocab_limit=vocab)
+
+    def offline(logits, norm, vt):
+        return losses.cached_top_k_kl(
+            logits, cache["top_logprobs"], cache["top_ids"], mask, tau, student_norm=norm,
+            weights=cache["vt_weights"] if vt else None, **common)[0]  # fmt: skip
+
+    def online_top_k(logits):  # the on-policy loss: teacher top-k, both renormalised, beta 0
+        return losses.generalized_jsd(logits, teacher_logits, mask, beta=0.0, temperature=tau,
+                                      top_k=k, clip=0.0, **common)[0]  # fmt: skip
+
+    # The VT weight is KL(teacher on the VT view || the same model on the text-only view). It
+    # is the KL of two nearly equal distributions (~1e-4), which fp32 log-softmaxes give to
+    # ~1e-6 absolute only, whatever the formula: checked here on its own, then used as cached.
+    def log_softmax64(logits):  # numpy float64, ids >= vocab left out
+        z = np.asarray(logits, np.float64)[..., :vocab]
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    teacher_logp = log_softmax64(teacher_logits)
+    vt_weights = (np.exp(teacher_logp) * (teacher_logp - log_softmax64(text_logits))).sum(-1)
+    np.testing.assert_allclose(cache["vt_weights"][mask], vt_weights[mask], rtol=0, atol=2e-6)
+    assert (cache["vt_weights"] >= 0).all()
+    vt_weights = cache["vt_weights"]
+
+    def online_full(logits, weighted):  # the PyTorch offline trainer's formula, from logits
+        s = losses.mask_vocab(logits, vocab) / tau
+        t = losses.mask_vocab(teacher_logits, vocab)
+        ids = jax.lax.top_k(t, k)[1]
+        q = jax.nn.softmax(jnp.take_along_axis(t, ids, -1) / tau, -1)
+        log_p = jnp.take_along_axis(jax.nn.log_softmax(s, -1), ids, -1)
+        kl = jnp.sum(q * (jnp.log(q) - log_p), -1) * tau**2
+        w = jnp.where(mask, vt_weights if weighted else 1.0, 0.0)
+        per_sample = [jnp.sum((w * kl)[pack.loss_sample == i]) / jnp.sum(w[pack.loss_sample == i])
+                      for i in range(3)]  # fmt: skip
+        return sum(per_sample) / 3
+
+    # The loss as a function of the student's logits: value and gradient, three settings.
+    student_logits = logits_of(student_params, pack)
+    for norm, vt, online in [("top_k", False, online_top_k),
+                             ("full", False, lambda z: online_full(z, False)),
+                             ("full", True, lambda z: online_full(z, True))]:  # fmt: skip
+        value, grad = jax.jit(jax.value_and_grad(lambda z: offline(z, norm, vt)))(student_logits)
+        expected, expected_grad = jax.jit(jax.value_and_grad(online))(student_logits)
+        assert float(value) > 0.01
+        assert_close_to_scale(value, expected, rel=1e-6, err_msg=f"{norm}, vt={vt}")
+        assert_close_to_scale(grad, expected_grad, rel=1e-6, err_msg=f"{norm}, vt={vt}")
+    # The train step (defaults: full vocabulary, VT-weighted) against the online loss through
+    # the student model: the parameter gradient.
+    settings = train_step.LossSettings(kd_weight=1.0, ce_weight=0.0, kd_temperature=tau,
+                                       num_samples=3, vocab_limit=vocab)  # fmt: skip
+    grads, metrics = train_step.make_offline_grad_step(graphdef, rest, settings)(
+        student_params, pack, cache)
+    expected, expected_grads = jax.jit(jax.value_and_grad(
+        lambda p: online_full(logits_of(p, pack), True)))(student_params)  # fmt: skip
+    assert_close_to_scale(metrics["loss"], expected, rel=1e-6)
+    assert_trees_close_to_scale(grads, expected_grads, rel=1e-6)
+    # A cache made for other targets (another tokenizer / prompt) is refused by name.
+    other = [sample("a", answer="Z"), *samples[1:]]
+    with pytest.raises(offline_cache.CacheError, match="'toy/a': the cached target"):
+        offline_cache.offline_batch(other, offline_cache.CacheReader(str(tmp_path), manifest),
+                                    encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256)  # fmt: skip
+
+
+# ---- the two commands as a user runs them ------------------------------------------------------
+
+
+def test_collect_traces_then_train_offline(tmp_path):
+    """scripts/collect_traces.py then train.py mode 'offline' on the toy task (16 samples)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    common = ["--config", "configs/offline_tiny.py", f"--config.results_dir={tmp_path}",
+              f"--config.offline_cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+
+    def run(*args):
+        result = subprocess.run([sys.executable, *args], cwd=root, env=subprocess_env(1),
+                                capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    out = run("scripts/collect_traces.py", *common)
+    assert "[p0] 16/16 samples" in out and "ETA" in out
+    assert re.search(r"done: 16 samples written, 0 were cached before, skipped none", out), out
+    assert "16 samples, " in out.splitlines()[-1]  # the cache size per sample is reported
+    out = run("train.py", *common, "--config.total_steps=2", "--config.log_every=1",
+              "--config.progress_bar=False")  # fmt: skip
+    assert "offline teacher cache" in out and "done: 2 steps" in out
+    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [1, 2]
+    for m in logged:
+        assert m["kd"] > 0 and m["ce"] > 0 and m["vt_weight_mean"] > 0
+        assert m["loss"] == pytest.approx(m["ce"] + 0.5 * m["kd"], rel=1e-5)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def test_offline_config_values_are_checked(tmp_path):
+    from configs import offline_7b, offline_tiny, thinkmorph_7b
+    from opsd_jax import train_config
+
+    config = offline_tiny.get_config()
+    with config.unlocked():
+        config.model_path, config.toy_data = str(tmp_path), False
+        config.data.datasets = [dict(name="d", path=str(tmp_path))]
+        config.offline_cache_dir = str(tmp_path)
+    open(tmp_path / offline_cache.MANIFEST, "w").close()
+    train_config.validate(config, num_devices=1)
+    for key, value, message in [
+        ("teacher_mode", "ema", "teacher_mode='ema' with mode='offline'"),
+        ("kd_temperature", 0.0, "kd_temperature=0.0: must be > 0"),
+        ("kd_weight", -1.0, "kd_weight=-1.0: must be >= 0"),
+        ("kd_student_norm", "vocab", "kd_student_norm='vocab': allowed values are 'full', 'top_k'"),
+        ("offline_logprob_dtype", "int8", "offline_logprob_dtype='int8': allowed values"),
+        ("offline_cache_dir", "", "offline_cache_dir is empty"),
+        ("offline_cache_dir", str(tmp_path / "none"), "no manifest.json; make the cache first"),
+    ]:  # fmt: skip
+        bad = config.copy_and_resolve_references()
+        with bad.unlocked():
+            bad[key] = value
+        with pytest.raises(train_config.ConfigError) as error:
+            train_config.validate(bad, num_devices=1)
+        assert message in str(error.value)
+    # The collector makes the cache: it only needs the directory named.
+    with config.unlocked():
+        config.offline_cache_dir = str(tmp_path / "new")
+    train_config.validate(config, num_devices=1, need_cache=False)
+    # The 7B offline config is the paper recipe's data / optimiser / mesh with the PyTorch
+    # offline trainer's loss, steps and collector settings.
+    paper, offline = thinkmorph_7b.get_config().to_dict(), offline_7b.get_config().to_dict()
+    changed = {k for k in paper if paper[k] != offline[k]}
+    assert changed == {"mode", "teacher_mode", "offline_cache_dir", "ce_weight",
+                       "gradient_accumulation_steps", "total_steps", "save_every",
+                       "results_dir"}  # fmt: skip
+    assert (offline["kd_weight"], offline["kd_temperature"], offline["kd_use_vt_weights"],
+            offline["offline_top_k"], offline["offline_logprob_dtype"]) == (
+                0.5, 2.0, True, 256, "float16")  # fmt: skip
