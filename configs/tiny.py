@@ -37,6 +37,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.sample_max_new_tokens = 24
     config.sample_max_image_skips = 1
     config.max_forward_tokens = 1024
+    # Two toy samples per row (2 per micro-batch, 1 row): measured, their teacher views take
+    # ~600 tokens and 4 images (256 patches), their student views ~300 tokens and 2 images, and
+    # two 24-token completions 50 loss entries. The derived sizes (README) would be 1024 /
+    # 1024 patches, 768 / 128 patches, 128 entries: safe for any data, slower here.
+    config.pack_row_tokens = 1024
+    config.pack_row_patches = 256
+    config.pack_student_row_tokens = 512
+    config.pack_student_row_patches = 128
+    config.pack_loss_entries = 64
 
     # --- optimisation ----------------------------------------------------------------------------
     config.lr = 1e-4
