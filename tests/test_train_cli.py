@@ -26,8 +26,12 @@ def train_command(*overrides):
             "--config.progress_bar=False", *overrides]  # fmt: skip
 
 
-def run_train(*overrides, timeout=600):
+def run_train(*overrides, timeout=600, log_compiles=False):
     env = subprocess_env(1)  # one CPU device, as on a user's laptop
+    if log_compiles:  # jax logs every compilation (stderr), merged in order with the console
+        env.update(JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
+        return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
     return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -85,7 +89,7 @@ def straight(tmp_path_factory):
     """The uninterrupted reference run, on toy data with ~10% broken rows."""
     root = tmp_path_factory.mktemp("straight")
     write_corrupted_toy_data(root / "toy" / "data")
-    result = run_train(*reference_args(root))
+    result = run_train(*reference_args(root), log_compiles=True)  # stdout holds stderr too
     return root, result
 
 
@@ -93,7 +97,7 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     """The run completes on data with ~10% broken rows; they are skipped, counted per reason in
     the logs and in a final summary."""
     root, result = straight
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-6000:]
     skipped = re.search(r"skipped rows: (.*)", result.stdout)
     assert skipped and skipped.group(1) != "none", result.stdout[-2000:]  # counted per reason
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["5", "6"]  # 2 kept
@@ -105,6 +109,26 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
+
+
+def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
+    """JAX_LOG_COMPILES=1: the train step compiles once, ahead of time, with its console line
+    before training starts; after step 1's line no training program compiles at all (the
+    sampler may still meet a new prompt length; nothing else compiles)."""
+    root, result = straight
+    assert result.returncode == 0, result.stdout[-6000:]
+    lines = result.stdout.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/6"))
+    announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
+    assert len(announced) == 1 and announced[0] < first_step, result.stdout[-6000:]
+    assert re.match(r"compiling the train step for 2 x 1 rows x \(student 512 tokens / 128 "
+                    r"patches, teacher 1024 tokens / 256 patches\), 64 loss entries per row: "
+                    r"[\d.]+ s", lines[announced[0]]), lines[announced[0]]  # fmt: skip
+    compiled = [line for line in lines if "Compiling jit(train_step)" in line]
+    assert len(compiled) == 1, compiled
+    later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
+             if "Compiling " in line]  # fmt: skip
+    assert all(name in ("jit(_prefill)", "jit(_decode_round)") for name in later), later
 
 
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
