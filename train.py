@@ -13,7 +13,6 @@ import signal
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
@@ -192,10 +191,9 @@ def main(argv):
     # ---- train state ----------------------------------------------------------------------------
     optimizer = train_step.make_optimizer(config)
     frozen = train_step.frozen_groups(config)
-    rng = jax.random.key(config.global_seed)
     abstract_params = abstract_like(params)
     abstract_state = train_step.abstract_state(
-        abstract_params, optimizer, config.teacher_mode, rng,
+        abstract_params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
         fixed_teacher_dtype=config.fixed_teacher_dtype, frozen=frozen,
     )  # fmt: skip
     if not resumed:
@@ -205,14 +203,17 @@ def main(argv):
             if config.finetune_from_ema:
                 teacher_source = restore_model_params(config.resume_from, abstract_params,
                                                       which="ema_params")  # fmt: skip
+        # Jitted into exactly the layout the step is compiled for (the params are donated, so
+        # not copied; the optimizer state and scalars are made in place on every process).
+        init = jax.jit(
+            lambda params, source: train_step.init_state(
+                params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
+                fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=source,
+                frozen=frozen),
+            out_shardings=train_step.shardings_of(abstract_state), donate_argnums=(0,),
+        )  # fmt: skip
         with mesh_lib.use_mesh(mesh):
-            state = train_step.init_state(
-                params, optimizer, config.teacher_mode, rng,
-                fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=teacher_source,
-                frozen=frozen,
-            )  # fmt: skip
-        # Exactly the layout the step is compiled for (arrays already there are not copied).
-        state = jax.device_put(state, train_step.shardings_of(abstract_state))
+            state = init(params, teacher_source)
         del teacher_source
     del params
 
@@ -397,7 +398,7 @@ def main(argv):
         logged = logger.log_step(step, scalars, samples=accum * per_micro,
                                  tokens=done["tokens"])  # fmt: skip
         if logged is not None and done["completion"] is not None:
-            logger.log_text(step, "completion", done["completion"])
+            logger.log_text(step, "completion", tokenizer.decode(done["completion"]))
 
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
     for step in range(start_step, config.total_steps):
@@ -442,8 +443,7 @@ def main(argv):
         done = dict(step=step + 1, metrics=metrics, scalars=scalars, pids=[s.pid for s in samples],
                     tokens=int(distributed.all_processes(tokens).sum()),
                     data_state=data.get_state(),
-                    completion=(tokenizer.decode(completions.row(0)) if completions is not None
-                                else None))  # fmt: skip
+                    completion=None if completions is None else completions.row(0))  # fmt: skip
         if pending is not None:
             finish(pending)
         pending = done

@@ -37,10 +37,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.sample_max_new_tokens = 24
     config.sample_max_image_skips = 1
     config.max_forward_tokens = 1024
-    # Two toy samples per row (2 per micro-batch, 1 row): measured, their teacher views take
-    # ~600 tokens and 4 images (256 patches), their student views ~300 tokens and 2 images, and
-    # two 24-token completions 50 loss entries. The derived sizes (README) would be 1024 /
-    # 1024 patches, 768 / 128 patches, 128 entries: safe for any data, slower here.
+    # Two toy samples per row (2 per micro-batch, 1 row). Measured on the toy data: a teacher
+    # context takes 420-459 tokens and 128 patches, a student context 204-241 tokens and 64
+    # patches, a completion up to 26 tokens (25 loss entries). So two teacher views always fit
+    # 1024 tokens / 256 patches; two student views fit 512 tokens unless both contexts and both
+    # completions are near their longest (then a completion is cut; `pack/truncated` counts it).
+    # The derived sizes (README) would be 1024 / 1024 patches, 768 / 128 patches, 128 entries:
+    # safe for any data, slower here.
     config.pack_row_tokens = 1024
     config.pack_row_patches = 256
     config.pack_student_row_tokens = 512

@@ -7,8 +7,9 @@ every device of the run (`jax.devices()`) and owns the ones on its host.
 Each process reads, decodes and packs only its own samples (opsd_jax/data/pipeline.py hands
 each one its blocks of the global sample stream). Its host arrays become one global jax.Array
 with `jax.make_array_from_process_local_data`: process p's rows are the p-th block of rows.
-That needs the same local shapes on every process, so `put_rows` first agrees on the largest
-row length / patch count / loss-entry count (one tiny all-gather) and pads to it.
+That needs the same local shapes on every process: training micro-batches have shapes fixed by
+the config (`put_micro_batches`); for sampler prompts `put_rows` first agrees on the largest row
+length / patch count / loss-entry count (one tiny all-gather) and pads to it.
 
 The global layout of a micro-batch is process-major: [process 0's samples, process 1's, ...].
 A sample's global index inside its micro-batch is `process_index * local_samples + i`, so the

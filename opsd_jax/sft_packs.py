@@ -42,7 +42,7 @@ from opsd_jax.opsd_packs import (
     teacher_context_items,
 )
 from opsd_jax.pack_shapes import PackShape, choose_bucket
-from opsd_jax.packing import SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.packing import SpecialTokens, Text, sample_length
 
 
 def target_text(sample) -> str:

@@ -160,6 +160,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     resumed = run_train(*reference_args(tmp_path))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout
+    assert "(weights not read: a checkpoint gives them)" in resumed.stdout  # one state in memory
     assert_same_params(root / "checkpoints", tmp_path / "checkpoints", 6)
 
 
