@@ -173,16 +173,15 @@ def build_training_packs(
     if len(samples) != len(completions):
         raise ValueError(f"{len(samples)} samples but {len(completions)} completions")
     contexts, prompts, kept, packed_completions = [], [], [], []
-    truncated = 0
+    truncated = []  # per kept sample: its completion was cut
     for index, (sample, completion) in enumerate(zip(samples, completions)):
         context = teacher_context_items(sample, encode, options)
         room = max_forward_tokens - sample_length(context) - 2  # completion's two markers
         if room < 0:
             continue
         completion = list(completion)
-        if len(completion) > room:
-            completion = completion[:room]
-            truncated += 1
+        truncated.append(len(completion) > room)
+        completion = completion[:room]
         kept.append(index)
         contexts.append(context)
         prompts.append(prompt_items(sample, encode, options))
@@ -221,7 +220,7 @@ def build_training_packs(
         if not keep:
             raise ValueError("no sample fits the fixed pack shapes (pack_row_tokens, "
                              f"pack_row_patches, ...): {shapes}")  # fmt: skip
-        truncated += sum(1 for i in keep if cuts[i])
+        truncated = [truncated[i] or cuts[i] > 0 for i in keep]
         kept = [kept[i] for i in keep]
         prompts, contexts = [prompts[i] for i in keep], [contexts[i] for i in keep]
         packed_completions = [packed_completions[i][: len(packed_completions[i]) - cuts[i]]
@@ -236,8 +235,8 @@ def build_training_packs(
         for name, size in sizes.items()
     }
     padding = {name: float(1.0 - (pack.segment_ids > 0).mean()) for name, pack in packs.items()}
-    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions, truncated,
-                         padding, dropped, bucket_index)  # fmt: skip
+    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions,
+                         sum(truncated), padding, dropped, bucket_index)  # fmt: skip
 
 
 def shaped_pack(items, shape: PackShape, num_rows: int, special: SpecialTokens, rows_of, *,

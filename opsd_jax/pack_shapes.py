@@ -47,7 +47,8 @@ class PackShape:
     loss_entries: int
 
     def scaled(self, fraction: float) -> PackShape:
-        return PackShape(*(round_up(math.ceil(v * fraction)) if v else 0
+        """Every size times `fraction`, rounded up, never above its own size."""
+        return PackShape(*(min(v, round_up(math.ceil(v * fraction)))
                            for v in dataclasses.astuple(self)))  # fmt: skip
 
 

@@ -26,8 +26,8 @@ def test_explicit_sizes_win_and_buckets_scale_every_size():
     with config.unlocked():
         config.pack_length_buckets = 2
     shapes = pack_shapes(config)
-    assert shapes["teacher"] == [PackShape(512, 128, 128), PackShape(1024, 256, 64)]
-    assert shapes["student"] == [PackShape(256, 128, 128), PackShape(512, 128, 64)]
+    assert shapes["teacher"] == [PackShape(512, 128, 64), PackShape(1024, 256, 64)]
+    assert shapes["student"] == [PackShape(256, 128, 64), PackShape(512, 128, 64)]
     sft = common.base_config()
     with sft.unlocked():
         sft.mode = "sft"
