@@ -28,19 +28,21 @@ from opsd_jax import (
     evaluation,
     init_weights,
     offline_cache,
+    pack_shapes,
     sampler,
     sft_packs,
     train_config,
     train_step,
 )
 from opsd_jax import mesh as mesh_lib
-from opsd_jax.checkpoint import Checkpointer
+from opsd_jax.checkpoint import Checkpointer, abstract_like
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
 from opsd_jax.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
+    shaped_pack,
 )
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
@@ -217,16 +219,27 @@ def main(argv):
     say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
     runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
                    remat=config.remat)  # fmt: skip
-    start = init_weights.load(config, mesh, config_changes={"llm": runtime},
-                              full_resume=resumed is not None)  # fmt: skip
-    graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
-    model_config = start.model_config
+    if resumed:
+        # The state comes from the checkpoint, restored straight into its shards: the HF
+        # weights are not read at all (params stay abstract), so no second copy ever exists.
+        model, model_config, tokenizer = load_hf(
+            config.model_path, mesh=mesh, config_changes={"llm": runtime}, read_params=False)  # fmt: skip
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        del model
+        teacher_source, description = None, None
+    else:
+        start = init_weights.load(config, mesh, config_changes={"llm": runtime})
+        graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
+        model_config, teacher_source, description = (start.model_config, start.teacher_source,
+                                                     start.description)  # fmt: skip
+        del start
     special = tokenizer.special_tokens()
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model {config.model_path}: {num_params:,} parameters, "
-          f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s")  # fmt: skip
-    if resumed is None:
-        say(f"starting weights: {start.description}")
+          f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
+          + (" (weights not read: the checkpoint gives them)" if resumed else ""))  # fmt: skip
+    if description:
+        say(f"starting weights: {description}")
 
     # ---- data ------------------------------------------------------------------------------------
     # The model's ViT patch size and position grid decide the images' patches and position ids.
@@ -241,20 +254,31 @@ def main(argv):
     options = evaluation.prompt_options_from_config(config)  # the same wording everywhere
     encode = tokenizer.encode
 
-    # ---- train state -----------------------------------------------------------------------------
-    optimizer = train_step.make_optimizer(config, params)
-    with mesh_lib.use_mesh(mesh):
-        state = train_step.init_state(
-            params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
-            fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=start.teacher_source,
+    # ---- train state ----------------------------------------------------------------------------
+    optimizer = train_step.make_optimizer(config)
+    frozen = train_step.frozen_groups(config, params)
+    abstract_params = abstract_like(params)
+    abstract_state = train_step.abstract_state(
+        abstract_params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype, frozen=frozen,
+    )  # fmt: skip
+    if not resumed:
+        # Jitted into exactly the layout the step is compiled for (the params are donated, so
+        # not copied; the optimizer state and scalars are made in place on every process).
+        init = jax.jit(
+            lambda params, source: train_step.init_state(
+                params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
+                fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=source,
+                frozen=frozen),
+            out_shardings=train_step.shardings_of(abstract_state), donate_argnums=(0,),
         )  # fmt: skip
-    del params, start
+        with mesh_lib.use_mesh(mesh):
+            state = init(params, teacher_source)
+    del params, teacher_source
 
     # ---- resume ----------------------------------------------------------------------------------
-    abstract_state = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)  # fmt: skip
     saved_config = None
-    if resumed:
+    if resumed:  # into the abstract state: peak memory is one state
         state, data_state, saved_config = checkpointer.restore(abstract_state, directory=resumed)
         if data_state:
             data.set_state(data_state)
@@ -266,24 +290,31 @@ def main(argv):
         own = saved_config if resumed == checkpoint_dir else None
         config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
-    # ---- jitted pieces -------------------------------------------------------------------------
+    # ---- the compiled train step ---------------------------------------------------------------
+    sft, offline = config.mode == "sft", config.mode == "offline"
     settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
-    grad_step = train_step.make_grad_step(graphdef, rest, settings, config.teacher_mode)
-    sft_grad_step = train_step.make_sft_grad_step(graphdef, rest, settings)  # mode 'sft'
-    offline_grad_step, cache_reader = None, None
-    if config.mode == "offline":  # the cached teacher, refused if made for another model
+    cache_reader = None
+    if offline:  # the cached teacher, refused if made for another model
         try:
             manifest = offline_cache.check_manifest(config.offline_cache_dir, model_config,
                                                     tokenizer, options)  # fmt: skip
         except offline_cache.CacheError as e:
             config_error(e)
         cache_reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
-        offline_grad_step = train_step.make_offline_grad_step(graphdef, rest, settings)
         say(f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
             f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}")  # fmt: skip
-    apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
-    add_grads = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-    schedule = train_step.learning_rate_schedule(config)
+    if sft:
+        loss_fn = train_step.make_sft_loss(graphdef, rest, settings)
+    elif offline:
+        loss_fn = train_step.make_offline_loss(graphdef, rest, settings)
+    else:
+        loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, config.teacher_mode)
+    step_fn = train_step.make_train_step(
+        loss_fn, optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
+        schedule=train_step.learning_rate_schedule(config), frozen=frozen,
+        max_bad_steps=config.max_consecutive_bad_steps,
+        state_shardings=train_step.shardings_of(abstract_state),
+    )  # fmt: skip
     # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
     # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
     local_rows = config.rows_per_micro_batch // num_processes
@@ -292,6 +323,27 @@ def main(argv):
         (j // local_per_micro) * per_micro + sample_offset + j % local_per_micro
         for j in range(accum * local_per_micro)
     ])  # fmt: skip
+    shapes = pack_shapes.pack_shapes(config)  # pack name -> its shape in each length bucket
+    pack_names = ("sft",) if sft else ("student", "teacher")
+    # Every length bucket compiled ahead of time, before step 1: nothing compiles in the loop.
+    compiled_steps = []
+    # Offline packs keep their own bucketed shapes for now (offline_step below): they compile
+    # per shape, as the step did before fixed shapes.
+    for bucket in range(0 if offline else config.pack_length_buckets):
+        batch = tuple(
+            distributed.abstract_micro_batches(
+                shaped_pack([], shapes[name][bucket], local_rows, special, [], fixed=True),
+                accum, mesh)
+            for name in pack_names
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        with mesh_lib.use_mesh(mesh):
+            compiled_steps.append(step_fn.lower(abstract_state, batch).compile())
+        sizes = ", ".join(f"{name} {s.row_length} tokens / {s.patches} patches"
+                          for name, s in ((n, shapes[n][bucket]) for n in pack_names))  # fmt: skip
+        say(f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
+            f"({sizes}), {shapes[pack_names[0]][bucket].loss_entries} loss entries per row: "
+            f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
 
     def on_mesh(pack):
         return distributed.put_rows(pack, mesh, sample_offset=sample_offset)
@@ -304,7 +356,6 @@ def main(argv):
                if config.wandb_project else None),
         config=config.to_dict(),
     )  # fmt: skip
-    sft = config.mode == "sft"
     recipe = (f"SFT, VT context for {config.sft_vt_fraction:.0%} of samples" if sft else
               f"offline: cached teacher, kd_weight {config.kd_weight}, kd_temperature "
               f"{config.kd_temperature}" if config.mode == "offline" else
@@ -315,58 +366,93 @@ def main(argv):
     def add_mean(sums, key, value):
         sums[key] = sums.get(key, 0.0) + value / accum
 
-    def opsd_micro(step, micro, samples, completions, sums):
-        """One OPSD micro-batch: aligned student/teacher packs -> grads (tokens counted)."""
+    def opsd_micro(step, micro, samples, completions, sums, first_bucket):
+        """One OPSD micro-batch: aligned student/teacher packs (tokens counted)."""
         chunk = slice(micro * local_per_micro, (micro + 1) * local_per_micro)
-        with logger.phase("pack"):
-            packs = build_training_packs(
-                samples[chunk], completions[chunk], encode, options, special, num_rows=local_rows,
-                max_forward_tokens=config.max_forward_tokens,
-            )  # fmt: skip
-            tokens = int((packs.student.segment_ids > 0).sum())
-            tokens += int((packs.teacher.segment_ids > 0).sum())
-            for name, fraction in packs.padding_fraction.items():
-                add_mean(sums, f"pack/{name}_padding", fraction)
-            sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
-        with logger.phase("step"), mesh_lib.use_mesh(mesh):
-            micro_grads, metrics = grad_step(state.params, state.teacher_params,
-                                             on_mesh(packs.student), on_mesh(packs.teacher))  # fmt: skip
-        return micro_grads, metrics, tokens
+        packs = build_training_packs(
+            samples[chunk], completions[chunk], encode, options, special, num_rows=local_rows,
+            max_forward_tokens=config.max_forward_tokens,
+            shapes={name: shapes[name][first_bucket:] for name in pack_names},
+        )  # fmt: skip
+        tokens = int((packs.student.segment_ids > 0).sum())
+        tokens += int((packs.teacher.segment_ids > 0).sum())
+        for name, fraction in packs.padding_fraction.items():
+            add_mean(sums, f"pack/{name}_padding", fraction)
+        sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
+        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
+        return (packs.student, packs.teacher), first_bucket + packs.bucket, tokens
 
-    def sft_micro(step, micro, samples, completions, sums):
-        """One SFT micro-batch: CE pack (student or VT context per sample) -> grads."""
+    def sft_micro(step, micro, samples, completions, sums, first_bucket):
+        """One SFT micro-batch: CE pack (student or VT context per sample)."""
         del completions  # SFT samples nothing
         chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-        with logger.phase("pack"):
-            use_vt = sft_packs.choose_vt(len(chunk), config.sft_vt_fraction, config.global_seed,
-                                         step * accum + micro)  # fmt: skip
-            packs = sft_packs.build_sft_packs(
-                chunk, encode, options, special, num_rows=local_rows,
-                max_forward_tokens=config.max_forward_tokens, use_vt=use_vt,
-            )  # fmt: skip
-            add_mean(sums, "pack/sft_padding", packs.padding_fraction)
-            add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
-            sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
-        with logger.phase("step"), mesh_lib.use_mesh(mesh):
-            micro_grads, metrics = sft_grad_step(state.params, on_mesh(packs.pack))
-        return micro_grads, metrics, int((packs.pack.segment_ids > 0).sum())
+        use_vt = sft_packs.choose_vt(len(chunk), config.sft_vt_fraction, config.global_seed,
+                                     step * accum + micro)  # fmt: skip
+        packs = sft_packs.build_sft_packs(
+            chunk, encode, options, special, num_rows=local_rows,
+            max_forward_tokens=config.max_forward_tokens, use_vt=use_vt,
+            shapes=shapes["sft"][first_bucket:],
+        )  # fmt: skip
+        add_mean(sums, "pack/sft_padding", packs.padding_fraction)
+        add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
+        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
+        return (packs.pack,), first_bucket + packs.bucket, int((packs.pack.segment_ids > 0).sum())
 
-    def offline_micro(step, micro, samples, completions, sums):
-        """One offline micro-batch: text-only pack + the cached teacher at its entries -> grads."""
-        del step, completions  # nothing is sampled
-        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-        with logger.phase("pack"):
-            batch = offline_cache.offline_batch(
-                chunk, cache_reader, encode, options, special, num_rows=local_rows,
-                max_forward_tokens=config.max_forward_tokens,
-            )  # fmt: skip
-            add_mean(sums, "pack/offline_padding", batch.padding_fraction)
-            sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
+    def pack_step(step, samples, completions):
+        """Every micro-batch of a step packed in one length bucket (the step's arrays are
+        stacked), all processes alike; -> (bucket, micro-batches on the mesh, sums, tokens)."""
+        micro_step = sft_micro if sft else opsd_micro
+
+        def pack_all(first_bucket):
+            sums = {}
+            out = [micro_step(step, m, samples, completions, sums, first_bucket)
+                   for m in range(accum)]  # fmt: skip
+            return [packs for packs, _, _ in out], max(b for _, b, _ in out), sums, out
+
+        micro_packs, bucket, sums, out = pack_all(0)
+        if config.pack_length_buckets > 1:
+            bucket = int(distributed.all_processes(bucket).max())
+            if any(b != bucket for _, b, _ in out):
+                micro_packs, _, sums, out = pack_all(bucket)
+        tokens = sum(t for _, _, t in out)
+        batch = tuple(distributed.put_micro_batches([p[i] for p in micro_packs], mesh,
+                                                    sample_offset=sample_offset)
+                      for i in range(len(pack_names)))  # fmt: skip
+        return bucket, batch, sums, tokens
+
+    offline_grad_step = train_step.make_offline_grad_step(graphdef, rest, settings)
+    offline_update = train_step.make_apply_update(optimizer, config.teacher_mode,
+                                                  config.ema_decay, frozen)  # fmt: skip
+    add_grads = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
+    schedule = train_step.learning_rate_schedule(config)
+
+    def offline_step(step, samples):
+        """Offline mode: each micro-batch's text-only pack + the cached teacher at its entries
+        -> grads, summed, then one update; -> (state, metrics, scalars, tokens)."""
+        del step  # nothing is sampled
+        sums, grads, tokens, means = {}, None, 0, {}
+        for micro in range(accum):
+            chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
+            with logger.phase("pack"):
+                batch = offline_cache.offline_batch(
+                    chunk, cache_reader, encode, options, special, num_rows=local_rows,
+                    max_forward_tokens=config.max_forward_tokens,
+                )  # fmt: skip
+                add_mean(sums, "pack/offline_padding", batch.padding_fraction)
+                sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
+            with logger.phase("step"), mesh_lib.use_mesh(mesh):
+                pack = on_mesh(batch.pack)
+                micro_grads, metrics = offline_grad_step(
+                    state.params, pack, offline_cache.put_cache_rows(batch.cache, pack, mesh))
+                micro_grads = train_step.split_params(micro_grads, frozen)[0]
+                grads = micro_grads if grads is None else add_grads(grads, micro_grads)
+            for key, value in metrics.items():
+                means[key] = means.get(key, 0.0) + value / accum
+            tokens += int((batch.pack.segment_ids > 0).sum())
         with logger.phase("step"), mesh_lib.use_mesh(mesh):
-            pack = on_mesh(batch.pack)
-            micro_grads, metrics = offline_grad_step(
-                state.params, pack, offline_cache.put_cache_rows(batch.cache, pack, mesh))
-        return micro_grads, metrics, int((batch.pack.segment_ids > 0).sum())
+            lr = train_step.applied_learning_rate(state.opt_state, schedule)
+            new_state, update_metrics = offline_update(state, grads, accum, means["loss"])
+        return new_state, {**means, **update_metrics, "lr": lr}, sums, tokens
 
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
@@ -398,13 +484,49 @@ def main(argv):
     stop, stopped_at = StopRequest(), None
     if start_step >= config.total_steps:
         say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
-    bad_steps = 0  # consecutive steps whose loss or gradient was not finite (update skipped)
     last_good_step = start_step
+
+    def finish(done: dict) -> None:
+        """Log a dispatched step once the next one runs (the host never waits on the step it
+        just dispatched); stop the run after too many non-finite steps in a row."""
+        nonlocal last_good_step
+        step = done["step"]
+        metrics = {k: float(distributed.to_host(v)) for k, v in done["metrics"].items()}
+        bad_steps = int(metrics.pop("bad_steps"))
+        if metrics["nonfinite"] > 0:
+            logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
+                            "samples %s", step, bad_steps, done["pids"])  # fmt: skip
+            if bad_steps > config.max_consecutive_bad_steps:
+                # The step after this one was dispatched already, but it changed nothing (the
+                # compiled step halts past the limit, step counter included): the state is
+                # still that of the last good step. Save it, so no good training is lost.
+                checkpointer.save(step, state, data_state=done["data_state"],
+                                  config=config.to_dict(), force=True)  # fmt: skip
+                checkpointer.wait_until_finished()
+                raise RuntimeError(
+                    f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
+                    f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}); stopping. "
+                    f"Saved step {step} in {checkpoint_dir}: its params, optimizer state and "
+                    f"EMA are those after step {last_good_step}, the last good step. Lower lr or "
+                    f"check the data (the skipped samples are logged above)."
+                )
+        else:
+            last_good_step = step
+        scalars = dict(done["scalars"], **metrics)
+        logged = logger.log_step(step, scalars, samples=accum * per_micro,
+                                 tokens=done["tokens"])  # fmt: skip
+        if logged is not None and done["completion"] is not None:
+            logger.log_text(step, "completion", tokenizer.decode(done["completion"]))
+
+    pending = None  # the step dispatched last, finished (logged) after the next dispatch
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
             samples = data.take(accum * local_per_micro)
         completions, own_completions = None, None  # SFT and offline sample nothing
         if config.mode == "opsd":
+            with logger.phase("step"):
+                # The sampler needs the previous step's params: its device time counts here.
+                jax.block_until_ready(state.params)
             with logger.phase("sample"):
                 prompt_pack = build_prompt_pack(samples, encode, options, special)
                 # One prompt per row. Rows go on the mesh when they divide over it (always with
@@ -427,60 +549,42 @@ def main(argv):
                     )  # fmt: skip
                 del student
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
-        grads, sums, tokens = None, {}, 0
-        for micro in range(accum):
-            micro_step = {"sft": sft_micro, "offline": offline_micro}.get(config.mode, opsd_micro)
-            micro_grads, metrics, micro_tokens = micro_step(step, micro, samples, own_completions,
-                                                            sums)  # fmt: skip
-            tokens += micro_tokens
-            with logger.phase("step"), mesh_lib.use_mesh(mesh):
-                grads = micro_grads if grads is None else add_grads(grads, micro_grads)
-            for key, value in metrics.items():
-                add_mean(sums, key, value)
-        with logger.phase("step"), mesh_lib.use_mesh(mesh):
-            state, update_metrics = apply_update(state, grads, accum, sums["loss"])
-        if distributed.to_host(update_metrics["nonfinite"]) > 0:
-            bad_steps += 1
-            logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
-                            "samples %s", step + 1, bad_steps, [s.pid for s in samples])  # fmt: skip
-            if bad_steps > config.max_consecutive_bad_steps:
-                # The state is still that of the last good step (skipped updates change nothing
-                # but the step counter): save it, so no good training is lost, then stop.
-                checkpointer.save(step + 1, state, data_state=data.get_state(),
-                                  config=config.to_dict(), force=True)  # fmt: skip
-                checkpointer.wait_until_finished()
-                raise RuntimeError(
-                    f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
-                    f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}); stopping. "
-                    f"Saved step {step + 1} in {checkpoint_dir}: its params, optimizer state and "
-                    f"EMA are those after step {last_good_step}, the last good step. Lower lr or "
-                    f"check the data (the skipped samples are logged above)."
-                )
+        if offline:
+            state, metrics, scalars, tokens = offline_step(step, samples)
         else:
-            bad_steps, last_good_step = 0, step + 1
-        scalars = dict(sums, **update_metrics, **data.metrics())
-        if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
-            with logger.phase("eval"):
-                scalars.update(run_evaluation(step + 1))
-        scalars["lr"] = schedule(step)
+            with logger.phase("pack"):
+                bucket, batch, scalars, tokens = pack_step(step, samples, own_completions)
+            with logger.phase("step"):
+                state, metrics = compiled_steps[bucket](state, batch)  # dispatched, not awaited
+        scalars.update(data.metrics())
         if completions is not None:
             scalars["completion_length"] = float(completions.lengths.mean())
             scalars["completion_finished"] = float(completions.finished.mean())
             scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
-        tokens = int(distributed.all_processes(tokens).sum())
-        logged = logger.log_step(step + 1, scalars, samples=accum * per_micro, tokens=tokens)
-        if logged is not None and completions is not None:
-            logger.log_text(step + 1, "completion", tokenizer.decode(completions.row(0)))
+        done = dict(step=step + 1, metrics=metrics, scalars=scalars, pids=[s.pid for s in samples],
+                    tokens=int(distributed.all_processes(tokens).sum()),
+                    data_state=data.get_state(),
+                    completion=None if completions is None else completions.row(0))  # fmt: skip
+        if pending is not None:
+            finish(pending)
+        pending = done
+        if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
+            with logger.phase("eval"):
+                scalars.update(run_evaluation(step + 1))
         stopping = stop.requested()
         if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
-            checkpointer.save(step + 1, state, data_state=data.get_state(),
+            checkpointer.save(step + 1, state, data_state=done["data_state"],
                               config=config.to_dict(), force=True)  # fmt: skip
         if stopping:
             checkpointer.wait_until_finished()
+            finish(pending)
+            pending = None
             say(f"stopped by {stop.signal_name or 'a signal to another process'} after step "
                 f"{step + 1}: checkpoint saved in {checkpoint_dir}; run the same command to resume")
             stopped_at = step + 1
             break
+    if pending is not None:
+        finish(pending)
 
     # ---- finish -----------------------------------------------------------------------------------
     checkpointer.wait_until_finished()

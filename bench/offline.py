@@ -102,7 +102,7 @@ def main():
     reader = offline_cache.CacheReader(config.offline_cache_dir)
 
     # ---- the two steps on the same samples ---------------------------------------------------------
-    optimizer = train_step.make_optimizer(config, params)
+    optimizer = train_step.make_optimizer(config)
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (each arm donates its own)
     online_state = train_step.init_state(copy(), optimizer, "ema", jax.random.key(0))
     offline_state = train_step.init_state(copy(), optimizer, "self", jax.random.key(0))

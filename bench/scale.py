@@ -87,7 +87,6 @@ def main():
 
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
     import train
@@ -138,27 +137,16 @@ def main():
 
     with mesh_lib.use_mesh(mesh):
         rest = make_rest()
-    optimizer = train_step.make_optimizer(recipe, abstract_params)
+    optimizer = train_step.make_optimizer(recipe)
 
     def shard_bytes(tree):
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                    for x in jax.tree.leaves(tree))  # fmt: skip
 
-    # The state's shapes, with the shardings train.py's state has: optimizer moments like their
-    # parameters (optax maps them), the EMA like the params, counters replicated.
-    init = lambda p: train_step.init_state(p, optimizer, "ema", jax.random.key(0))  # noqa: E731
-    shapes = jax.eval_shape(init, abstract_params)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def placed(x, sharding):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-    abstract_state = shapes.replace(
-        params=abstract_params, teacher_params=abstract_params,
-        opt_state=optax.tree_map_params(
-            optimizer, lambda x, p: placed(x, p.sharding), shapes.opt_state, abstract_params,
-            transform_non_params=lambda x: placed(x, replicated)),
-        step=placed(shapes.step, replicated), rng=placed(shapes.rng, replicated))  # fmt: skip
+    # The state train.py compiles its step for: optimizer moments and the EMA laid out like
+    # their params, counters replicated.
+    abstract_state = train_step.abstract_state(abstract_params, optimizer, "ema",
+                                               jax.random.key(0))  # fmt: skip
     params_bytes = shard_bytes(abstract_state.params)
     opt_bytes = shard_bytes(abstract_state.opt_state)
     teacher_bytes = shard_bytes(abstract_state.teacher_params)

@@ -1,14 +1,16 @@
-"""Train-step figures: time split, tokens/s, compiled memory per shape bucket, recompilations.
+"""Train-step figures: time split, tokens/s, padding, compiled memory per bucket, recompilations.
 
-Runs the trainer's pieces (sampler -> student/teacher packs -> grad step -> update) on the toy
-model and toy data, with completion lengths drawn at random each step (the sampler's output is
-cut to a random length), so the packs fall into different length buckets. It prints:
+Runs the trainer's pieces (sampler -> student/teacher packs at the config's fixed shapes ->
+the one compiled train step) on the toy model and toy data, with completion lengths drawn at
+random each step (the sampler's output is cut to a random length). The train step is compiled
+ahead of time for every length bucket, as train.py does. It prints:
 
-* the mean time per step split into sample / pack / grad / update, and tokens/s;
-* the compiled temp memory of the grad step for every (student, teacher) shape bucket met;
+* the mean time per step split into sample / pack / step, and tokens/s;
+* the padding fraction of the student and teacher packs;
+* the compiled temp memory of the train step for every length bucket;
 * how many new compilations happened after the warm-up (target: 0).
 
-    python bench/train_step.py [--steps 20] [--warmup 8] [--results-dir /tmp/bench_train]
+    python bench/train_step.py [--steps 50] [--warmup 8] [--results-dir /tmp/bench_train]
 """
 
 from __future__ import annotations
@@ -26,20 +28,18 @@ from flax import nnx  # noqa: E402
 
 import train  # noqa: E402
 from configs import tiny  # noqa: E402
-from opsd_jax import evaluation, sampler, train_step  # noqa: E402
+from opsd_jax import distributed, evaluation, pack_shapes, sampler, train_step  # noqa: E402
+from opsd_jax import mesh as mesh_lib  # noqa: E402
+from opsd_jax.checkpoint import abstract_like  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.hf import load_hf  # noqa: E402
-from opsd_jax.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
-
-
-def compiled_count(*functions) -> int:
-    return sum(f._cache_size() for f in functions)
+from opsd_jax.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--results-dir", default="/tmp/opsd_bench_train_step")
     args = parser.parse_args()
@@ -48,32 +48,51 @@ def main():
     with config.unlocked():
         config.results_dir = args.results_dir
     train.prepare_toy_assets(config)
-    model, _, tokenizer = load_hf(config.model_path, config_changes={"llm": dict(
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
+    model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
         compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)
     data = make_iterator(data_config, "train")
     options = evaluation.prompt_options_from_config(config)
-    optimizer = train_step.make_optimizer(config, params)
-    state = train_step.init_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    settings = train.loss_settings(config, tokenizer.vocab_length)
-    grad_step = train_step.make_grad_step(graphdef, rest, settings,
-                                          config.teacher_mode)  # fmt: skip
-    apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
+    optimizer = train_step.make_optimizer(config)
+    rng = jax.random.key(0)
+    abstract = train_step.abstract_state(abstract_like(params), optimizer, config.teacher_mode, rng)
+    state = jax.device_put(train_step.init_state(params, optimizer, config.teacher_mode, rng),
+                           train_step.shardings_of(abstract))  # fmt: skip
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
+    rows = config.rows_per_micro_batch
+    step_fn = train_step.make_train_step(
+        train_step.make_opsd_loss(graphdef, rest, train.loss_settings(config),
+                                  config.teacher_mode),
+        optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
+        schedule=train_step.learning_rate_schedule(config),
+        max_bad_steps=config.max_consecutive_bad_steps,
+        state_shardings=train_step.shardings_of(abstract),
+    )  # fmt: skip
+    shapes = pack_shapes.pack_shapes(config)
+    compiled, temp_memory = [], []
+    for bucket in range(config.pack_length_buckets):
+        batch = tuple(distributed.abstract_micro_batches(
+            shaped_pack([], shapes[name][bucket], rows, special, [], fixed=True), accum, mesh)
+            for name in ("student", "teacher"))  # fmt: skip
+        t0 = time.perf_counter()
+        with mesh_lib.use_mesh(mesh):
+            compiled.append(step_fn.lower(abstract, batch).compile())
+        temp_memory.append(compiled[-1].memory_analysis().temp_size_in_bytes)
+        print(f"compiling the train step for bucket {bucket}: {time.perf_counter() - t0:.1f} s")
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; toy model, {accum} x "
           f"{per_micro} samples per step, completions cut to 1..{config.sample_max_new_tokens} "
           f"tokens at random")  # fmt: skip
 
-    timings = {"sample": [], "pack": [], "grad": [], "update": []}
-    tokens_per_step, buckets = [], {}
-    functions = (grad_step, apply_update, sampler._decode_round, sampler._prefill)
+    timings = {"sample": [], "pack": [], "step": []}
+    tokens_per_step, padding = [], {"student": [], "teacher": []}
     compiles_after_warmup = None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
-            compiles_after_warmup = compiled_count(*functions)
+            compiles_after_warmup = jax_compiles[0]
         samples = data.take(accum * per_micro)
         t0 = time.perf_counter()
         prompt = build_prompt_pack(samples, tokenizer.encode, options, special)
@@ -83,61 +102,64 @@ def main():
             max_new_tokens=config.sample_max_new_tokens, max_image_skips=0,
         )  # fmt: skip
         t1 = time.perf_counter()
-        grads, pack_s, grad_s, tokens = None, 0.0, 0.0, 0
-        for micro in range(accum):
-            chunk = range(micro * per_micro, (micro + 1) * per_micro)
-            # Warm-up walks completion lengths from 1 to the maximum, so every loss-entry bucket
-            # (powers of two) is compiled once; after it, lengths are random.
+        micro, tokens, buckets = [], 0, set()
+        for m in range(accum):
+            chunk = range(m * per_micro, (m + 1) * per_micro)
+            # Warm-up walks completion lengths from 1 to the maximum; after it, random lengths.
             if step < args.warmup:
                 top = config.sample_max_new_tokens
                 lengths = [max(1, round(top * step / max(args.warmup - 1, 1)))] * per_micro
             else:
                 lengths = rng.integers(1, config.sample_max_new_tokens + 1, per_micro)
             cut = [completions.row(i)[:n] for i, n in zip(chunk, lengths)]
-            p0 = time.perf_counter()
             packs = build_training_packs([samples[i] for i in chunk], cut, tokenizer.encode,
-                                         options, special, num_rows=config.rows_per_micro_batch,
-                                         max_forward_tokens=config.max_forward_tokens)  # fmt: skip
-            p1 = time.perf_counter()
-            micro_grads, _ = grad_step(state.params, state.teacher_params, packs.student,
-                                       packs.teacher)  # fmt: skip
-            jax.block_until_ready(micro_grads)
-            p2 = time.perf_counter()
-            grads = micro_grads if grads is None else jax.tree.map(np.add, grads, micro_grads)
-            pack_s, grad_s = pack_s + p1 - p0, grad_s + p2 - p1
+                                         options, special, num_rows=rows,
+                                         max_forward_tokens=config.max_forward_tokens,
+                                         shapes=shapes)  # fmt: skip
+            micro.append((packs.student, packs.teacher))
+            buckets.add(packs.bucket)
             tokens += int(
                 (packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum()
             )
-            key = (packs.student.tokens.shape, packs.student.vit_patches.shape[1],
-                   packs.teacher.tokens.shape, packs.teacher.vit_patches.shape[1],
-                   packs.student.loss_rows.shape)  # fmt: skip
-            if key not in buckets:
-                lowered = grad_step.lower(state.params, state.teacher_params, packs.student,
-                                          packs.teacher)  # fmt: skip
-                buckets[key] = lowered.compile().memory_analysis().temp_size_in_bytes
-        u0 = time.perf_counter()
-        state, _ = apply_update(state, grads, accum)
-        jax.block_until_ready(state)
-        u1 = time.perf_counter()
+            for name, fraction in packs.padding_fraction.items():
+                padding[name].append(fraction)
+        # train.py repacks a step's micro-batches into one bucket; here each is packed alone.
+        assert len(buckets) == 1, "micro-batches in different length buckets: use 1 bucket"
+        bucket = buckets.pop()
+        batch = tuple(distributed.put_micro_batches([p[i] for p in micro], mesh)
+                      for i in range(2))  # fmt: skip
+        t2 = time.perf_counter()
+        state, metrics = compiled[bucket](state, batch)
+        jax.block_until_ready(metrics)
+        t3 = time.perf_counter()
         if step >= args.warmup:
             timings["sample"].append(t1 - t0)
-            timings["pack"].append(pack_s)
-            timings["grad"].append(grad_s)
-            timings["update"].append(u1 - u0)
+            timings["pack"].append(t2 - t1)
+            timings["step"].append(t3 - t2)
             tokens_per_step.append(tokens)
-    new_compiles = compiled_count(*functions) - compiles_after_warmup
+    new_compiles = jax_compiles[0] - compiles_after_warmup
 
     total = sum(np.mean(v) for v in timings.values())
     print(f"\nmean step time over {args.steps} steps: {total * 1e3:.1f} ms  "
           + "  ".join(f"{k} {np.mean(v) * 1e3:.1f} ms ({np.mean(v) / total:.0%})"
                       for k, v in timings.items()))  # fmt: skip
     print(f"tokens/s (student + teacher pack tokens): {np.mean(tokens_per_step) / total:.0f}")
-    print("\ngrad-step compiled temp memory per shape bucket "
-          "(student rows x length, patches | teacher rows x length, patches | loss entries):")  # fmt: skip
-    for (s_shape, s_patches, t_shape, t_patches, loss), temp in sorted(buckets.items()):
-        print(f"  {s_shape[0]} x {s_shape[1]:>4}, {s_patches:>4} | {t_shape[0]} x {t_shape[1]:>4}, "
-              f"{t_patches:>4} | {loss[1]:>3}: {temp / 2**20:8.2f} MiB")  # fmt: skip
+    print("padding fraction: " + ", ".join(f"{k} {np.mean(v):.1%}" for k, v in padding.items()))
+    print("\ntrain-step compiled temp memory per length bucket "
+          "(student length, patches | teacher length, patches | loss entries):")  # fmt: skip
+    for bucket, temp in enumerate(temp_memory):
+        s_shape, t_shape = shapes["student"][bucket], shapes["teacher"][bucket]
+        print(f"  {s_shape.row_length:>5}, {s_shape.patches:>4} | {t_shape.row_length:>5}, "
+              f"{t_shape.patches:>4} | {t_shape.loss_entries:>4}: {temp / 2**20:8.2f} MiB")
     print(f"\nnew compilations after the {args.warmup}-step warm-up: {new_compiles} (target: 0)")
+
+
+# Every XLA compilation in the process: the train step, the sampler, and any small op.
+jax_compiles = [0]
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, _secs, **_: jax_compiles.__setitem__(0, jax_compiles[0] + 1)
+    if event == "/jax/core/compile/backend_compile_duration" else None
+)
 
 
 if __name__ == "__main__":

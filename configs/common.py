@@ -91,6 +91,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_forward_tokens = 10240  # teacher pack length; completions truncated to fit
     c.max_reference_rounds = 8
 
+    # --- fixed pack shapes (opsd_jax/pack_shapes.py): the train step compiles once per length
+    # bucket, before step 1. 0 derives the size from max_forward_tokens, the image transform and
+    # sample_max_new_tokens (rounded up to 128); samples share rows where they fit.
+    c.pack_row_tokens = 0  # teacher row (OPSD) / row (SFT) length; derived: max_forward_tokens
+    c.pack_row_patches = 0  # ViT patches per teacher / SFT row
+    c.pack_student_row_tokens = 0  # OPSD student row length
+    c.pack_student_row_patches = 0
+    c.pack_loss_entries = 0  # loss entries per row (student and teacher packs alike)
+    c.pack_length_buckets = 1  # n > 1: n shapes, at 1/n, 2/n, ..., 1 of the sizes above
+
     # --- optimisation -------------------------------------------------------------------------------
     c.lr = 1e-5
     c.min_lr = 1e-7
@@ -107,7 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.freeze_llm = False
     c.freeze_vit = False
     # BAGEL's flag: understanding-token activations are detached; with understanding-only data
-    # that leaves only lm_head training (opsd_jax/train_step.py trainable_labels).
+    # that leaves only lm_head training (opsd_jax/train_step.py frozen_groups).
     c.freeze_und = False
 
     # --- checkpoints, resume, logging -------------------------------------------------------------

@@ -37,6 +37,18 @@ def get_config() -> ml_collections.ConfigDict:
     config.sample_max_new_tokens = 24
     config.sample_max_image_skips = 1
     config.max_forward_tokens = 1024
+    # Two toy samples per row (2 per micro-batch, 1 row). Measured on the toy data: a teacher
+    # context takes 420-459 tokens and 128 patches, a student context 204-241 tokens and 64
+    # patches, a completion up to 26 tokens (25 loss entries). So two teacher views always fit
+    # 1024 tokens / 256 patches; two student views fit 512 tokens unless both contexts and both
+    # completions are near their longest (then a completion is cut; `pack/truncated` counts it).
+    # The derived sizes (README) would be 1024 / 1024 patches, 768 / 128 patches, 128 entries:
+    # safe for any data, slower here.
+    config.pack_row_tokens = 1024
+    config.pack_row_patches = 256
+    config.pack_student_row_tokens = 512
+    config.pack_student_row_patches = 128
+    config.pack_loss_entries = 64
 
     # --- optimisation ----------------------------------------------------------------------------
     config.lr = 1e-4

@@ -2,8 +2,9 @@
 
 A Pack is a batch of R fixed-length rows; each row holds one or more samples (segments). The
 packer (opsd_jax/packing.py) builds it as numpy arrays on the host; the same dataclass holds the
-sharded jax.Arrays on device (it is a pytree). Shapes come from a few length buckets so a
-jitted step compiles a few times, not every step.
+sharded jax.Arrays on device (it is a pytree). Training packs have shapes fixed by the config
+(opsd_jax/pack_shapes.py), so the train step compiles once, before training; sampler prompts
+are rounded up to a few length buckets.
 
 | field          | shape          | meaning |
 |----------------|----------------|---------|

@@ -492,6 +492,8 @@ class Checkpointer:
                 else _rebuild(abstract_state.teacher_params, restored[EMA_PARAMS])
             ),
             rng=rng,
+            # Not saved: a restarted run counts consecutive non-finite steps afresh.
+            bad_steps=_place(np.zeros((), np.int32), abstract_state.bad_steps),
         )
         data_state = _own_data_state(restored[DATA], step_dir) if has_data else None
         return state, data_state, restored[CONFIG]

@@ -7,8 +7,9 @@ every device of the run (`jax.devices()`) and owns the ones on its host.
 Each process reads, decodes and packs only its own samples (opsd_jax/data/pipeline.py hands
 each one its blocks of the global sample stream). Its host arrays become one global jax.Array
 with `jax.make_array_from_process_local_data`: process p's rows are the p-th block of rows.
-That needs the same local shapes on every process, so `put_rows` first agrees on the largest
-row length / patch count / loss-entry count (one tiny all-gather) and pads to it.
+That needs the same local shapes on every process: training micro-batches have shapes fixed by
+the config (`put_micro_batches`); for sampler prompts `put_rows` first agrees on the largest row
+length / patch count / loss-entry count (one tiny all-gather) and pads to it.
 
 The global layout of a micro-batch is process-major: [process 0's samples, process 1's, ...].
 A sample's global index inside its micro-batch is `process_index * local_samples + i`, so the
@@ -27,6 +28,7 @@ import numpy as np
 
 from models.pack import Pack
 from opsd_jax import mesh as mesh_lib
+from opsd_jax.packing import pack_sizes, pad_pack  # noqa: F401 (re-exported)
 
 # Environment fallbacks for the config keys (JAX itself reads JAX_COORDINATOR_ADDRESS).
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -113,48 +115,6 @@ def rows_array(values: np.ndarray, like: jax.Array) -> jax.Array:
 
 # ---- process-local Packs -> one global Pack -------------------------------------------------
 
-# Pack fields by the axis that varies with the batch content; padding value per field.
-_TOKEN_AXIS = ("tokens", "positions", "segment_ids", "k_start", "k_end", "gen_mask")
-_PATCH_AXIS = ("vit_patches", "vit_pos_ids", "vit_slots", "vit_image_ids")
-_LOSS_AXIS = ("loss_rows", "loss_targets", "loss_mask", "loss_sample")
-_PAD_VALUE = {"vit_slots": -1}  # every other field pads with 0 / False
-
-
-def pack_sizes(pack: Pack) -> tuple[int, int, int]:
-    """(row length, patches per row, loss entries per row) of a Pack."""
-    patches = pack.vit_patches.shape[1] if pack.vit_patches is not None else 0
-    loss = pack.loss_rows.shape[1] if pack.loss_rows is not None else 0
-    return pack.row_length, patches, loss
-
-
-def pad_pack(pack: Pack, row_length: int, num_patches: int, num_loss: int) -> Pack:
-    """The same Pack with its per-row axes padded (with inert padding) to the given sizes."""
-    sizes = dict(zip(("token", "patch", "loss"), (row_length, num_patches, num_loss)))
-    have = dict(zip(("token", "patch", "loss"), pack_sizes(pack)))
-    changes = {}
-    for axis, names in (("token", _TOKEN_AXIS), ("patch", _PATCH_AXIS), ("loss", _LOSS_AXIS)):
-        if sizes[axis] < have[axis]:
-            raise ValueError(f"pad_pack: {axis} axis is {have[axis]}, cannot pad to {sizes[axis]}")
-        for name in names:
-            value = getattr(pack, name)
-            if value is None:
-                if axis == "patch" and num_patches and pack.vit_patches is None:
-                    value = _empty_patch_field(name, pack.num_rows, pack.tokens)
-                else:
-                    continue
-            widths = [(0, 0)] * value.ndim
-            widths[1] = (0, sizes[axis] - value.shape[1])
-            changes[name] = np.pad(value, widths, constant_values=_PAD_VALUE.get(name, 0))
-    return pack.replace(**changes)
-
-
-def _empty_patch_field(name: str, rows: int, like: np.ndarray) -> np.ndarray:
-    # A process whose samples have no image, next to processes whose samples do.
-    if name == "vit_patches":
-        return np.zeros((rows, 0, 588), np.float32)
-    return np.zeros((rows, 0), like.dtype)
-
-
 def put_rows(pack: Pack, mesh, *, sample_offset: int = 0) -> Pack:
     """This process's Pack rows -> the global Pack on the mesh (rows over data x fsdp).
 
@@ -180,3 +140,36 @@ def local_row_offset(array: jax.Array) -> int:
     """The first global row this process holds of a row-sharded array (its rows are contiguous)."""
     starts = [shard.index[0].start or 0 for shard in array.addressable_shards]
     return min(starts)
+
+
+# ---- stacked micro-batches: the train step's input -----------------------------------------
+
+
+def micro_batch_sharding(mesh, ndim: int) -> jax.sharding.NamedSharding:
+    """[micro-batch, rows, ...]: rows over data x fsdp, everything else replicated."""
+    spec = jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES, *([None] * (ndim - 2)))
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
+def put_micro_batches(packs: list[Pack], mesh, *, sample_offset: int = 0) -> Pack:
+    """This process's micro-batch Packs (one fixed shape) -> one global Pack on the mesh, every
+    array stacked [micro-batch, rows, ...]; `loss_sample` shifted as in `put_rows`. The shapes
+    are fixed by the config, so processes need not agree on them first."""
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *packs)
+    if sample_offset and stacked.loss_sample is not None:
+        stacked = stacked.replace(loss_sample=stacked.loss_sample + sample_offset)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(micro_batch_sharding(mesh, x.ndim), x),
+        stacked,
+    )
+
+
+def abstract_micro_batches(local_pack: Pack, num_micro: int, mesh) -> Pack:
+    """What `put_micro_batches` returns for `num_micro` Packs shaped like `local_pack` (this
+    process's rows), as ShapeDtypeStructs: the argument of the ahead-of-time compile."""
+
+    def abstract(x):
+        shape = (num_micro, x.shape[0] * jax.process_count(), *x.shape[1:])
+        return jax.ShapeDtypeStruct(shape, x.dtype, sharding=micro_batch_sharding(mesh, x.ndim + 1))
+
+    return jax.tree.map(abstract, local_pack)

@@ -498,6 +498,7 @@ def load_hf(
     tokenizer: bool = True,
     rules=mesh_lib.LOGICAL_RULES,
     progress: bool = False,
+    read_params: bool = True,
 ) -> tuple[Bagel, BagelConfig, BagelTokenizer | None]:
     """Build a Bagel from a BAGEL / ThinkMorph directory: (model, config, tokenizer).
 
@@ -510,6 +511,9 @@ def load_hf(
     * `weights`: "ema" or "model" (default: `ema.safetensors` if present, else `model.*`).
     * `tokenizer`: load the tokenizer (BAGEL's special-token rule). When it had to add tokens
       beyond the embedding table, the table grows (rows = the mean of the existing rows).
+    * `read_params=False`: the nnx.Params stay abstract (ShapeDtypeStructs with their target
+      shardings, no memory: a checkpoint restore fills them); only the small non-trainable
+      state (the ViT position table) is read. A resumed run never reads the weights twice.
 
     Nothing is placed on a device until the whole checkpoint has been checked.
     """
@@ -559,7 +563,10 @@ def load_weights(
     else:
         graphdef, abstract_state = mesh_lib.abstract_model(make_model, mesh, rules)
         default_sharding = None
-    abstract = {_dotted(p): v.get_value() for p, v in nnx.to_flat_state(abstract_state)}
+    flat_state = nnx.to_flat_state(abstract_state)
+    abstract = {_dotted(p): v.get_value() for p, v in flat_state}
+    skipped = set() if read_params else {_dotted(p) for p, v in flat_state
+                                         if isinstance(v, nnx.Param)}  # fmt: skip
     plan = plan_load(
         _header(files),
         {path: spec.shape for path, spec in abstract.items()},
@@ -574,6 +581,9 @@ def load_weights(
     for path in bar:
         spec = abstract[path]
         sharding = default_sharding or spec.sharding
+        if path in skipped:
+            values[path] = jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sharding)
+            continue
         rule = _RULE_BY_TARGET[path]
         if path in plan.defaulted:
             host = _default_value(path, config)

@@ -17,8 +17,10 @@ row of every sample (it is the longer view) and the student pack uses the same r
 [R, C] loss arrays of the two packs align entry for entry.
 
 If a teacher sample is longer than `max_forward_tokens`, its completion is truncated so it fits,
-and both packs use the truncated completion. Row length, patches per row and loss entries per
-row are rounded up to powers of two, so a jitted step sees a few shapes, not one per batch.
+and both packs use the truncated completion. Training packs take the fixed shapes of
+opsd_jax/pack_shapes.py (several samples per row where they fit; a sample that fits in no row
+loses the end of its completion, in both packs); without shapes (tests, diagnostics) the sizes
+are fitted to the content and rounded up to powers of two.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.pack import Pack
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.pack_shapes import PackShape, choose_bucket
+from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, pad_pack, sample_length
 
 # Our own wording. A checkpoint answers best with the system prompt it was trained with, so
 # every text here can be replaced from the config.
@@ -144,10 +147,12 @@ class TrainingPacks:
     student: Pack
     teacher: Pack
     kept: list[int]  # indices of the samples in the packs (a sample whose context alone
-    # exceeds max_forward_tokens is dropped)
+    # exceeds max_forward_tokens, or that fits in no row of the fixed shape, is dropped)
     completions: list[list[int]]  # the completions as packed (after truncation)
     num_truncated: int
     padding_fraction: dict[str, float]  # share of padding tokens per pack
+    num_dropped: int = 0
+    bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
 def build_training_packs(
@@ -159,47 +164,89 @@ def build_training_packs(
     *,
     num_rows: int,
     max_forward_tokens: int,
+    shapes: dict[str, list[PackShape]] | None = None,
 ) -> TrainingPacks:
-    """Student and teacher packs of the same samples and completions, rows shared, entries aligned."""
+    """Student and teacher packs of the same samples and completions, rows shared, entries aligned.
+
+    `shapes` ({'student', 'teacher'} -> a PackShape per length bucket, pack_shapes.pack_shapes)
+    fixes the packs' sizes; None fits them to the content (powers of two)."""
     if len(samples) != len(completions):
         raise ValueError(f"{len(samples)} samples but {len(completions)} completions")
-    student_items, teacher_items, kept, packed_completions = [], [], [], []
-    truncated = 0
+    contexts, prompts, kept, packed_completions = [], [], [], []
+    truncated = []  # per kept sample: its completion was cut
     for index, (sample, completion) in enumerate(zip(samples, completions)):
         context = teacher_context_items(sample, encode, options)
         room = max_forward_tokens - sample_length(context) - 2  # completion's two markers
         if room < 0:
             continue
         completion = list(completion)
-        if len(completion) > room:
-            completion = completion[:room]
-            truncated += 1
+        truncated.append(len(completion) > room)
+        completion = completion[:room]
         kept.append(index)
+        contexts.append(context)
+        prompts.append(prompt_items(sample, encode, options))
         packed_completions.append(completion)
-        answer = Text(completion, loss=True)
-        student_items.append(prompt_items(sample, encode, options) + [answer])
-        teacher_items.append(context + [answer])
     if not kept:
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
-    rows_of = assign_rows([sample_length(i) for i in teacher_items], num_rows)
-    loss_entries = bucket(per_row_max(student_items, rows_of, num_rows, loss_entries_of))
-    # The student rows are shorter than the teacher's: each pack gets its own bucketed length.
-    packs = {
-        name: pack_samples(
-            items,
-            row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
-            num_rows=num_rows,
-            max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
-            max_loss_entries=loss_entries,
-            special=special,
-            rows_of=rows_of,
+    def items(completion_list):
+        answers = [Text(c, loss=True) for c in completion_list]
+        return ([p + [a] for p, a in zip(prompts, answers)],
+                [c + [a] for c, a in zip(contexts, answers)])  # fmt: skip
+
+    student_items, teacher_items = items(packed_completions)
+    dropped, bucket_index = 0, 0
+    if shapes is None:
+        rows_of = assign_rows([sample_length(i) for i in teacher_items], num_rows)
+        loss_entries = bucket(per_row_max(student_items, rows_of, num_rows, loss_entries_of))
+        sizes = {
+            name: PackShape(bucket(per_row_max(its, rows_of, num_rows, sample_length)),
+                            bucket(per_row_max(its, rows_of, num_rows, patches_of)), loss_entries)
+            for name, its in (("student", student_items), ("teacher", teacher_items))
+        }  # fmt: skip
+    else:
+        # Per sample: teacher tokens, teacher patches, student tokens, student patches, loss
+        # entries; cutting one completion token shrinks the tokens and the loss entries.
+        needs = [[sample_length(t), patches_of(t), sample_length(s), patches_of(s),
+                  loss_entries_of(s)] for s, t in zip(student_items, teacher_items)]  # fmt: skip
+        capacities = [np.array([t.row_length, t.patches, s.row_length, s.patches, t.loss_entries])
+                      for s, t in zip(shapes["student"], shapes["teacher"])]  # fmt: skip
+        bucket_index, rows, cuts = choose_bucket(
+            needs, capacities, num_rows, cuttable=[len(c) for c in packed_completions],
+            cut_dims=np.array([True, False, True, False, True]),
         )  # fmt: skip
-        for name, items in (("student", student_items), ("teacher", teacher_items))
+        keep = [i for i, row in enumerate(rows) if row is not None]
+        dropped = len(rows) - len(keep)
+        if not keep:
+            raise ValueError("no sample fits the fixed pack shapes (pack_row_tokens, "
+                             f"pack_row_patches, ...): {shapes}")  # fmt: skip
+        truncated = [truncated[i] or cuts[i] > 0 for i in keep]
+        kept = [kept[i] for i in keep]
+        prompts, contexts = [prompts[i] for i in keep], [contexts[i] for i in keep]
+        packed_completions = [packed_completions[i][: len(packed_completions[i]) - cuts[i]]
+                              for i in keep]  # fmt: skip
+        student_items, teacher_items = items(packed_completions)
+        rows_of = [rows[i] for i in keep]
+        sizes = {name: shapes[name][bucket_index] for name in ("student", "teacher")}
+    pack_items = {"student": student_items, "teacher": teacher_items}
+    packs = {
+        name: shaped_pack(pack_items[name], size, num_rows, special, rows_of,
+                          fixed=shapes is not None)
+        for name, size in sizes.items()
     }
     padding = {name: float(1.0 - (pack.segment_ids > 0).mean()) for name, pack in packs.items()}
-    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions, truncated,
-                         padding)  # fmt: skip
+    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions,
+                         sum(truncated), padding, dropped, bucket_index)  # fmt: skip
+
+
+def shaped_pack(items, shape: PackShape, num_rows: int, special: SpecialTokens, rows_of, *,
+                fixed: bool) -> Pack:  # fmt: skip
+    """pack_samples at `shape`; `fixed`: the ViT fields too even without images (zero-filled),
+    so every pack of a fixed shape has the same arrays (one compiled step)."""
+    pack = pack_samples(items, row_length=shape.row_length, num_rows=num_rows,
+                        max_patches=shape.patches, max_loss_entries=shape.loss_entries,
+                        special=special, rows_of=rows_of)  # fmt: skip
+    return pad_pack(pack, *dataclasses.astuple(shape)) if fixed else pack
 
 
 def assign_rows(lengths: list[int], num_rows: int) -> list[int]:

@@ -16,9 +16,9 @@ scripts/toy_experiment.py); which samples get it is drawn per (seed, step), so a
 both contexts over the epochs and a resumed run draws the same choices.
 
 A sample whose context plus target exceeds `max_forward_tokens` is dropped, not truncated: a cut
-target would lose the answer and teach `<|im_end|>` where the reasoning stops mid-way. Row length,
-patches per row and loss entries per row are rounded up to powers of two (as for the OPSD packs)
-so the jitted step compiles for a few shapes only.
+target would lose the answer and teach `<|im_end|>` where the reasoning stops mid-way; so is one
+that fits in no row of the fixed shape (opsd_jax/pack_shapes.py, the 'sft' shapes). Without
+shapes (tests) the sizes are fitted to the content, rounded up to powers of two.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ from opsd_jax.opsd_packs import (
     patches_of,
     per_row_max,
     prompt_items,
+    shaped_pack,
     teacher_context_items,
 )
-from opsd_jax.packing import SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.pack_shapes import PackShape, choose_bucket
+from opsd_jax.packing import SpecialTokens, Text, sample_length
 
 
 def target_text(sample) -> str:
@@ -69,6 +71,7 @@ class SFTPacks:
     with_vt: list[bool]  # per kept sample: trained in the VT context
     num_dropped: int
     padding_fraction: float  # share of padding tokens in the pack
+    bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
 def build_sft_packs(
@@ -80,8 +83,10 @@ def build_sft_packs(
     num_rows: int,
     max_forward_tokens: int,
     use_vt: Sequence[bool] | None = None,
+    shapes: list[PackShape] | None = None,
 ) -> SFTPacks:
-    """One CE pack of `samples` in `num_rows` rows; `use_vt[i]` picks sample i's context."""
+    """One CE pack of `samples` in `num_rows` rows; `use_vt[i]` picks sample i's context;
+    `shapes` (a PackShape per length bucket) fixes the pack's sizes."""
     use_vt = [False] * len(samples) if use_vt is None else list(use_vt)
     if len(use_vt) != len(samples):
         raise ValueError(f"{len(samples)} samples but {len(use_vt)} use_vt flags")
@@ -99,16 +104,22 @@ def build_sft_packs(
     if not kept:
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
-    rows_of = assign_rows([sample_length(i) for i in items], num_rows)
-
-    pack = pack_samples(
-        items,
-        row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
-        num_rows=num_rows,
-        max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
-        max_loss_entries=bucket(per_row_max(items, rows_of, num_rows, loss_entries_of)),
-        special=special,
-        rows_of=rows_of,
-    )
+    bucket_index = 0
+    if shapes is None:
+        rows_of = assign_rows([sample_length(i) for i in items], num_rows)
+        shape = PackShape(*(bucket(per_row_max(items, rows_of, num_rows, count))
+                            for count in (sample_length, patches_of, loss_entries_of)))  # fmt: skip
+    else:
+        needs = [[sample_length(i), patches_of(i), loss_entries_of(i)] for i in items]
+        capacities = [np.array(dataclasses.astuple(s)) for s in shapes]
+        bucket_index, rows, _ = choose_bucket(needs, capacities, num_rows)  # no cuts: drops
+        keep = [i for i, row in enumerate(rows) if row is not None]
+        if not keep:
+            raise ValueError(f"no sample fits the fixed pack shape (pack_row_tokens, "
+                             f"pack_row_patches, pack_loss_entries): {shapes[-1]}")  # fmt: skip
+        items, kept = [items[i] for i in keep], [kept[i] for i in keep]
+        targets, with_vt = [targets[i] for i in keep], [with_vt[i] for i in keep]
+        rows_of, shape = [rows[i] for i in keep], shapes[bucket_index]
+    pack = shaped_pack(items, shape, num_rows, special, rows_of, fixed=shapes is not None)
     padding = float(1.0 - (pack.segment_ids > 0).mean())
-    return SFTPacks(pack, kept, targets, with_vt, len(samples) - len(kept), padding)
+    return SFTPacks(pack, kept, targets, with_vt, len(samples) - len(kept), padding, bucket_index)

@@ -53,6 +53,13 @@ _RANGES = (
     ("sample_max_image_skips", lambda v: v >= 0, ">= 0"),
     ("max_forward_tokens", lambda v: v >= 16, ">= 16"),
     ("max_reference_rounds", lambda v: v >= 1, ">= 1"),
+    ("pack_row_tokens", lambda v: v == 0 or v >= 16, ">= 16, or 0 (derived)"),
+    ("pack_row_patches", lambda v: v >= 0, ">= 0 (0 = derived)"),
+    ("pack_student_row_tokens", lambda v: v == 0 or v >= 16, ">= 16, or 0 (derived)"),
+    ("pack_student_row_patches", lambda v: v >= 0, ">= 0 (0 = derived)"),
+    ("pack_loss_entries", lambda v: v >= 0, ">= 0 (0 = derived)"),
+    ("pack_length_buckets", lambda v: isinstance(v, int) and 1 <= v <= 8,
+     "an int in [1, 8] (each bucket is one more compiled train step)"),
     ("lr", lambda v: v > 0, "> 0"),
     ("min_lr", lambda v: v >= 0, ">= 0"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
@@ -183,7 +190,7 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
     if config.freeze_und and config.freeze_llm:
-        # freeze_und leaves only lm_head trainable (train_step.trainable_labels), a part of the LM.
+        # freeze_und leaves only lm_head trainable (train_step.frozen_groups), a part of the LM.
         problems.append("freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
                         "trains only lm_head, which freeze_llm freezes)")  # fmt: skip
     if config.resume_model_only and not config.resume_from:

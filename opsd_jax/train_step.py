@@ -1,14 +1,17 @@
-"""The OPSD train state and the jitted pieces of one optimizer step.
+"""The OPSD / SFT train state and the one compiled training step.
 
 One optimizer step (train.py drives it):
 
-1. the sampler draws completions for every micro-batch with the current params;
-2. per micro-batch, `grad_step` runs the student forward/backward and the teacher forward
-   (stop-gradient, fully rematerialised so none of its activations stay alive) on the aligned
-   student / teacher Packs, and returns the gradients of
-   `ce_weight * CE + jsd_weight * (generalized JSD | tinker)` over the completion entries;
-3. gradients are summed over micro-batches and `apply_update` does one AdamW step (grad-norm
-   clip, warmup + cosine or constant LR), then the EMA teacher update.
+1. the sampler draws completions for every micro-batch with the current params (OPSD);
+2. the host packs every micro-batch at the fixed shapes (opsd_jax/pack_shapes.py) and stacks
+   them: arrays [micro-batches, rows, ...];
+3. `make_train_step`'s jitted, donated `train_step(state, micro_batches) -> (state, metrics)`
+   runs the whole rest on device: a `lax.scan` over the micro-batches (student forward /
+   backward, teacher forward under stop-gradient and full remat; loss
+   `ce_weight * CE + jsd_weight * (generalized JSD | tinker)`, or the SFT CE) summing the
+   gradients, then the mean gradient's norm, one AdamW step (grad-norm clip, warmup + cosine
+   or constant LR), the EMA teacher update, and the non-finite skip. train.py compiles it ahead
+   of time for each length bucket, so nothing compiles after step 1.
 
 Teacher modes: `self` (stop-gradient of the current params: no extra memory), `ema` (an EMA copy
 updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (the initial
@@ -16,20 +19,22 @@ params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve th
 
 Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
 config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`, and with `freeze_und`
-everything but lm_head, see `trainable_labels`) get no optimizer state and a zero update, so
-they stay bit-identical.
+everything but lm_head, see `frozen_groups`) are split off the params before differentiation, so
+the backward computes no gradient for them, they get no optimizer state, and they stay
+bit-identical; `grad_norm` is over the trained parameters only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models.pack import Pack
 from opsd_jax import losses
@@ -66,10 +71,15 @@ class LossSettings:
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any  # nnx.State of the trainable-or-not nnx.Params (fp32)
-    opt_state: Any
+    params: Any  # nnx.State of every nnx.Param (fp32), frozen groups included
+    opt_state: Any  # optax state of the trainable groups only
     teacher_params: Any  # nnx.State for 'ema' / 'fixed'; None for 'self'
     rng: jax.Array
+    # Consecutive non-finite steps up to now. Past `max_bad_steps` the step changes nothing at
+    # all (not even `step`): the host reads a step's metrics one step late, and the state it
+    # then saves must still be that of the last good step. Not checkpointed (a restarted run
+    # counts afresh).
+    bad_steps: jax.Array
 
 
 def learning_rate_schedule(config) -> optax.Schedule:
@@ -87,35 +97,71 @@ def learning_rate_schedule(config) -> optax.Schedule:
     return optax.join_schedules([warmup, after], [config.warmup_steps])
 
 
-def trainable_labels(params, *, freeze_vit: bool, freeze_llm: bool, freeze_und: bool = False):
-    """'train' / 'frozen' per parameter, by where it lives in the model.
+def frozen_groups(config, params=None) -> tuple[str, ...]:
+    """The parameter groups that are not trained: top-level names ('vit_model') or, one level
+    down, 'language_model/<name>'.
 
     `freeze_und` is BAGEL's flag (Qwen2MoT forward_train in modeling/bagel/qwen2_navit.py):
     every understanding-token activation is detached, at the LM input, after q/k/v, after
     attention, after the MLP and after the final norm, so only generation tokens carry gradient
     into the LM body. In understanding-only training every token is an understanding token, so
     nothing but `lm_head` (applied after the detached final norm) gets a gradient: the ViT,
-    connector, embeddings and LM layers keep their values, exactly as frozen groups here do.
+    connector, embeddings and LM layers keep their values, as frozen groups do here. It needs
+    `params` (the names of the groups to freeze).
     """
-
-    def name(key) -> str:
-        return str(key.key if hasattr(key, "key") else key)
-
-    def label(path, _):
-        top = name(path[0])
-        if freeze_vit and top == "vit_model":
-            return "frozen"
-        if freeze_llm and top == "language_model":
-            return "frozen"
-        if freeze_und and not (top == "language_model" and name(path[1]) == "lm_head"):
-            return "frozen"
-        return "train"
-
-    return jax.tree_util.tree_map_with_path(label, params)
+    groups = [name for name, frozen in (("vit_model", config.freeze_vit),
+                                        ("language_model", config.freeze_llm)) if frozen]  # fmt: skip
+    if config.get("freeze_und", False):
+        if params is None:
+            raise ValueError("frozen_groups: freeze_und needs the params' group names")
+        raw = _raw(params)
+        groups += [k for k in raw if k != "language_model"]
+        groups += [f"language_model/{k}" for k in _raw(raw["language_model"]) if k != "lm_head"]
+    return tuple(dict.fromkeys(groups))
 
 
-def make_optimizer(config, params) -> optax.GradientTransformation:
-    adamw = optax.chain(
+def split_params(params, frozen: tuple[str, ...] = ()):
+    """(trainable, frozen) halves of the params, each of the params' type. A group is a
+    top-level name or 'top/name' one level down (see `frozen_groups`)."""
+    trainable, kept = {}, {}
+    for key, value in _raw(params).items():
+        inner = {g.split("/", 1)[1] for g in frozen if g.startswith(f"{key}/")}
+        if key in frozen:
+            kept[key] = value
+        elif inner:
+            sub = _raw(value)
+            trainable[key] = type(sub)({k: v for k, v in sub.items() if k not in inner})
+            kept[key] = type(sub)({k: v for k, v in sub.items() if k in inner})
+        else:
+            trainable[key] = value
+    return type(params)(trainable), type(params)(kept)
+
+
+def merge_params(trainable, frozen, like):
+    """The inverse of `split_params`, keys in the order of `like` (an nnx.State's pytree
+    structure follows its key order, and the compiled step's output must match its input)."""
+    halves = (_raw(trainable), _raw(frozen))
+    merged = {}
+    for key, value in _raw(like).items():
+        parts = [h[key] for h in halves if key in h]
+        if len(parts) == 1:
+            merged[key] = parts[0]
+        else:  # split one level down
+            both = {**_raw(parts[0]), **_raw(parts[1])}
+            sub = _raw(value)
+            merged[key] = type(sub)({k: both[k] for k in sub})
+    return type(trainable)(merged)
+
+
+def _raw(params) -> dict:
+    # An nnx.State wraps nested dicts in new States on item access, which changes the pytree
+    # structure; its raw mapping keeps them as they are.
+    return getattr(params, "raw_mapping", params)
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+    """AdamW with grad-norm clipping, for the trainable params only (see `split_params`)."""
+    return optax.chain(
         optax.clip_by_global_norm(config.max_grad_norm),
         optax.adamw(
             learning_rate_schedule(config),
@@ -125,10 +171,15 @@ def make_optimizer(config, params) -> optax.GradientTransformation:
             weight_decay=0.0,
         ),
     )
-    labels = trainable_labels(params, freeze_vit=config.freeze_vit, freeze_llm=config.freeze_llm,
-                              freeze_und=config.get("freeze_und", False))  # fmt: skip
-    # set_to_zero keeps no state: frozen params cost no optimizer memory and never move.
-    return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
+
+
+def applied_learning_rate(opt_state, schedule: optax.Schedule) -> jax.Array:
+    """The learning rate the next update applies: the schedule at optax's own step count, which
+    a skipped (non-finite) step does not advance."""
+    counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+    count = next(c for path, c in counts
+                 if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState")  # fmt: skip
+    return schedule(count)
 
 
 def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSettings):
@@ -171,8 +222,11 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     return loss, metrics
 
 
-def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
-    """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics)."""
+Loss = Callable[[Any, Any, tuple], tuple[jax.Array, dict]]
+
+
+def make_opsd_loss(graphdef, rest, settings: LossSettings, teacher_mode: str) -> Loss:
+    """loss(params, teacher_params, (student_pack, teacher_pack)) -> (loss, metrics)."""
     if teacher_mode not in TEACHER_MODES:
         raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
 
@@ -185,7 +239,8 @@ def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
 
         return jax.lax.stop_gradient(forward(jax.lax.stop_gradient(teacher_params), pack))
 
-    def loss_fn(params, teacher_params, student_pack, teacher_pack):
+    def loss_fn(params, teacher_params, packs):
+        student_pack, teacher_pack = packs
         student = nnx.merge(graphdef, params, rest)
         student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
         source = params if teacher_mode == "self" else teacher_params
@@ -195,70 +250,20 @@ def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
             student_logits, teacher_logits(source, teacher_pack), student_pack, settings
         )
 
-    @jax.jit
-    def grad_step(params, teacher_params, student_pack, teacher_pack):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, teacher_params, student_pack, teacher_pack
-        )
-        return grads, metrics
-
-    return grad_step
+    return loss_fn
 
 
-def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str, ema_decay: float):
-    """jit(state, summed grads, number of micro-batches[, loss]) -> (new state, update metrics).
-
-    A non-finite gradient (or loss, when given) skips the update: params, optimizer state and
-    EMA stay exactly as they were, only `step` advances (the batch is consumed), and the
-    metric `nonfinite` is 1. The caller counts consecutive skips and gives up eventually.
-    """
-
-    @jax.jit(donate_argnums=(0,))
-    def apply_update(state: TrainState, grads, num_micro_batches, loss=0.0):
-        grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        teacher = state.teacher_params
-        if teacher_mode == "ema":
-            teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
-        new = (params, opt_state, teacher)
-        old = (state.params, state.opt_state, state.teacher_params)
-        params, opt_state, teacher = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              teacher_params=teacher)  # fmt: skip
-        return state, {"grad_norm": grad_norm, "nonfinite": 1.0 - finite.astype(jnp.float32)}
-
-    return apply_update
-
-
-def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="float32",
-               teacher_source=None) -> TrainState:  # fmt: skip
-    """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
-    which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
-    checkpoint's EMA with `finetune_from_ema`)."""
-    source = params if teacher_source is None else teacher_source
-    if teacher_mode == "ema":
-        teacher = jax.tree.map(jnp.copy, source)
-    elif teacher_mode == "fixed":
-        teacher = jax.tree.map(lambda x: x.astype(jnp.dtype(fixed_teacher_dtype)), source)
-        teacher = jax.tree.map(jnp.copy, teacher)
-    else:
-        teacher = None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=optimizer.init(params), teacher_params=teacher, rng=rng)  # fmt: skip
-
-
-def make_sft_grad_step(graphdef, rest, settings: LossSettings):
-    """SFT baseline: jit(params, pack) -> (grads, metrics) of the CE on the pack's loss entries.
+def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
+    """SFT baseline: loss(params, None, (pack,)) -> (CE on the pack's loss entries, metrics).
 
     No teacher at all (so the train state keeps no teacher copy: train.py requires
     teacher_mode='self' in SFT mode). The CE is `losses.completion_ce` with the configured
     reduction; `token_accuracy` is the share of target tokens that are the argmax prediction.
     """
 
-    def loss_fn(params, pack):
+    def loss_fn(params, teacher_params, packs):
+        del teacher_params
+        (pack,) = packs
         model = nnx.merge(graphdef, params, rest)
         logits = model.logits_at(model(pack), pack.loss_rows)
         ce, _ = losses.completion_ce(
@@ -273,24 +278,36 @@ def make_sft_grad_step(graphdef, rest, settings: LossSettings):
                    "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1)}  # fmt: skip
         return ce, metrics
 
+    return loss_fn
+
+
+def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
+    """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics) of one OPSD
+    micro-batch (the body of the train step's scan; for tests and compiled-program checks)."""
+    loss_fn = make_opsd_loss(graphdef, rest, settings, teacher_mode)
+
     @jax.jit
-    def grad_step(params, pack):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pack)
+    def grad_step(params, teacher_params, student_pack, teacher_pack):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, teacher_params, (student_pack, teacher_pack)
+        )
         return grads, metrics
 
     return grad_step
 
 
-def make_offline_grad_step(graphdef, rest, settings: LossSettings):
-    """Offline Visual-OPSD: jit(params, pack, cache) -> (grads, metrics) of
-    `ce_weight * CE + kd_weight * KL(cached teacher top-k || student)` on the text-only pack.
+def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
+    """Offline Visual-OPSD: loss(params, None, (pack, cache)) -> (`ce_weight * CE + kd_weight *
+    KL(cached teacher top-k || student)` on the text-only pack, metrics).
 
     `cache` holds the teacher's top-k log-probs and ids and the VT-sensitivity weights at the
     pack's loss entries (offline_cache.offline_batch). No teacher forward and no teacher copy
     (train.py requires teacher_mode='self' in offline mode).
     """
 
-    def loss_fn(params, pack, cache):
+    def loss_fn(params, teacher_params, packs):
+        del teacher_params
+        pack, cache = packs
         model = nnx.merge(graphdef, params, rest)
         logits = model.logits_at(model(pack), pack.loss_rows)
         common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples,
@@ -314,9 +331,174 @@ def make_offline_grad_step(graphdef, rest, settings: LossSettings):
         metrics["loss"] = loss
         return loss, metrics
 
+    return loss_fn
+
+
+def make_offline_grad_step(graphdef, rest, settings: LossSettings):
+    """jit(params, pack, cache) -> (grads, metrics) of one offline micro-batch (tests, bench)."""
+    loss_fn = make_offline_loss(graphdef, rest, settings)
+
     @jax.jit
     def grad_step(params, pack, cache):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, pack, cache)
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None,
+                                                                        (pack, cache))  # fmt: skip
         return grads, metrics
 
     return grad_step
+
+
+def _update(state: TrainState, grads, loss, *, optimizer, teacher_mode, ema_decay, frozen,
+            max_bad_steps):  # fmt: skip
+    """One AdamW step from the mean gradient of the trainable params, then the EMA.
+
+    A non-finite gradient norm or loss skips the update: params, optimizer state and EMA stay
+    exactly as they were, `step` advances (the batch is consumed), `bad_steps` counts it. Once
+    `bad_steps` exceeds `max_bad_steps` (None: never) the run is stopping and the step is a
+    no-op, `step` included.
+    """
+    trainable, frozen_params = split_params(state.params, frozen)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+    halted = jnp.bool_(False) if max_bad_steps is None else state.bad_steps > max_bad_steps
+    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
+    params = merge_params(optax.apply_updates(trainable, updates), frozen_params,
+                          state.params)
+    teacher = state.teacher_params
+    if teacher_mode == "ema":
+        teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
+    apply = finite & ~halted
+    new = (params, opt_state, teacher)
+    old = (state.params, state.opt_state, state.teacher_params)
+    params, opt_state, teacher = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
+    state = state.replace(
+        step=jnp.where(halted, state.step, state.step + 1), params=params, opt_state=opt_state,
+        teacher_params=teacher, bad_steps=jnp.where(halted, state.bad_steps, bad_steps),
+    )  # fmt: skip
+    nonfinite = 1.0 - finite.astype(jnp.float32)
+    return state, {"grad_norm": grad_norm, "nonfinite": nonfinite, "bad_steps": state.bad_steps}
+
+
+def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str,
+                      ema_decay: float, frozen: tuple[str, ...] = ()):  # fmt: skip
+    """jit(state, summed grads of the trainable params, number of micro-batches[, loss]) ->
+    (new state, update metrics): the train step's update on its own (tests)."""
+
+    @jax.jit(donate_argnums=(0,))
+    def apply_update(state: TrainState, grads, num_micro_batches, loss=0.0):
+        grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
+        return _update(state, grads, loss, optimizer=optimizer, teacher_mode=teacher_mode,
+                       ema_decay=ema_decay, frozen=frozen, max_bad_steps=None)  # fmt: skip
+
+    return apply_update
+
+
+def make_train_step(
+    loss_fn: Loss,
+    optimizer: optax.GradientTransformation,
+    *,
+    teacher_mode: str,
+    ema_decay: float,
+    schedule: optax.Schedule,
+    frozen: tuple[str, ...] = (),
+    max_bad_steps: int | None = None,
+    state_shardings=None,
+):
+    """jit(state, micro_batches) -> (state, metrics), the state donated.
+
+    `micro_batches`: the `loss_fn`'s pack tuple with every array stacked on a leading
+    micro-batch axis. Gradient accumulation is a `lax.scan` over that axis: the gradients of
+    the trainable params are summed in one buffer (sharded like the params when
+    `state_shardings` is given, which also pins the output state to the input's layout, so the
+    compiled step takes its own output). Metrics: the micro-batch means of the loss metrics,
+    then `grad_norm` (trainable params), `nonfinite`, `bad_steps` and `lr`, the learning rate
+    this update applied.
+    """
+
+    def train_step(state: TrainState, micro_batches):
+        trainable, frozen_params = split_params(state.params, frozen)
+
+        def accumulate(grads, packs):
+            def loss_of(trainable):
+                # Fresh Variable objects for the frozen params: nnx refuses to merge Variables
+                # made at the outer trace level inside value_and_grad's.
+                frozen_here = jax.tree.map(lambda x: x, frozen_params)
+                params = merge_params(trainable, frozen_here, state.params)
+                return loss_fn(params, state.teacher_params, packs)
+
+            (_, metrics), micro_grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
+            return jax.tree.map(jnp.add, grads, micro_grads), metrics
+
+        grads = jax.tree.map(jnp.zeros_like, trainable)
+        if state_shardings is not None:
+            layout = split_params(state_shardings.params, frozen)[0]
+            grads = jax.lax.with_sharding_constraint(grads, layout)
+        grads, metrics = jax.lax.scan(accumulate, grads, micro_batches)
+        num_micro = jax.tree.leaves(micro_batches)[0].shape[0]
+        grads = jax.tree.map(lambda g: g / num_micro, grads)
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        lr = applied_learning_rate(state.opt_state, schedule)
+        state, update_metrics = _update(
+            state, grads, metrics["loss"], optimizer=optimizer, teacher_mode=teacher_mode,
+            ema_decay=ema_decay, frozen=frozen, max_bad_steps=max_bad_steps,
+        )  # fmt: skip
+        return state, {**metrics, **update_metrics, "lr": lr}
+
+    out_shardings = None
+    if state_shardings is not None:
+        mesh = jax.tree.leaves(state_shardings)[0].mesh
+        out_shardings = (state_shardings, NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(train_step, donate_argnums=(0,), out_shardings=out_shardings)
+
+
+def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="float32",
+               teacher_source=None, frozen: tuple[str, ...] = ()) -> TrainState:  # fmt: skip
+    """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
+    which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
+    checkpoint's EMA with `finetune_from_ema`); the optimizer state covers the params outside
+    the `frozen` groups."""
+    source = params if teacher_source is None else teacher_source
+    if teacher_mode == "ema":
+        teacher = jax.tree.map(jnp.copy, source)
+    elif teacher_mode == "fixed":
+        teacher = jax.tree.map(lambda x: x.astype(jnp.dtype(fixed_teacher_dtype)), source)
+        teacher = jax.tree.map(jnp.copy, teacher)
+    else:
+        teacher = None
+    opt_state = optimizer.init(split_params(params, frozen)[0])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
+                      teacher_params=teacher, rng=rng, bad_steps=jnp.zeros((), jnp.int32))  # fmt: skip
+
+
+def abstract_state(abstract_params, optimizer, teacher_mode: str, rng, *,
+                   fixed_teacher_dtype="float32", frozen: tuple[str, ...] = ()) -> TrainState:  # fmt: skip
+    """The TrainState `init_state` would make, as ShapeDtypeStructs carrying their shardings
+    (no memory): the restore target of a resume and the AOT compile's argument. `abstract_params`
+    carry NamedShardings (mesh.abstract_model); the optimizer moments and the teacher are laid
+    out like their params, scalars and the rng key replicated."""
+    shapes = jax.eval_shape(
+        lambda p: init_state(p, optimizer, teacher_mode, rng, fixed_teacher_dtype, frozen=frozen),
+        abstract_params,
+    )  # fmt: skip
+    mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def like(x, param=None):
+        sharding = replicated if param is None else param.sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    trainable = split_params(abstract_params, frozen)[0]
+    opt_state = optax.tree_utils.tree_map_params(
+        optimizer, like, shapes.opt_state, trainable, transform_non_params=like
+    )  # fmt: skip
+    teacher = shapes.teacher_params
+    if teacher is not None:
+        teacher = jax.tree.map(like, teacher, abstract_params)
+    return TrainState(step=like(shapes.step), params=jax.tree.map(like, shapes.params,
+                      abstract_params), opt_state=opt_state, teacher_params=teacher,
+                      rng=like(shapes.rng), bad_steps=like(shapes.bad_steps))  # fmt: skip
+
+
+def shardings_of(tree):
+    """The `.sharding` of every leaf (ShapeDtypeStructs or arrays)."""
+    return jax.tree.map(lambda x: x.sharding, tree)

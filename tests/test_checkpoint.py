@@ -4,7 +4,8 @@ Why these: a resumed run must continue from bit-identical state (params, EMA tea
 moments, step, rng, data position), possibly on a different mesh shape; a save cut short must
 never be picked up; and failures must say where they looked. One real checkpoint of the tiny
 BAGEL TrainState (FSDP-sharded over 8 devices, one optimizer step taken, ViT frozen so the
-optax state has masked / empty parts) is shared by most tests, since orbax is slow on 2 cores.
+optax state covers only part of the params) is shared by most tests, since orbax is slow on 2
+cores.
 """
 
 import os
@@ -76,10 +77,12 @@ def saved(tmp_path_factory):
     """A checkpoint of a perturbed, 8-way FSDP-sharded TrainState, and what it should hold."""
     mesh = mesh_lib.make_mesh()
     params = _random_like(_abstract_params(mesh), seed=0)
-    optimizer = train_step.make_optimizer(_optimizer_config(), params)
-    state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))
-    apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.5)
-    grads = _random_like(ckpt_lib.abstract_like(params), seed=1)
+    optimizer = train_step.make_optimizer(_optimizer_config())
+    frozen = train_step.frozen_groups(_optimizer_config())
+    state = train_step.init_state(params, optimizer, "ema", jax.random.key(0), frozen=frozen)
+    apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.5, frozen=frozen)
+    trainable, _ = train_step.split_params(params, frozen)
+    grads = _random_like(ckpt_lib.abstract_like(trainable), seed=1)
     state, _ = apply_update(state, grads, 1)  # moments, count, EMA != params, step 1
     abstract = ckpt_lib.abstract_like(state)
     expected = _host(state)
@@ -186,6 +189,7 @@ def _small_state(value: float) -> train_step.TrainState:
         opt_state=(put(np.full((4, 2), -value)),),
         teacher_params=None,
         rng=jax.random.key(int(value)),
+        bad_steps=jax.device_put(np.int32(0), sharding),
     )
 
 

@@ -227,6 +227,24 @@ def test_loading_under_an_8_device_mesh_gives_sharded_params(toy_fp32_sharded, l
         np.testing.assert_array_equal(np.asarray(params[path]), np.asarray(value), err_msg=path)
 
 
+def test_read_params_false_leaves_the_params_abstract_and_reads_the_fixed_table(
+    toy_fp32_sharded,
+):
+    """What a resumed run loads: the params stay ShapeDtypeStructs in their target shardings
+    (no memory, the checkpoint restores them); the non-trained table is read as usual."""
+    mesh = mesh_lib.make_mesh(num_replicate=2)
+    model, _, _ = hf.load_hf(toy_fp32_sharded, mesh=mesh, read_params=False)
+    params, rest = nnx.split_state(nnx.state(model), nnx.Param, ...)
+    full, _, _ = hf.load_hf(toy_fp32_sharded, mesh=mesh)
+    full_params, full_rest = nnx.split_state(nnx.state(full), nnx.Param, ...)
+    for value, loaded in zip(jax.tree.leaves(params), jax.tree.leaves(full_params)):
+        assert isinstance(value, jax.ShapeDtypeStruct) and value.shape == loaded.shape
+        assert value.sharding == loaded.sharding and value.dtype == loaded.dtype
+    for value, loaded in zip(jax.tree.leaves(rest), jax.tree.leaves(full_rest)):
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(loaded))
+    assert jax.tree.leaves(rest)
+
+
 def _break(directory, kind):
     """Damage a copy of a toy directory in one way; returns the expected error text."""
     weights = directory / "ema.safetensors"

@@ -132,7 +132,7 @@ def test_resume_model_only(two_files, mesh, file_params, tmp_path):
     params = jax.tree.map(lambda x: x + 1.0, file_params["model"])
     ema = jax.tree.map(lambda x: x - 1.0, file_params["model"])
     config = run_config(two_files, teacher_mode="ema")
-    state = train_step.init_state(params, train_step.make_optimizer(config, params), "ema",
+    state = train_step.init_state(params, train_step.make_optimizer(config), "ema",
                                   jax.random.key(0), teacher_source=ema)  # fmt: skip
     checkpoints = tmp_path / "checkpoints"
     with Checkpointer(checkpoints, save_every=1) as checkpointer:
@@ -152,7 +152,7 @@ def test_resume_model_only(two_files, mesh, file_params, tmp_path):
     assert_same(start.teacher_source, file_params["model"])
 
     # A run saved with a fixed teacher has no EMA to fine-tune from.
-    fixed = train_step.init_state(params, train_step.make_optimizer(config, params), "fixed",
+    fixed = train_step.init_state(params, train_step.make_optimizer(config), "fixed",
                                   jax.random.key(0), teacher_source=ema)  # fmt: skip
     fixed_checkpoints = tmp_path / "fixed"
     with Checkpointer(fixed_checkpoints, save_every=1) as checkpointer:

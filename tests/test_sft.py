@@ -87,19 +87,18 @@ def test_sft_step_reduces_ce_on_a_fixed_batch():
     config = ml_collections.ConfigDict(dict(
         lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant", beta1=0.9,
         beta2=0.95, eps=1e-8, max_grad_norm=1.0, freeze_vit=False, freeze_llm=False))  # fmt: skip
-    optimizer = train_step.make_optimizer(config, params)
+    optimizer = train_step.make_optimizer(config)
     state = train_step.init_state(params, optimizer, "self", jax.random.key(0))
     assert state.teacher_params is None  # SFT keeps no teacher copy
-    grad_step = train_step.make_sft_grad_step(
-        graphdef, rest, train_step.LossSettings(num_samples=3)
-    )
-    apply_update = train_step.make_apply_update(optimizer, "self", ema_decay=0.0)
+    loss_fn = train_step.make_sft_loss(graphdef, rest, train_step.LossSettings(num_samples=3))
+    step = train_step.make_train_step(loss_fn, optimizer, teacher_mode="self", ema_decay=0.0,
+                                      schedule=train_step.learning_rate_schedule(config))  # fmt: skip
     pack = build_sft_packs(SAMPLES, encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=128,
                            use_vt=[True, False, False]).pack  # fmt: skip
+    micro_batches = (jax.tree.map(lambda x: x[None], pack),)  # one micro-batch
     ces = []
     for _ in range(6):
-        grads, metrics = grad_step(state.params, pack)
-        state, _ = apply_update(state, grads, 1)
+        state, metrics = step(state, micro_batches)
         ces.append(float(metrics["ce"]))
         assert float(metrics["loss"]) == ces[-1]
         assert int(metrics["loss_tokens"]) == sum(len(encode(t)) + 1 for t in EXPECTED)

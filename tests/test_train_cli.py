@@ -27,8 +27,12 @@ def train_command(*overrides):
             "--config.progress_bar=False", *overrides]  # fmt: skip
 
 
-def run_train(*overrides, timeout=600, env=None):
+def run_train(*overrides, timeout=600, log_compiles=False, env=None):
     env = env or subprocess_env(1)  # one CPU device, as on a user's laptop
+    if log_compiles:  # jax logs every compilation (stderr), merged in order with the console
+        env.update(JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
+        return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
     return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -86,7 +90,7 @@ def straight(tmp_path_factory):
     """The uninterrupted reference run, on toy data with ~10% broken rows."""
     root = tmp_path_factory.mktemp("straight")
     write_corrupted_toy_data(root / "toy" / "data")
-    result = run_train(*reference_args(root))
+    result = run_train(*reference_args(root), log_compiles=True)  # stdout holds stderr too
     return root, result
 
 
@@ -94,7 +98,7 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     """The run completes on data with ~10% broken rows; they are skipped, counted per reason in
     the logs and in a final summary."""
     root, result = straight
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-6000:]
     skipped = re.search(r"skipped rows: (.*)", result.stdout)
     assert skipped and skipped.group(1) != "none", result.stdout[-2000:]  # counted per reason
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["5", "6"]  # 2 kept
@@ -131,6 +135,26 @@ def fake_wandb_env(tmp_path):
     return env, tmp_path / "wandb_inits.jsonl"
 
 
+def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
+    """JAX_LOG_COMPILES=1: the train step compiles once, ahead of time, with its console line
+    before training starts; after step 1's line no training program compiles at all (the
+    sampler may still meet a new prompt length; nothing else compiles)."""
+    root, result = straight
+    assert result.returncode == 0, result.stdout[-6000:]
+    lines = result.stdout.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/6"))
+    announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
+    assert len(announced) == 1 and announced[0] < first_step, result.stdout[-6000:]
+    assert re.match(r"compiling the train step for 2 x 1 rows x \(student 512 tokens / 128 "
+                    r"patches, teacher 1024 tokens / 256 patches\), 64 loss entries per row: "
+                    r"[\d.]+ s", lines[announced[0]]), lines[announced[0]]  # fmt: skip
+    compiled = [line for line in lines if "Compiling jit(train_step)" in line]
+    assert len(compiled) == 1, compiled
+    later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
+             if "Compiling " in line]  # fmt: skip
+    assert all(name in ("jit(_prefill)", "jit(_decode_round)") for name in later), later
+
+
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
     """SIGTERM (a preemption) after step 1: the run saves where it is and exits 0; the next
     run resumes there and its final params are bit-identical to the uninterrupted run's. Both
@@ -163,6 +187,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     resumed = run_train(*reference_args(tmp_path, *wandb_args), env=wandb_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout
+    assert "(weights not read: a checkpoint gives them)" in resumed.stdout  # one state in memory
     assert_same_params(root / "checkpoints", tmp_path / "checkpoints", 6)
     first, second = (json.loads(line) for line in wandb_inits.read_text().splitlines())
     assert first["project"] == second["project"] == "opsd"

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from conftest import assert_close_to_scale, assert_trees_close_to_scale
 from flax import nnx
@@ -13,6 +14,7 @@ from models.configs import BagelConfig
 from opsd_jax import mesh as mesh_lib
 from opsd_jax import train_step
 from opsd_jax.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.pack_shapes import PackShape
 from test_opsd_packs import SPECIAL, encode, sample
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
@@ -46,7 +48,7 @@ COMPLETIONS = [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20]]
 @pytest.mark.parametrize("mode", ["self", "ema", "fixed"])
 def test_loss_falls_on_a_repeated_batch(split_model, mode):
     graphdef, params, rest = split_model
-    optimizer = train_step.make_optimizer(optim_config(lr=1e-3), params)
+    optimizer = train_step.make_optimizer(optim_config(lr=1e-3))
     # The student starts away from the teacher's weights (for 'self' the gap is the context).
     student = jax.tree.map(jnp.copy, params)  # the state is donated: never the fixture itself
     if mode != "self":
@@ -70,7 +72,7 @@ def test_loss_falls_on_a_repeated_batch(split_model, mode):
 
 def test_ema_update_math(split_model):
     graphdef, params, rest = split_model
-    optimizer = train_step.make_optimizer(optim_config(), params)
+    optimizer = train_step.make_optimizer(optim_config())
     state = train_step.init_state(
         jax.tree.map(jnp.copy, params), optimizer, "ema", jax.random.key(0)
     )
@@ -104,7 +106,7 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     graphdef, params, rest = split_model
     mesh = mesh_lib.make_mesh(num_replicate=2)
     config = optim_config()
-    optimizer = train_step.make_optimizer(config, params)
+    optimizer = train_step.make_optimizer(config)
     settings = train_step.LossSettings(num_samples=8)
     samples = [sample(f"s{i}", "q" * (1 + i % 3)) for i in range(8)]
     packs = packs_for(samples, [[10 + i, 11] for i in range(8)], num_rows=8)
@@ -164,21 +166,92 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
 
 
 def test_frozen_vit_stays_bit_identical(split_model):
+
+
+def stacked(*micro):
+    """Micro-batch pack tuples -> one tuple of packs stacked [micro-batch, rows, ...]."""
+    return tuple(jax.tree.map(lambda *x: np.stack(x), *packs) for packs in zip(*micro))
+
+
+SHAPES = {"student": [PackShape(64, 16, 16)], "teacher": [PackShape(128, 16, 16)]}
+
+
+def fixed_packs(samples, completions):
+    packs = build_training_packs(samples, completions, encode, OPTIONS, SPECIAL, num_rows=1,
+                                 max_forward_tokens=256, shapes=SHAPES)  # fmt: skip
+    return packs.student, packs.teacher
+
+
+def make_step(split_model, config, mode="ema", num_samples=2, **kwargs):
     graphdef, params, rest = split_model
-    optimizer = train_step.make_optimizer(optim_config(freeze_vit=True), params)
-    state = train_step.init_state(
-        jax.tree.map(jnp.copy, params), optimizer, "self", jax.random.key(0)
+    optimizer = train_step.make_optimizer(config)
+    frozen = train_step.frozen_groups(config)
+    loss_fn = train_step.make_opsd_loss(
+        graphdef, rest, train_step.LossSettings(num_samples=num_samples), mode
     )
+    step = train_step.make_train_step(
+        loss_fn, optimizer, teacher_mode=mode, ema_decay=0.5, frozen=frozen,
+        schedule=train_step.learning_rate_schedule(config), **kwargs,
+    )  # fmt: skip
+    state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, mode,
+                                  jax.random.key(0), frozen=frozen)  # fmt: skip
+    return step, state, optimizer, loss_fn
+
+
+def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(split_model):
+    """The scan inside the compiled step = the mean of per-micro-batch gradients, one AdamW
+    update, the EMA: the same as grad_step twice + apply_update. The state is donated."""
+    graphdef, params, rest = split_model
+    config = optim_config()
+    step, state, optimizer, _ = make_step(split_model, config)
+    micro = [fixed_packs(SAMPLES[:2], COMPLETIONS[:2]), fixed_packs(SAMPLES[2:], COMPLETIONS[2:])]
+    grad_step = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2),
+                                          "ema")  # fmt: skip
+    ref_state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "ema",
+                                      jax.random.key(0))  # fmt: skip
+    grads = [grad_step(ref_state.params, ref_state.teacher_params, *p) for p in micro]
+    summed = jax.tree.map(jnp.add, grads[0][0], grads[1][0])
+    loss = (grads[0][1]["loss"] + grads[1][1]["loss"]) / 2
+    ref_state, ref_metrics = train_step.make_apply_update(optimizer, "ema", 0.5)(
+        ref_state, summed, 2, loss)  # fmt: skip
+
+    leaf = jax.tree.leaves(state.params)[0]
+    state, metrics = step(state, stacked(*micro))
+    assert leaf.is_deleted()  # donated
+    np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]),
+                               rtol=1e-5)  # fmt: skip
+    assert int(state.step) == 1 and float(metrics["nonfinite"]) == 0.0
+    for a, b in zip(jax.tree.leaves((state.params, state.teacher_params, state.opt_state)),
+                    jax.tree.leaves((ref_state.params, ref_state.teacher_params,
+                                     ref_state.opt_state))):  # fmt: skip
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+def test_frozen_vit_is_not_differentiated_and_stays_bit_identical(split_model):
+    """freeze_vit: no gradient is computed for the ViT (fewer matmuls in the program), it keeps
+    no optimizer moments and never moves; grad_norm is over the trained params only."""
+    graphdef, params, rest = split_model
+    micro = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    step, state, _, _ = make_step(split_model, optim_config(freeze_vit=True), mode="self")
+    full_step, full_state, _, _ = make_step(split_model, optim_config(), mode="self")
+
+    def matmuls(fn, state):
+        return fn.lower(state, micro).as_text().count("dot_general")
+
+    assert matmuls(step, state) < matmuls(full_step, full_state)
     vit_before = jax.tree.map(np.asarray, state.params["vit_model"])
     llm_before = jax.tree.map(np.asarray, state.params["language_model"])
-    grad_step = train_step.make_grad_step(
-        graphdef, rest, train_step.LossSettings(num_samples=2), "self"
-    )
-    apply_update = train_step.make_apply_update(optimizer, "self", 0.0)
-    packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
+    one = [jax.tree.map(lambda x: x[0], packs) for packs in micro]
+    grad_step = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2),
+                                          "self")  # fmt: skip
+    grads, _ = grad_step(state.params, None, *one)
+    trained = train_step.split_params(grads, ("vit_model",))[0]
     for _ in range(2):
-        grads, _ = grad_step(state.params, None, packs.student, packs.teacher)
-        state, _ = apply_update(state, grads, 1)
+        state, metrics = step(state, micro)
+        if _ == 0:
+            np.testing.assert_allclose(float(metrics["grad_norm"]),
+                                       float(optax.tree.norm(trained)), rtol=1e-5)  # fmt: skip
     for a, b in zip(jax.tree.leaves(vit_before), jax.tree.leaves(state.params["vit_model"])):
         np.testing.assert_array_equal(a, np.asarray(b))
     assert any(not np.array_equal(a, np.asarray(b)) for a, b in
@@ -195,22 +268,45 @@ def test_freeze_und_trains_lm_head_alone(split_model):
     data only lm_head has a gradient, so everything else must stay bit-identical and keep no
     optimizer state, even under a gradient that touches every parameter."""
     _, params, _ = split_model
-    labels = train_step.trainable_labels(params, freeze_vit=False, freeze_llm=False,
-                                         freeze_und=True)  # fmt: skip
-    flat = dict(nnx.to_flat_state(nnx.State(labels)))
-    assert {path for path, label in flat.items() if label.get_value() == "train"} == {
-        ("language_model", "lm_head")}  # fmt: skip
-    optimizer = train_step.make_optimizer(optim_config(freeze_und=True), params)
+    config = optim_config(freeze_und=True)
+    frozen = train_step.frozen_groups(config, params)
+    trainable, _ = train_step.split_params(params, frozen)
+    flat = {path for path, _ in nnx.to_flat_state(nnx.State(trainable))}
+    assert {tuple(p[:2]) for p in flat} == {("language_model", "lm_head")}, flat
+    optimizer = train_step.make_optimizer(config)
     state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "self",
-                                  jax.random.key(0))  # fmt: skip
+                                  jax.random.key(0), frozen=frozen)  # fmt: skip
     before = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params)}
-    grads = jax.tree.map(jnp.ones_like, params)
-    state, _ = train_step.make_apply_update(optimizer, "self", 0.0)(state, grads, 1)
+    grads = jax.tree.map(jnp.ones_like, trainable)
+    state, _ = train_step.make_apply_update(optimizer, "self", 0.0, frozen)(state, grads, 1)
     for path, new in nnx.to_flat_state(state.params):
         moved = not np.array_equal(before[path], np.asarray(new.get_value()))
         assert moved == (tuple(path[:2]) == ("language_model", "lm_head")), path
     lm_head = params["language_model"]["lm_head"][...]
     assert sum(x.size for x in jax.tree.leaves(state.opt_state)) <= 2 * lm_head.size + 16
+
+
+def test_logged_lr_is_the_applied_one_and_bad_steps_halt_the_state(split_model):
+    """lr comes from optax's count, which a skipped step does not advance; past max_bad_steps
+    consecutive non-finite steps the step changes nothing, its counter included."""
+    config = optim_config(warmup_steps=10, lr=1e-3)
+    step, state, _, _ = make_step(split_model, config, max_bad_steps=1)
+    good = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    bad = jax.tree.map(lambda x: x, good)
+    bad = (bad[0].replace(vit_patches=bad[0].vit_patches * np.nan), bad[1])
+    schedule = train_step.learning_rate_schedule(config)
+    logged = []
+    for batch in (good, bad, good, bad, bad, good):
+        before = jax.tree.map(np.asarray, state.params)
+        state, metrics = step(state, batch)
+        logged.append((int(state.step), float(metrics["nonfinite"]), float(metrics["lr"])))
+    assert [s for s, _, _ in logged] == [1, 2, 3, 4, 5, 5]  # the 6th: halted after 2 in a row
+    assert [n for _, n, _ in logged] == [0, 1, 0, 1, 1, 0]
+    # Updates applied: steps 1 and 3 (counts 0, 1); the skipped ones log the next count's lr.
+    np.testing.assert_allclose([lr for _, _, lr in logged],
+                               [float(schedule(c)) for c in (0, 1, 1, 2, 2, 2)], rtol=1e-6)  # fmt: skip
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the halted step moved nothing
 
 
 def test_learning_rate_schedule_values():
@@ -236,7 +332,7 @@ def test_learning_rate_schedule_values():
 def test_nonfinite_step_leaves_params_optimizer_and_ema_untouched(poison):
     params = {"language_model": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)},
               "vit_model": {"b": jnp.ones(4)}}  # fmt: skip
-    optimizer = train_step.make_optimizer(optim_config(), params)
+    optimizer = train_step.make_optimizer(optim_config())
     apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.5)
     state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))
     good = jax.tree.map(lambda p: jnp.full_like(p, 0.1), params)

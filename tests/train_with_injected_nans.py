@@ -2,9 +2,12 @@
 
     OPSD_INJECT="2:grads,4:loss" python tests/train_with_injected_nans.py --config ...
 
-Runs train.py's own `main` unchanged; only the OPSD grad step is wrapped: at each listed step
-its first micro-batch returns NaN gradients ('grads') or an infinite loss ('loss'), the two ways
-a real step goes bad. Kept out of the product: train.py has no injection hook.
+Runs train.py's own `main` unchanged; only the loss the train step is built from is wrapped:
+at each listed step every micro-batch gives NaN gradients with a finite loss ('grads') or an
+infinite loss ('loss'), the two ways a real step goes bad. The compiled step reads the step
+number from its state, so the injection is part of the one program compiled before step 1,
+and "[inject] step N: kind" is printed from the device as the step runs. Kept out of the
+product: train.py has no injection hook.
 """
 
 import os
@@ -15,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 from absl import app
+from jax.sharding import NamedSharding, PartitionSpec
 
 import train
 from opsd_jax import train_step
@@ -30,35 +34,59 @@ def _injections() -> dict[int, str]:
     return plan
 
 
-def _make_poisoned_grad_step(*args, **kwargs):
-    grad_step = _real_make_grad_step(*args, **kwargs)
-    config = train._CONFIG.value
-    plan, accum = _injections(), config.gradient_accumulation_steps
-    # Calls are mapped to steps from 0, so the run must not resume from a checkpoint.
-    checkpoints = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
-    assert not (os.path.isdir(checkpoints) and os.listdir(checkpoints)), (
-        f"OPSD_INJECT needs a fresh run, but {checkpoints} holds checkpoints"
-    )
-    calls = [0]
+@jax.custom_vjp
+def _nan_gradient(x):
+    """0, whose gradient is NaN wherever a non-zero cotangent reaches it."""
+    return jnp.zeros((), x.dtype)
 
-    def poisoned(*step_args):
-        grads, metrics = grad_step(*step_args)
-        step, micro = divmod(calls[0], accum)  # a fresh run: call i is step i // accum + 1
-        calls[0] += 1
-        kind = plan.get(step + 1) if micro == 0 else None
+
+def _nan_gradient_fwd(x):
+    return _nan_gradient(x), x
+
+
+def _nan_gradient_bwd(x, g):
+    return (jnp.where(g != 0, jnp.full_like(x, jnp.nan), jnp.zeros_like(x)),)
+
+
+_nan_gradient.defvjp(_nan_gradient_fwd, _nan_gradient_bwd)
+
+
+def _make_poisoned_train_step(loss_fn, optimizer, **kwargs):
+    plan = _injections()
+    steps = {kind: jnp.array([s for s, k in plan.items() if k == kind] or [-1])
+             for kind in ("grads", "loss")}  # fmt: skip
+    current = {}  # the step being traced (a tracer of the outer function below)
+
+    def poisoned_loss(params, teacher_params, packs):
+        loss, metrics = loss_fn(params, teacher_params, packs)
+        step = current["step"] + 1
+        first = jax.tree.leaves(params)[0]
+        loss = loss + jnp.where(jnp.isin(step, steps["grads"]), _nan_gradient(first), 0.0)
+        bad_loss = jnp.where(jnp.isin(step, steps["loss"]), jnp.inf, 0.0)
+        return loss + bad_loss, dict(metrics, loss=metrics["loss"] + bad_loss)
+
+    inner = _real_make_train_step(poisoned_loss, optimizer, **kwargs)
+
+    def report(step):
+        kind = plan.get(int(step) + 1)
         if kind:
-            print(f"[inject] step {step + 1}: {kind}", flush=True)
-        if kind == "grads":
-            grads = jax.tree.map(lambda g: g * jnp.nan, grads)
-        elif kind == "loss":
-            metrics = dict(metrics, loss=metrics["loss"] + jnp.inf)
-        return grads, metrics
+            print(f"[inject] step {int(step) + 1}: {kind}", flush=True)
 
-    return poisoned
+    def train_step_with_injections(state, micro_batches):
+        current["step"] = state.step
+        jax.debug.callback(report, state.step, ordered=True)
+        return inner(state, micro_batches)
+
+    shardings = kwargs.get("state_shardings")
+    out_shardings = None
+    if shardings is not None:
+        mesh = jax.tree.leaves(shardings)[0].mesh
+        out_shardings = (shardings, NamedSharding(mesh, PartitionSpec()))
+    return jax.jit(train_step_with_injections, donate_argnums=(0,), out_shardings=out_shardings)
 
 
-_real_make_grad_step = train_step.make_grad_step
-train_step.make_grad_step = _make_poisoned_grad_step
+_real_make_train_step = train_step.make_train_step
+train_step.make_train_step = _make_poisoned_train_step
 
 if __name__ == "__main__":
     app.run(train.main, flags_parser=train.parse_flags)
