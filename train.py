@@ -38,6 +38,7 @@ from opsd_jax import mesh as mesh_lib
 from opsd_jax.checkpoint import Checkpointer, abstract_like
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
+from opsd_jax.hf import load_hf
 from opsd_jax.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
@@ -237,7 +238,7 @@ def main(argv):
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model {config.model_path}: {num_params:,} parameters, "
           f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
-          + (" (weights not read: the checkpoint gives them)" if resumed else ""))  # fmt: skip
+          + (" (weights not read: a checkpoint gives them)" if resumed else ""))  # fmt: skip
     if description:
         say(f"starting weights: {description}")
 
@@ -246,7 +247,7 @@ def main(argv):
     data_config = DataConfig.from_dict(
         dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
              seed=config.global_seed)
-    ).for_model(start.model_config)  # fmt: skip
+    ).for_model(model_config)  # fmt: skip
     # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes

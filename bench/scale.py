@@ -161,7 +161,6 @@ def main():
     resident = params_bytes + opt_bytes + teacher_bytes + params_bytes
 
     # ---- programs -----------------------------------------------------------------------------
-    batch = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES))
 
     def array(shape, dtype):
         spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1)))

@@ -527,7 +527,7 @@ def load_hf(
     if grown != config.llm.vocab_size:
         config = config.replace(llm=dict(vocab_size=grown))
     graphdef, state = load_weights(hf_dir, config, weights=weights, mesh=mesh, dtype=dtype,
-                                   rules=rules, progress=progress)  # fmt: skip
+                                   rules=rules, progress=progress, read_params=read_params)  # fmt: skip
     return nnx.merge(graphdef, state), config, bagel_tokenizer
 
 
@@ -540,13 +540,14 @@ def load_weights(
     dtype: Any = jnp.float32,
     rules=mesh_lib.LOGICAL_RULES,
     progress: bool = False,
+    read_params: bool = True,
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of a Bagel built from `config`, filled from one weights file of `hf_dir`.
 
     `config` is the model to build, e.g. the one `load_hf` returned (its vocabulary may have been
     grown past the checkpoint's; the extra rows start at the mean row). This is how a second copy
     of the same model is read from another file of the directory (an EMA teacher from
-    `ema.safetensors` next to the student's `model.safetensors`).
+    `ema.safetensors` next to the student's `model.safetensors`). `read_params` as in load_hf.
     """
     hf_dir = Path(hf_dir)
     files = _weights(hf_dir, weights)

@@ -165,9 +165,6 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
     assert not {"tinker_k1", "tinker_surrogate"} & set(jsd_metrics)
 
 
-def test_frozen_vit_stays_bit_identical(split_model):
-
-
 def stacked(*micro):
     """Micro-batch pack tuples -> one tuple of packs stacked [micro-batch, rows, ...]."""
     return tuple(jax.tree.map(lambda *x: np.stack(x), *packs) for packs in zip(*micro))
