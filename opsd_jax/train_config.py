@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from models import attention, configs
-from opsd_jax import losses, train_step
+from opsd_jax import losses, mesh, train_step
 
 MODES = ("opsd", "sft")
 
@@ -26,6 +26,7 @@ _CHOICES = {
     "compute_dtype": configs.COMPUTE_DTYPES,
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
+    "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
     "weights": ("", "ema", "model"),
     "wandb_mode": ("offline", "online", "disabled"),
@@ -106,6 +107,12 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
     if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
         problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
                         "'teacher' or 'student,teacher'")  # fmt: skip
+    buckets = config.sample_prompt_buckets
+    if (not isinstance(buckets, (tuple, list)) or not buckets
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 for b in buckets)
+            or list(buckets) != sorted(set(buckets))):  # fmt: skip
+        problems.append(f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
+                        "increasing list of integers >= 16 (prompt row lengths)")  # fmt: skip
     if config.freeze_und:
         problems.append("freeze_und=True: BAGEL's flag only matters with the gen expert, which "
                         "understanding-only training does not build; allowed value is False")  # fmt: skip
