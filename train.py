@@ -9,8 +9,11 @@ config check -> distributed init -> mesh -> model + tokenizer -> data -> train s
 from __future__ import annotations
 
 import os
+import re
 import signal
+import sys
 import time
+from typing import NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +23,21 @@ from flax import nnx
 from ml_collections import config_flags
 
 from models import attention
-from opsd_jax import (decode_copy, distributed, evaluation, sampler, sft_packs, train_config,
-                      train_step)  # fmt: skip
+from opsd_jax import (
+    decode_copy,
+    distributed,
+    evaluation,
+    init_weights,
+    sampler,
+    sft_packs,
+    train_config,
+    train_step,
+)
 from opsd_jax import mesh as mesh_lib
-from opsd_jax.checkpoint import Checkpointer, restore_model_params
+from opsd_jax.checkpoint import Checkpointer
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
-from opsd_jax.hf import load_hf
-from opsd_jax.metrics import MetricsLogger
+from opsd_jax.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
@@ -36,6 +46,45 @@ from opsd_jax.opsd_packs import (
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 flags.mark_flags_as_required(["config"])
+
+
+# ---- command line: a config error is one message and exit status 2, never a traceback ---------
+
+
+def config_error(message) -> NoReturn:
+    print(f"train.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (app.run's flags_parser), with the config checked first.
+
+    ml_collections raises a bare AttributeError from inside its parser for an unknown
+    `--config.<key>` (one key at a time) and an IOError only when a missing config file is
+    first read; here every unknown key is named, with the nearest valid ones, and the rest of
+    absl's parse errors (a value of the wrong type, no --config) are printed without usage."""
+    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)  # --flagfile, as absl does
+    path, keys = None, []
+    for i, arg in enumerate(argv):
+        if re.match(r"^--?config(=|$)", arg):  # --config=FILE or --config FILE
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1:] or [None])[0]
+        elif re.match(r"^--?(no)?config\.", arg):  # --config.KEY=VALUE, --[no]config.KEY
+            keys.append(arg.split("=", 1)[0].split(".", 1)[1])
+    if path:
+        try:
+            # Loading the (small) config file once more here is the price of naming every
+            # unknown key before absl stops at the first.
+            config = train_config.load_config_file(path)
+        except (FileNotFoundError, ValueError) as e:
+            config_error(e)
+        problems = train_config.unknown_keys(config, keys)
+        if problems:
+            config_error(f"unknown config keys for {path}:\n  --config." +
+                         "\n  --config.".join(problems))  # fmt: skip
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        config_error(e)
 
 
 # ---- toy assets (tiny configs) ---------------------------------------------------------------
@@ -77,7 +126,8 @@ def _write_toy_assets(config) -> None:
             config.model_path = model_dir
 
 
-def loss_settings(config) -> train_step.LossSettings:
+def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSettings:
+    """The loss knobs; `vocab_limit` is the tokenizer length (the sampler's limit too)."""
     return train_step.LossSettings(
         jsd_weight=config.jsd_weight,
         ce_weight=config.ce_weight,
@@ -89,6 +139,7 @@ def loss_settings(config) -> train_step.LossSettings:
         jsd_clip_mode=config.jsd_clip_mode,
         reduction=config.loss_reduction,
         num_samples=config.samples_per_micro_batch,
+        vocab_limit=vocab_limit,
     )
 
 
@@ -125,11 +176,17 @@ def main(argv):
 
     # ---- config check: every bad value named before anything compiles ------------------------
     train_config.resolve_dataset_paths(config)
-    train_config.validate(config)  # values only: no device may be touched before the init below
+    try:
+        train_config.validate(config)  # values only: no device may be touched before the init
+    except train_config.ConfigError as e:
+        config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)
-    train_config.validate(config, jax.device_count(), jax.process_count())
+    try:
+        train_config.validate(config, jax.device_count(), jax.process_count())
+    except train_config.ConfigError as e:
+        config_error(e)
     num_processes, process_index = jax.process_count(), jax.process_index()
     if num_processes > 1:
         say(f"{num_processes} processes, {jax.local_device_count()} devices each")
@@ -141,28 +198,38 @@ def main(argv):
     mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size)
     say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
 
-    # ---- model and tokenizer --------------------------------------------------------------------
+    # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
+    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
+    checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
+                                max_to_keep=config.max_checkpoints)  # fmt: skip
+    resumed = None
+    if config.auto_resume and checkpointer.latest_step() is not None:
+        resumed = checkpoint_dir
+    elif config.resume_from and not config.resume_model_only:
+        resumed = config.resume_from
+
+    # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
     backend = attention.resolve_backend(config.attention_backend)  # "auto" -> this machine's
     say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
     runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
                    remat=config.remat)  # fmt: skip
-    model, model_config, tokenizer = load_hf(
-        config.model_path, mesh=mesh, config_changes={"llm": runtime},
-        weights=config.weights or None,
-    )  # fmt: skip
+    start = init_weights.load(config, mesh, config_changes={"llm": runtime},
+                              full_resume=resumed is not None)  # fmt: skip
+    graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
     special = tokenizer.special_tokens()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    del model
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(f"model {config.model_path}: {num_params:,} parameters, "
           f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    if resumed is None:
+        say(f"starting weights: {start.description}")
 
     # ---- data ------------------------------------------------------------------------------------
+    # The model's ViT patch size and position grid decide the images' patches and position ids.
     data_config = DataConfig.from_dict(
         dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
              seed=config.global_seed)
-    )  # fmt: skip
+    ).for_model(start.model_config)  # fmt: skip
     # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
@@ -172,41 +239,31 @@ def main(argv):
 
     # ---- train state -----------------------------------------------------------------------------
     optimizer = train_step.make_optimizer(config, params)
-    teacher_source = None
-    if config.resume_from and config.resume_model_only:
-        abstract_params = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
-        params = restore_model_params(config.resume_from, abstract_params, which="params")
-        if config.finetune_from_ema:
-            teacher_source = restore_model_params(config.resume_from, abstract_params,
-                                                  which="ema_params")  # fmt: skip
     with mesh_lib.use_mesh(mesh):
         state = train_step.init_state(
             params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
-            fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=teacher_source,
+            fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=start.teacher_source,
         )  # fmt: skip
-    del params, teacher_source
+    del params, start
 
     # ---- resume ----------------------------------------------------------------------------------
-    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
-    checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
-                                max_to_keep=config.max_checkpoints)  # fmt: skip
     abstract_state = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)  # fmt: skip
-    resumed = None
-    if config.auto_resume and checkpointer.latest_step() is not None:
-        resumed = checkpoint_dir
-    elif config.resume_from and not config.resume_model_only:
-        resumed = config.resume_from
+    saved_config = None
     if resumed:
-        state, data_state, _ = checkpointer.restore(abstract_state, directory=resumed)
+        state, data_state, saved_config = checkpointer.restore(abstract_state, directory=resumed)
         if data_state:
             data.set_state(data_state)
         say(f"resumed from {resumed} at step {int(distributed.to_host(state.step))}")
     start_step = int(distributed.to_host(state.step))
+    if config.wandb_project:
+        # One W&B run across restarts: the id goes into every checkpoint's config and a resume
+        # of this run (its own checkpoint_dir, not another run's) reads it back.
+        own = saved_config if resumed == checkpoint_dir else None
+        config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
     # ---- jitted pieces -------------------------------------------------------------------------
-    settings = loss_settings(config)
+    settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, config.teacher_mode)
     sft_grad_step = train_step.make_sft_grad_step(graphdef, rest, settings)  # mode 'sft'
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
@@ -228,7 +285,8 @@ def main(argv):
         config.results_dir, total_steps=config.total_steps, log_every=config.log_every,
         start_step=start_step, progress_bar=config.progress_bar, is_main=distributed.is_main(),
         wandb=(dict(project=config.wandb_project, name=config.wandb_name or None,
-                    mode=config.wandb_mode) if config.wandb_project else None),
+                    mode=config.wandb_mode, id=config.wandb_runid, resume=config.wandb_resume)
+               if config.wandb_project else None),
         config=config.to_dict(),
     )  # fmt: skip
     sft = config.mode == "sft"
@@ -426,4 +484,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

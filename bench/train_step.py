@@ -52,12 +52,13 @@ def main():
         compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0))
+    data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)
     data = make_iterator(data_config, "train")
     options = evaluation.prompt_options_from_config(config)
     optimizer = train_step.make_optimizer(config, params)
     state = train_step.init_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    grad_step = train_step.make_grad_step(graphdef, rest, train.loss_settings(config),
+    settings = train.loss_settings(config, tokenizer.vocab_length)
+    grad_step = train_step.make_grad_step(graphdef, rest, settings,
                                           config.teacher_mode)  # fmt: skip
     apply_update = train_step.make_apply_update(optimizer, config.teacher_mode, config.ema_decay)
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps

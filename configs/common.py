@@ -14,7 +14,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     # --- model ------------------------------------------------------------------------------------
     c.model_path = ""  # BAGEL / ThinkMorph HF directory (llm_config.json, vit_config.json, ...)
-    c.weights = ""  # "ema" | "model" | "" (auto: ema.safetensors wins if both exist)
+    # auto: as the PyTorch launcher, the student from model.safetensors and the EMA teacher from
+    # ema.safetensors when both exist (else the one file for both); ema | model: that file for all.
+    c.weights = "auto"
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
     c.attention_backend = "auto"  # auto (pallas on GPU else chunked) | chunked | pallas | cudnn
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
@@ -96,7 +98,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.gradient_accumulation_steps = 2
     c.freeze_llm = False
     c.freeze_vit = False
-    c.freeze_und = False  # BAGEL's flag; meaningless without the gen expert (refused if set)
+    # BAGEL's flag: understanding-token activations are detached; with understanding-only data
+    # that leaves only lm_head training (opsd_jax/train_step.py trainable_labels).
+    c.freeze_und = False
 
     # --- checkpoints, resume, logging -------------------------------------------------------------
     c.results_dir = "results/run"  # TensorBoard logs, metrics.jsonl, samples
@@ -119,6 +123,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.wandb_project = ""  # empty: no W&B
     c.wandb_name = ""
     c.wandb_mode = "offline"
+    # The W&B run id; empty: a new one on a fresh start, kept in the checkpoints' config, so a
+    # resumed run continues the same W&B run (with wandb_resume, wandb.init's `resume`).
+    c.wandb_runid = ""
+    c.wandb_resume = "allow"  # allow | must | never | auto
 
     # --- mesh -----------------------------------------------------------------------------------------
     c.num_replicate = 1  # the 'data' axis (HYBRID_SHARD replicas)

@@ -1,4 +1,4 @@
-"""The tiny CPU default: Visual-OPSD on the toy task with a toy BAGEL, a few minutes on 2 cores.
+"""The tiny CPU default: Visual-OPSD on the toy task with a toy BAGEL, about a minute on 2 cores.
 
     python train.py --config configs/tiny.py [--config.key=value ...]
 

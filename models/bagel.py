@@ -5,7 +5,8 @@
 1. text and image-marker ids are embedded with the LM's table;
 2. the ViT encodes every image's patches (attending within each image), the connector
    (Linear, tanh-GELU, Linear) maps them to the LM width, the fixed sin-cos table is added at
-   the patches' r*70 + c ids, and the result replaces the rows' patch slots;
+   the patches' r*G + c ids (G = the ViT's image_size // patch_size, 70 at 7B), and the result
+   replaces the rows' patch slots;
 3. the LM runs over the rows with the Pack's positions and key ranges (no [T, T] mask);
 4. the final-normed hidden states come back; `logits_at` applies lm_head only where asked.
 
@@ -88,7 +89,8 @@ class Bagel(nnx.Module):
         """ViT -> connector -> + sin-cos table: [R, P, 588] patches -> [R, P, D] (compute dtype)."""
         features = self.connector(self.vit_model(patches, position_ids, image_ids))
         table = compute_weight(self.vit_pos_embed, ("vit_positions", "embed"), features.dtype)
-        return constrain(features + jnp.take(table, position_ids, axis=0), ROWS_EMBED)
+        # Same ids as the ViT's table, clipped there too: never a silent NaN row.
+        return constrain(features + jnp.take(table, position_ids, axis=0, mode="clip"), ROWS_EMBED)
 
     def embed(self, pack: Pack) -> jax.Array:
         """The LM's input rows [R, T, D]: token embeddings with patch slots filled by the ViT."""

@@ -178,7 +178,6 @@ class BagelConfig:
     vit: SiglipConfig
     visual_und: bool = True
     visual_gen: bool = False
-    vit_max_num_patch_per_side: int = 70
     connector_act: str = "gelu_pytorch_tanh"
     interpolate_pos: bool = False
     latent_patch_size: int = 2
@@ -186,8 +185,15 @@ class BagelConfig:
     timestep_shift: float = 1.0
 
     def __post_init__(self):
-        _check_positive("BagelConfig", vit_max_num_patch_per_side=self.vit_max_num_patch_per_side)
         _check_choice("BagelConfig", "connector_act", self.connector_act, ("gelu_pytorch_tanh",))
+
+    @property
+    def vit_max_num_patch_per_side(self) -> int:
+        """The ViT position grid G: ids r*G + c index both position tables (SigLIP's learned one
+        and `vit_pos_embed`), so it is the checkpoint's image_size // patch_size. BAGEL's
+        loaders set it in code (70 = 980 // 14 for SigLIP-so400m-14-980); a different value
+        would index SigLIP's (image_size // patch_size)^2-row table out of its layout."""
+        return self.vit.num_patches_per_side
 
     def replace(self, **changes) -> "BagelConfig":
         """A copy with top-level fields changed; `llm=dict(...)`/`vit=dict(...)` change sub-fields."""

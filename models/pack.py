@@ -12,7 +12,7 @@ jitted step compiles a few times, not every step.
 | segment_ids    | [R, T] int32   | 1.. per sample, 0 = padding |
 | k_start, k_end | [R, T] int32   | query t attends keys in [k_start, k_end): its segment's start; t+1 for text, the end of its block for image tokens |
 | vit_patches    | [R, P, 588]    | patchified pixels in (py, px, c) order, in [-1, 1] |
-| vit_pos_ids    | [R, P] int32   | r*70 + c position ids of the patches |
+| vit_pos_ids    | [R, P] int32   | r*G + c position ids of the patches (G: the ViT grid, 70 at 7B) |
 | vit_slots      | [R, P] int32   | the row position each patch embedding goes to (-1 = padding patch) |
 | vit_image_ids  | [R, P] int32   | which image a patch belongs to, 1.. per row (0 = padding patch) |
 | gen_mask       | [R, T] bool    | MoT routing: True for gen-expert tokens (False in understanding mode) |

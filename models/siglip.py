@@ -2,7 +2,8 @@
 
 * Patch embedding is a Linear over 588 = 14*14*3 features in (py, px, c) order (the checkpoint
   stores the conv already flattened that way), plus a learned position table indexed by the
-  r*70 + c ids of each patch, so a smaller image uses the top-left block of the 70x70 table.
+  r*G + c ids of each patch (G = image_size // patch_size, 70 for BAGEL's 980 / 14), so a
+  smaller image uses the top-left block of the G x G table.
 * Pre-LN encoder layers: h += out_proj(MHA(LN1(h))); h += fc2(gelu_tanh(fc1(LN2(h)))).
 * Images are packed along the patch axis without padding between them; attention is
   bidirectional within an image and never across images (block-diagonal, NaNViT varlen).
@@ -100,7 +101,9 @@ class SiglipVisionEncoder(nnx.Module):
         h = self.patch_embedding(patches.astype(self.compute_dtype))
         table = compute_weight(self.position_embedding, ("vit_positions", "vit_embed"),
                                self.compute_dtype)  # fmt: skip
-        h = h + jnp.take(table, position_ids, axis=0)
+        # Ids are checked on the host against the grid (opsd_jax/data/image_transform.py);
+        # "clip" keeps a bad one from gathering NaN rows (jnp.take's default fill) in here.
+        h = h + jnp.take(table, position_ids, axis=0, mode="clip")
         k_start, k_end = image_ranges(image_ids)
         h = scan_layers(self.layers, h, image_ids, k_start, k_end, remat=self.remat)
         return self.post_layernorm(h)

@@ -554,3 +554,15 @@ def restore_model_params(path: str | os.PathLike, abstract_params, *, which: str
     finally:
         handler.close()
     return _rebuild(abstract_params, restored)
+
+
+def saved_teacher_mode(path: str | os.PathLike) -> str | None:
+    """The teacher_mode a checkpoint (a step directory or a checkpoints root: its latest complete
+    step) was saved with, from its meta item; None when it is not known."""
+    root, step = _locate(path, None)
+    handler = ocp.JsonCheckpointHandler()
+    try:
+        meta = handler.restore(root / str(step) / META)
+    finally:
+        handler.close()
+    return meta.get("teacher_mode") if isinstance(meta, dict) else None

@@ -13,6 +13,8 @@ mean completion length and the share of completions that wrote an `<answer>` tag
 Why here and not in the trainer: the same code runs from `scripts/evaluate.py` (an HF directory
 or a training checkpoint) and from the training loop every `eval_every` steps on the live
 student (`evaluate(model, samples, tokenizer, ...)`), so both report the same numbers.
+`answer(model, tokenizer, image, question)` puts one image and question through the same
+prompt and sampler (scripts/generate.py).
 
 Answer extraction (`extract_answer`), in order:
 1. the content of the last complete `<answer>...</answer>`;
@@ -255,7 +257,7 @@ def evaluate(
     mesh: shard the prompt rows over it (when `batch_size` divides) and sample on a decode copy
       of the model over its devices (opsd_jax/decode_copy.py: compute dtype, `sampler_layout`;
       made once here, freed at the end). Without a mesh the model samples as it is.
-    prompt_buckets: prompt lengths are rounded up to one of these (default: powers of two).
+    prompt_buckets: prompt lengths round up to one of these (default: powers of two).
     sample_fn: `opsd_jax.sampler.sample` or a drop-in with its signature (tests script outputs).
     log: called with a progress line after every batch (e.g. `print`).
 
@@ -271,8 +273,10 @@ def evaluate(
     if not samples:
         raise ValueError("evaluate(): no samples")
     options = PromptOptions() if options is None else options
-    special = tokenizer.special_tokens()
-    rng = jax.random.key(seed)
+    sampling = dict(options=options, context=context, max_new_tokens=max_new_tokens,
+                    do_sample=do_sample, temperature=temperature, max_image_skips=max_image_skips,
+                    rng=jax.random.key(seed), mesh=mesh, cache_dtype=cache_dtype,
+                    prompt_buckets=prompt_buckets, sample_fn=sample_fn)  # fmt: skip
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(samples) // batch_size)
@@ -286,15 +290,8 @@ def evaluate(
         batch = list(samples[first : first + batch_size])
         real = len(batch)
         batch += [batch[-1]] * (batch_size - real)
-        prompt_pack = build_context_prompt_pack(batch, tokenizer.encode, options, special, context,
-                                                buckets=prompt_buckets)  # fmt: skip
         row_ids = np.minimum(np.arange(first, first + batch_size), len(samples) - 1)
-        sampling = {
-            "special": special, "vocab_limit": tokenizer.vocab_length, "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "do_sample": do_sample, "max_image_skips": max_image_skips,
-            "decode_text": tokenizer.decode, "row_ids": row_ids, "cache_dtype": cache_dtype,
-        }  # fmt: skip
-        completions = sample_fn(sampled, place_rows(prompt_pack, mesh), rng, **sampling)
+        completions = sample_prompts(sampled, batch, tokenizer, row_ids=row_ids, **sampling)
         for row in range(real):
             sample = batch[row]
             text = tokenizer.decode(completions.row(row))
@@ -324,6 +321,60 @@ def evaluate(
         "batch_size": batch_size, "max_image_skips": max_image_skips, "seed": seed,
     }  # fmt: skip
     return EvalResult(records, summarize(records, settings))
+
+
+def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOptions, context: str,
+                   max_new_tokens: int, do_sample: bool, temperature: float, max_image_skips: int,
+                   rng: jax.Array, row_ids, mesh: jax.sharding.Mesh | None = None,
+                   cache_dtype: str = "bfloat16", prompt_buckets: Sequence[int] | None = None,
+                   sample_fn: SampleFn = sampler_lib.sample) -> sampler_lib.Completions:  # fmt: skip
+    """One sampler call: a completion for each sample's prompt in `context`, one row each.
+
+    model: an nnx model or a `DecodeCopy` (which samples under its own mesh and rules).
+    row_ids: each row's id for its random stream (`evaluate` passes the sample's index).
+    prompt_buckets: prompt lengths round up to one of these (default: powers of two)."""
+    special = tokenizer.special_tokens()
+    prompt_pack = build_context_prompt_pack(samples, tokenizer.encode, options, special, context,
+                                            buckets=prompt_buckets)  # fmt: skip
+    sampling = {
+        "special": special, "vocab_limit": tokenizer.vocab_length, "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "do_sample": do_sample, "max_image_skips": max_image_skips,
+        "decode_text": tokenizer.decode, "row_ids": np.asarray(row_ids),
+        "cache_dtype": cache_dtype,
+    }  # fmt: skip
+    if mesh is None:
+        return sample_fn(model, prompt_pack, rng, **sampling)
+    with mesh_lib.use_mesh(mesh):
+        return sample_fn(model, place_rows(prompt_pack, mesh), rng, **sampling)
+
+
+def answer(model, tokenizer, image, question: str, *, options: PromptOptions | None = None,
+           image_transform=None, max_new_tokens: int = 1024, do_sample: bool = False,
+           temperature: float = 1.0, max_image_skips: int = 0, seed: int = 0,
+           mesh: jax.sharding.Mesh | None = None,
+           cache_dtype: str = "bfloat16") -> tuple[str, sampler_lib.Completions]:  # fmt: skip
+    """A completion for one PIL image and a question, as the student sees them at training and
+    test time ([system?, image, question]): the text (special tokens kept, as in evaluation
+    records) and the sampler's output. `image_transform`: an ImageTransform, a preset name or a
+    dict of its fields (default: BAGEL's chat transform, 980 / 378)."""
+    from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
+    from opsd_jax.data.pipeline import Sample
+    from opsd_jax.data.sources import image_transform_from
+
+    transform = ImageTransform.vit_chat() if image_transform is None else image_transform
+    # Patches and position ids for this model's ViT (its patch size and position grid).
+    vit = prepare_vit_image(image, image_transform_from(transform),
+                            patch_size=model.config.vit.patch_size,
+                            max_patches_per_side=model.config.vit_max_num_patch_per_side)  # fmt: skip
+    sample = Sample(pid="prompt", dataset="", question=question, answer="", problem_image=vit,
+                    vt_images=[], thoughts=[], full_text_only_thought=None)  # fmt: skip
+    completions = sample_prompts(
+        model, [sample], tokenizer, options=PromptOptions() if options is None else options,
+        context="student", max_new_tokens=max_new_tokens, do_sample=do_sample,
+        temperature=temperature, max_image_skips=max_image_skips, rng=jax.random.key(seed),
+        row_ids=[0], mesh=mesh, cache_dtype=cache_dtype,
+    )  # fmt: skip
+    return tokenizer.decode(completions.row(0)), completions
 
 
 def load_eval_samples(data_config, split: str = "eval", max_per_dataset: int | None = None,
@@ -425,16 +476,9 @@ def save_results(result: EvalResult, out_dir: str | os.PathLike, name: str = "ev
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """A `configs/<name>.py` file's `get_config()` as a plain dict."""
-    import importlib.util
+    from opsd_jax.train_config import load_config_file as load
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--config {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"_eval_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"--config {path}: defines no get_config()")
-    config = module.get_config()
+    config = load(path)
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
 
 
@@ -455,6 +499,13 @@ def checkpoint_step_dir(path: str | os.PathLike) -> str:
             return os.path.join(root, str(max(steps)))
     raise FileNotFoundError(f"--checkpoint {path}: no complete checkpoint step in it "
                             "(or in its checkpoints/ folder)")  # fmt: skip
+
+
+def run_dir_of(checkpoint: str | os.PathLike) -> str:
+    """The training run a checkpoint belongs to: the folder holding its `checkpoints/` (or, for
+    a checkpoint directory named otherwise, that directory itself)."""
+    root = os.path.dirname(checkpoint_step_dir(checkpoint))
+    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
 
 
 def checkpoint_config(step_dir: str | os.PathLike) -> dict[str, Any] | None:

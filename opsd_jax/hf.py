@@ -60,6 +60,7 @@ from opsd_jax.safetensors_io import (
     SafetensorsError,
     WeightDirectory,
     index_name,
+    present_stems,
     write_file,
 )
 from opsd_jax.tokenizer import BagelTokenizer, load_tokenizer
@@ -426,6 +427,54 @@ def _weights(hf_dir: Path, weights: str | None) -> WeightDirectory:
         raise HFCheckpointError(str(e)) from None
 
 
+WEIGHT_CHOICES = ("auto",) + WEIGHT_STEMS
+
+
+@dataclasses.dataclass(frozen=True)
+class InitialWeights:
+    """Which weights file (stem: "ema" / "model") each copy of the model starts from."""
+
+    student: str
+    ema_teacher: str
+    fixed_teacher: str
+
+
+def initial_weights(
+    hf_dir: str | os.PathLike, weights: str = "auto", *, finetune_from_ema: bool = False
+) -> InitialWeights:
+    """The files a training run starts its student, EMA teacher and fixed teacher from.
+
+    `weights="auto"` does what the PyTorch Visual-OPSD launcher does with an HF directory
+    (train_visual_opsd.py and FSDPCheckpoint.try_load_ckpt in train/fsdp_utils.py): the student
+    from `model.safetensors` (`ema.safetensors` with `finetune_from_ema`), the EMA teacher from
+    `ema.safetensors` (the student's file when there is none), the fixed teacher from
+    `model.safetensors` (try_load_ckpt with resume_from_ema=False, whatever finetune_from_ema
+    says). Where the launcher would fail on a missing `model.safetensors` (BAGEL's release ships
+    only `ema.safetensors`), the one file present starts every copy. `weights="ema"` or
+    `"model"` starts every copy from that file.
+    """
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHT_CHOICES))}")
+    if weights != "auto":
+        if finetune_from_ema and weights != "ema":
+            raise HFCheckpointError(f"finetune_from_ema=True starts the student from the EMA "
+                                    f"weights, but weights={weights!r}; use 'auto' or 'ema'")  # fmt: skip
+        _weights(Path(hf_dir), weights)  # it must exist
+        return InitialWeights(weights, weights, weights)
+    present = present_stems(hf_dir)
+    if not present:
+        _weights(Path(hf_dir), None)  # raises: no weights found
+    if finetune_from_ema and "ema" not in present:
+        raise HFCheckpointError(f"{hf_dir}: finetune_from_ema=True starts the student from "
+                                f"ema.safetensors, which is not there (found: {present})")  # fmt: skip
+    model_file = "model" if "model" in present else present[0]
+    return InitialWeights(
+        student="ema" if finetune_from_ema else model_file,
+        ema_teacher="ema" if "ema" in present else model_file,
+        fixed_teacher=model_file,
+    )
+
+
 def _header(files: WeightDirectory) -> dict[str, tuple[tuple[int, ...], str]]:
     return {key: (info.shape, info.dtype) for key, info in files.header().items()}
 
@@ -468,12 +517,40 @@ def load_hf(
     changes = dict(config_changes or {})
     changes["llm"] = {**dict(changes.get("llm", {})), "build_gen_expert": build_gen_expert}
     config = read_config(hf_dir, **changes)
-    files = _weights(hf_dir, weights)
+    _weights(hf_dir, weights)  # a missing weights file is named before the tokenizer loads
     bagel_tokenizer = load_tokenizer(hf_dir) if tokenizer else None
-    source_vocab = config.llm.vocab_size
     grown = _grown_vocab(config, bagel_tokenizer)
-    if grown != source_vocab:
+    if grown != config.llm.vocab_size:
         config = config.replace(llm=dict(vocab_size=grown))
+    graphdef, state = load_weights(hf_dir, config, weights=weights, mesh=mesh, dtype=dtype,
+                                   rules=rules, progress=progress)  # fmt: skip
+    return nnx.merge(graphdef, state), config, bagel_tokenizer
+
+
+def load_weights(
+    hf_dir: str | os.PathLike,
+    config: BagelConfig,
+    *,
+    weights: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    dtype: Any = jnp.float32,
+    rules=mesh_lib.LOGICAL_RULES,
+    progress: bool = False,
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of a Bagel built from `config`, filled from one weights file of `hf_dir`.
+
+    `config` is the model to build, e.g. the one `load_hf` returned (its vocabulary may have been
+    grown past the checkpoint's; the extra rows start at the mean row). This is how a second copy
+    of the same model is read from another file of the directory (an EMA teacher from
+    `ema.safetensors` next to the student's `model.safetensors`).
+    """
+    hf_dir = Path(hf_dir)
+    files = _weights(hf_dir, weights)
+    source_vocab = read_config(hf_dir).llm.vocab_size
+    grown = config.llm.vocab_size
+    if grown < source_vocab:
+        raise HFCheckpointError(f"{hf_dir}: the model's vocabulary ({grown}) is smaller than the "
+                                f"checkpoint's ({source_vocab}); a table is never shrunk")  # fmt: skip
 
     make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))
     if mesh is None:
@@ -488,7 +565,7 @@ def load_hf(
         {path: spec.shape for path, spec in abstract.items()},
         config,
         source_vocab=source_vocab if grown != source_vocab else None,
-        where=str(hf_dir),
+        where=f"{hf_dir} ({files.stem} weights)",
     )
 
     values = {}
@@ -514,7 +591,7 @@ def load_hf(
 
         values[path] = _place(spec.shape, sharding, dtype, read, rule.per_layer)
     nnx.replace_by_pure_dict(abstract_state, _nest(values))
-    return nnx.merge(graphdef, abstract_state), config, bagel_tokenizer
+    return graphdef, abstract_state
 
 
 def _grow_vocab(rule: Rule, hf: np.ndarray, shape: tuple[int, ...], source_rows: int):
@@ -710,6 +787,10 @@ def save_hf(
         if writer
         else None
     )
+    if tmp is not None:
+        # mkdtemp makes it private (0700); it becomes the user's export directory, so give it
+        # the mode a plain mkdir would (the umask's).
+        tmp.chmod(0o777 & ~_umask())
     try:
         for file in files.files:
             items = [
@@ -758,6 +839,12 @@ def save_hf(
         if bar is not None:
             bar.close()
     return out_dir
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the umask can only be read by setting it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def _ours_producer(value, rule: Rule, layer: int | None, dtype: np.dtype):
@@ -832,8 +919,10 @@ def restore_params(
     import orbax.checkpoint as ocp
 
     path = find_params_item(ckpt, item)
-    checkpointer = ocp.StandardCheckpointer()
-    tree = checkpointer.metadata(path).item_metadata.tree
+    # The item's handler, not a Checkpointer: a training step keeps its checkpoint-level
+    # metadata one folder up, and a Checkpointer warns on every item it reads without one.
+    handler = ocp.StandardCheckpointHandler()
+    tree = handler.metadata(path).tree
     saved = {}
     for key_path, meta in jax.tree_util.tree_flatten_with_path(tree)[0]:
         names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
@@ -863,7 +952,10 @@ def restore_params(
         for part in names[:-1]:
             node = node.setdefault(part, {})
         node[names[-1]] = spec
-    restored = checkpointer.restore(path, target)
+    try:
+        restored = handler.restore(path, args=ocp.args.StandardRestore(target))
+    finally:
+        handler.close()
     return {dotted: _get(restored, names) for dotted, names in ours.items()}
 
 

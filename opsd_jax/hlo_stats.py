@@ -39,7 +39,7 @@ DTYPE_BYTES = {
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
-_OPERAND_NAME = re.compile(r"%([\w.\-]+)")
+_OPERAND_NAME = re.compile(r"%([\w.\-]+(?:#\d+)?)")
 _CALLEES = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -163,8 +163,9 @@ def _parse(text: str):
 
 
 def _trip_count(loop: _Instruction, computations) -> int | None:
-    """Iterations of a while loop: XLA's annotation when present, else a condition of the form
-    `counter < constant` (how jax writes scan / map loops; the counter starts at 0)."""
+    """Iterations of a while loop: XLA's annotation when present, else a condition holding
+    `counter < constant` (how jax writes scan / map loops; the counter starts at 0). A loop that
+    can also stop early (`step < max_steps & any(active)`) is counted at its bound."""
     found = _TRIP_COUNT.search(loop.attributes)
     if found:
         return int(found.group(1))
@@ -230,9 +231,8 @@ def _feeds_only_slices(inst: _Instruction, users: dict) -> bool:
     return sliced
 
 
-def collectives(text: str) -> list[Collective]:
-    """Every collective of an HLO module, with its per-call execution count."""
-    computations, entry = _parse(text)
+def _multiplicities(computations, entry):
+    """(executions per call, inside-an-unknown-loop) of every computation reachable from entry."""
     counts: dict[str, int] = defaultdict(int)
     unknown: dict[str, bool] = defaultdict(bool)
 
@@ -255,6 +255,39 @@ def collectives(text: str) -> list[Collective]:
                 visit(callee, multiplier * trips, in_unknown or loop_unknown, depth + 1)
 
     visit(entry, 1, False)
+    return counts, unknown
+
+
+def dot_flops(text: str) -> tuple[float, float]:
+    """(FLOPs of every dot per call, counted through loops; the part inside loops whose trip
+    count is unknown, counted once per entry, so a floor). 2 x output elements x contraction."""
+    computations, entry = _parse(text)
+    counts, unknown = _multiplicities(computations, entry)
+    total = floor_part = 0.0
+    for computation, instructions in computations.items():
+        if not counts.get(computation):
+            continue
+        results = {i.name: i.result for i in instructions}
+        for inst in instructions:
+            if inst.opcode != "dot" or not inst.operands:
+                continue
+            lhs = _shapes(_operand_type(inst.operands[0], results))
+            out = _shapes(inst.result)
+            contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.attributes)
+            if not lhs or not out or not contracting:
+                continue
+            dims = [int(d) for d in contracting.group(1).split(",") if d]
+            flops = 2.0 * math.prod(out[0].dims) * math.prod(lhs[0].dims[d] for d in dims)
+            total += flops * counts[computation]
+            if unknown[computation]:
+                floor_part += flops * counts[computation]
+    return total, floor_part
+
+
+def collectives(text: str) -> list[Collective]:
+    """Every collective of an HLO module, with its per-call execution count."""
+    computations, entry = _parse(text)
+    counts, unknown = _multiplicities(computations, entry)
     found: list[Collective] = []
     for computation, instructions in computations.items():
         if not counts.get(computation):
@@ -297,8 +330,13 @@ def summarize(found: list[Collective]) -> dict[str, dict[str, float]]:
 
 
 def partitioned_hlo(lowered) -> str:
-    """The HLO of a lowered jax computation right after SPMD partitioning, compiled for the
-    current backend.
+    """The HLO of a lowered jax computation right after SPMD partitioning (see compile_and_read)."""
+    return compile_and_read(lowered)[1]
+
+
+def compile_and_read(lowered):
+    """(the compiled executable, its HLO right after SPMD partitioning) for a lowered jax
+    computation, compiled for the current backend.
 
     Why not `compile().as_text()`: that is the program after the backend's own passes, and the
     CPU backend widens bf16 collectives to f32 and never forms reduce-scatters; right after
@@ -312,14 +350,14 @@ def partitioned_hlo(lowered) -> str:
     persistent_cache.reset_cache()
     try:
         with tempfile.TemporaryDirectory(prefix="opsd-hlo-") as folder:
-            lowered.compile(compiler_options={
+            compiled = lowered.compile(compiler_options={
                 "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
             dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
             if not dumps:
                 raise RuntimeError(f"XLA wrote no after-spmd-partitioning dump in {folder}: "
                                    f"{sorted(os.listdir(folder))[:20]}")
             with open(dumps[-1]) as f:
-                return f.read()
+                return compiled, f.read()
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_was_on)
         persistent_cache.reset_cache()

@@ -120,6 +120,33 @@ def _check_common(logits, mask, reduction, chunk_rows, per_entry, sample_ids, nu
     return num_samples
 
 
+def mask_vocab(logits, vocab_limit):
+    """`logits` [..., V] with every id >= `vocab_limit` set to -inf (None: unchanged).
+
+    The embedding / lm_head table has more rows than the tokenizer has ids (Qwen2.5: 152064 vs
+    151665 + BAGEL's added tokens); the rows past the tokenizer are no token at all. The sampler
+    never draws them and the losses must not put mass on them either (a teacher top-k would
+    otherwise pick them), so both mask them through this one function.
+    """
+    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
+        return logits
+    ids = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.where(ids < vocab_limit, logits, jnp.array(-jnp.inf, logits.dtype))
+
+
+def _check_vocab_limit(vocab_limit, vocab):
+    """`vocab_limit` as an int in [1, V], or None."""
+    if vocab_limit is None:
+        return None
+    try:
+        vocab_limit = operator.index(vocab_limit)
+    except TypeError as err:
+        raise ValueError(f"vocab_limit must be an int or None, got {vocab_limit!r}") from err
+    if not 1 <= vocab_limit:
+        raise ValueError(f"vocab_limit must be >= 1, got {vocab_limit}")
+    return min(vocab_limit, vocab)
+
+
 def _compute_dtype(dtype):
     """fp32 for bf16/fp16/fp32 logits, fp64 for fp64 ones (used by gradient checks)."""
     return jnp.promote_types(dtype, jnp.float32)
@@ -284,7 +311,7 @@ def _clip_above(value, cap):
     return jnp.where(value > cap, cap, value)
 
 
-def _jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode):
+def _jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode, vocab_limit=None):
     """Generalized JSD of each loss row over the last axis, before the temperature**2 factor.
 
     `student` and `teacher` are [..., n, K] logits over the support (a top-k slice or the full
@@ -293,8 +320,8 @@ def _jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode):
     """
     dtype = _compute_dtype(student.dtype)
     keep = valid[..., None]
-    student = jnp.where(keep, student.astype(dtype), 0.0) / temperature
-    teacher = jnp.where(keep, teacher.astype(dtype), 0.0) / temperature
+    student = mask_vocab(jnp.where(keep, student.astype(dtype), 0.0), vocab_limit) / temperature
+    teacher = mask_vocab(jnp.where(keep, teacher.astype(dtype), 0.0), vocab_limit) / temperature
     student_logp = student - jax.nn.logsumexp(student, axis=-1, keepdims=True)
     teacher_logp = teacher - jax.nn.logsumexp(teacher, axis=-1, keepdims=True)
     entries = _divergence_entries(student_logp, teacher_logp, beta)
@@ -343,16 +370,17 @@ _top_k_ids.def_partition(
 )
 
 
-def _teacher_top_k(teacher, valid, k, temperature):
+def _teacher_top_k(teacher, valid, k, temperature, vocab_limit=None):
     """For a chunk of teacher rows [..., n, V]: top-k ids, the logits there, the mass they hold.
 
     The selection uses the input (bf16) logits. Each chunk is upcast exactly before lax.top_k
     because XLA:CPU only has a fast TopK kernel for fp32 (for bf16 it sorts whole rows, ~20x
-    slower); the cast is monotone and exact, so the selected set is the same.
+    slower); the cast is monotone and exact, so the selected set is the same. Ids at or past
+    `vocab_limit` are -inf, so they are never selected (k < vocab_limit) and hold no mass.
     """
     dtype = _compute_dtype(teacher.dtype)
     keep = valid[..., None]
-    exact = jnp.where(keep, teacher.astype(dtype), 0.0)
+    exact = mask_vocab(jnp.where(keep, teacher.astype(dtype), 0.0), vocab_limit)
     ids = _top_k_ids(exact, k)
     top_logits = jnp.take_along_axis(teacher, ids, axis=-1)
     scaled = exact / temperature
@@ -367,30 +395,34 @@ def _teacher_top_k(teacher, valid, k, temperature):
 # ----------------------------------------------------------------------------------------------
 
 
-def _token_logprob_rows(logits, token_ids, valid, *, temperature):
+def _token_logprob_rows(logits, token_ids, valid, *, temperature, vocab_limit=None):
     dtype = _compute_dtype(logits.dtype)
-    scaled = jnp.where(valid[..., None], logits.astype(dtype), 0.0) / temperature
+    scaled = mask_vocab(jnp.where(valid[..., None], logits.astype(dtype), 0.0), vocab_limit)
+    scaled = scaled / temperature
     ids = jnp.clip(jnp.where(valid, token_ids, 0), 0, logits.shape[-1] - 1)
     picked = jnp.take_along_axis(scaled, ids[..., None].astype(jnp.int32), axis=-1)[..., 0]
     logp = picked - jax.nn.logsumexp(scaled, axis=-1)
     return jnp.where(valid, logp, 0.0), ()
 
 
-def token_logprobs(logits, token_ids, mask=None, *, temperature=1.0, chunk_rows=DEFAULT_CHUNK_ROWS):
+def token_logprobs(logits, token_ids, mask=None, *, temperature=1.0, chunk_rows=DEFAULT_CHUNK_ROWS,
+                   vocab_limit=None):  # fmt: skip
     """log softmax(logits / temperature)[token_ids] for every entry, shape [..., C] (fp32).
 
     Differentiable with respect to `logits`; the log-sum-exp runs over chunks of `chunk_rows`
     loss rows so no [C, V] fp32 tensor exists. Entries with mask False give 0. `token_ids` must
-    lie in [0, V) (out-of-range ids are clamped).
+    lie in [0, V) (out-of-range ids are clamped). `vocab_limit`: the softmax runs over ids below
+    it only (see `mask_vocab`), as the sampler's does.
     """
     mask = jnp.ones(logits.shape[:-1], bool) if mask is None else mask
     _check_common(logits, mask, "token_sum", chunk_rows, {"token_ids": token_ids}, None, None)
     temperature = _static_number("temperature", temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab_limit = _check_vocab_limit(vocab_limit, logits.shape[-1])
 
     def row_fn(z, ids, ok):
-        return _token_logprob_rows(z, ids, ok, temperature=temperature)
+        return _token_logprob_rows(z, ids, ok, temperature=temperature, vocab_limit=vocab_limit)
 
     logp, _ = _chunked_entries(
         row_fn,
@@ -461,6 +493,7 @@ def generalized_jsd(
     sample_ids=None,
     num_samples=None,
     chunk_rows=DEFAULT_CHUNK_ROWS,
+    vocab_limit=None,
 ):
     """Generalized Jensen-Shannon divergence between student p and teacher q, per completion entry.
 
@@ -484,6 +517,9 @@ def generalized_jsd(
       sample_ids, num_samples: sample of each entry (see the module docstring).
       chunk_rows: loss rows per chunk, taken along C for all leading rows at once (the
         working set per chunk is ~prod(leading dims) x chunk_rows x V fp32 values).
+      vocab_limit: ids >= vocab_limit (padded table rows, no token) are left out of both
+        distributions, the teacher's top-k and the support size (None: every id counts); the
+        sampler takes the same limit (see `mask_vocab`).
 
     Returns:
       (loss, diagnostics). Besides the common keys, diagnostics hold 'clip_fraction' (entry mode:
@@ -526,7 +562,8 @@ def generalized_jsd(
     if math.isinf(clip):
         clip = 0.0
 
-    vocab = student_logits.shape[-1]
+    vocab_limit = _check_vocab_limit(vocab_limit, student_logits.shape[-1])
+    vocab = student_logits.shape[-1] if vocab_limit is None else vocab_limit
     student = _as_leading_rows(student_logits, mask)
     teacher = _as_leading_rows(lax.stop_gradient(teacher_logits), mask)
     valid = _as_leading_rows(mask, mask).astype(bool)
@@ -536,16 +573,19 @@ def generalized_jsd(
         # Teacher-only work (selection, gathered logits, captured mass) is a constant; only the
         # student's gather below is differentiated, and its gradient is a scatter of [L, C, k].
         top_ids, teacher_top, topk_mass = _loop_over_chunks(
-            lambda t, ok: _teacher_top_k(t, ok, top_k, temperature), chunk_rows, (teacher, valid)
-        )
+            lambda t, ok: _teacher_top_k(t, ok, top_k, temperature, vocab_limit), chunk_rows,
+            (teacher, valid),
+        )  # fmt: skip
         student_top = jnp.take_along_axis(student, lax.stop_gradient(top_ids), axis=-1)
+        # The support holds only ids below vocab_limit (k < vocab_limit): nothing to mask.
         rows, clipped = _jsd_rows(student_top, teacher_top, valid, **row_options)
         support = top_k
         mass = _valid_mean(topk_mass, valid)
     else:
         rows, clipped = _chunked_entries(
-            lambda s, t, ok: _jsd_rows(s, t, ok, **row_options), chunk_rows, student, teacher, valid
-        )
+            lambda s, t, ok: _jsd_rows(s, t, ok, vocab_limit=vocab_limit, **row_options),
+            chunk_rows, student, teacher, valid,
+        )  # fmt: skip
         support = vocab
         mass = jnp.ones((), rows.dtype)
 
@@ -567,10 +607,12 @@ def generalized_jsd(
             mask,
             temperature=temperature,
             chunk_rows=chunk_rows,
+            vocab_limit=vocab_limit,
         )
         log_q = token_logprobs(
-            teacher_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows
-        )
+            teacher_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows,
+            vocab_limit=vocab_limit,
+        )  # fmt: skip
         diagnostics["k1_reverse_kl"] = _valid_mean(
             lax.stop_gradient(log_p - log_q).reshape(-1), valid
         )
@@ -592,6 +634,7 @@ def tinker_loss(
     num_samples=None,
     chunk_rows=DEFAULT_CHUNK_ROWS,
     sample_temperature=None,
+    vocab_limit=None,
 ):
     """Sampled-token reverse KL used as a per-token advantage (loss kind 'tinker').
 
@@ -605,14 +648,20 @@ def tinker_loss(
     log-sum-exp. Without sampler log-probs the gradient is -A grad log p, whose expectation over
     y ~ p is grad KL(p || q) when y was sampled from p at the same temperature and weights.
 
-    Args beyond generalized_jsd's: token_ids [..., C] sampled ids in [0, V); sampler_logprobs
+    Args beyond generalized_jsd's (vocab_limit as there): token_ids [..., C] sampled ids in
+    [0, V); sampler_logprobs
     [..., C] the sampler's recorded log-probs; sample_temperature, if given and different from
     `temperature`, triggers a warning (the estimator is then biased).
+
+    The loss value is therefore -reduce(A) (with rho = 1: the k1 estimate of KL(p || q)), not
+    the PyTorch OPSD trainer's -mean(A * log p(y)): same gradient, different number. That one is
+    returned as 'pytorch_surrogate' (reduced like the loss), for comparing logs.
 
     Returns:
       (loss, diagnostics). Besides the common keys: 'k1_reverse_kl' (mean of l(y) - log q(y), the
       k1 estimate of KL(p || q)), 'importance_ratio_mean', 'importance_ratio_max',
-      'advantage_mean' and 'advantage_clip_fraction', all over valid entries.
+      'advantage_mean' and 'advantage_clip_fraction', all over valid entries, and
+      'pytorch_surrogate' (-reduce(A * log p(y)), no gradient).
     """
     num_samples = _check_common(
         student_logits,
@@ -645,14 +694,16 @@ def tinker_loss(
 
     valid = mask.reshape(-1).astype(bool)
     log_p = token_logprobs(
-        student_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows
-    ).reshape(-1)
+        student_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows,
+        vocab_limit=vocab_limit,
+    ).reshape(-1)  # fmt: skip
     log_q = token_logprobs(
         lax.stop_gradient(teacher_logits),
         token_ids,
         mask,
         temperature=temperature,
         chunk_rows=chunk_rows,
+        vocab_limit=vocab_limit,
     ).reshape(-1)
     if sampler_logprobs is None:
         behaviour = lax.stop_gradient(log_p)
@@ -676,6 +727,9 @@ def tinker_loss(
     diagnostics["advantage_mean"] = _valid_mean(advantage, valid)
     clipped = (advantage != raw_advantage).astype(ratio.dtype)
     diagnostics["advantage_clip_fraction"] = _valid_mean(clipped, valid)
+    surrogate = jnp.where(valid, -advantage * stats(log_p), 0.0)
+    diagnostics["pytorch_surrogate"] = _reduce(surrogate, valid, flat_ids, num_samples,
+                                               reduction)[0]  # fmt: skip
     return loss, diagnostics
 
 
@@ -688,12 +742,14 @@ def completion_ce(
     sample_ids=None,
     num_samples=None,
     chunk_rows=DEFAULT_CHUNK_ROWS,
+    vocab_limit=None,
 ):
     """The student's negative log-likelihood of its own sampled completion (plus closing EOS).
 
     This is the seed's CE term: self-training on on-policy samples, not SFT on a reference. The
     caller puts the closing EOS id on the last completion row and marks it valid in `mask`. No
-    temperature: plain log-softmax. Returns (loss, diagnostics) with the common keys.
+    temperature: plain log-softmax (over ids below `vocab_limit`, see `mask_vocab`). Returns
+    (loss, diagnostics) with the common keys.
     """
     num_samples = _check_common(
         student_logits,
@@ -705,7 +761,8 @@ def completion_ce(
         num_samples,
     )
     valid = mask.reshape(-1).astype(bool)
-    log_p = token_logprobs(student_logits, token_ids, mask, chunk_rows=chunk_rows).reshape(-1)
+    log_p = token_logprobs(student_logits, token_ids, mask, chunk_rows=chunk_rows,
+                           vocab_limit=vocab_limit).reshape(-1)  # fmt: skip
     per_entry = jnp.where(valid, -log_p, 0.0)
     flat_ids = _flat_sample_ids(mask, sample_ids)
     loss, sample_mean, sample_count = _reduce(per_entry, valid, flat_ids, num_samples, reduction)

@@ -21,6 +21,13 @@ Why it is shaped this way:
 * Only the main process (`jax.process_index() == 0` by default) logs anything, so multi-host
   runs do not write N copies. Values passed in must then be readable from the main process
   (host numbers or fully replicated/addressable arrays, as a jitted step's scalar outputs are).
+* One line per event on the console, and no raw control characters anywhere: a sampled
+  completion is model output and may hold ESC, BEL or NUL, which would recolour or garble a
+  terminal and a log; its newlines would break the one-line-per-event layout. The console
+  shows them escaped (`\\x1b`, `\\n`), TensorBoard keeps the newlines and escapes the rest,
+  and `text.jsonl` keeps the exact text in JSON escapes.
+* The progress bar redraws itself with carriage returns; in a file that is noise between the
+  lines, so it is only drawn when stdout and stderr are both terminals.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -37,8 +45,42 @@ from typing import Any, Self
 import jax
 import numpy as np
 
+from opsd_jax import distributed
+
 # Interval clock; a module attribute so tests can substitute a deterministic one.
 _now = time.perf_counter
+
+
+# C0 controls, DEL and C1 controls (Unicode category Cc): they act on a terminal, not print.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_NAMED_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def escape_controls(text: str, keep: str = "") -> str:
+    """`text` with every control character not in `keep` written as a visible escape (`\\n`,
+    `\\x1b`, `\\x9b`), so logged model output cannot move the cursor, ring the bell or recolour
+    a terminal."""
+
+    def escape(match: re.Match) -> str:
+        c = match.group()
+        return c if c in keep else _NAMED_ESCAPES.get(c, f"\\x{ord(c):02x}")
+
+    return _CONTROL.sub(escape, text)
+
+
+def json_line(record: Mapping[str, Any]) -> str:
+    """One JSON object per line, non-ASCII text kept readable; every control character as a JSON
+    escape (json.dumps escapes C0 ones itself but writes DEL and C1 raw), so the file holds the
+    exact text and no raw control byte."""
+    text = json.dumps(record, ensure_ascii=False)
+    return _CONTROL.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def _is_latest_value(key: str) -> bool:
@@ -94,6 +136,22 @@ def _to_float(value: Any) -> float | None:
     return float(arr) if arr.size == 1 else float(arr.mean())
 
 
+def wandb_run_id(configured: str, saved_config: Mapping | None) -> str:
+    """The W&B run id of a training run, so that a resumed run continues its W&B run.
+
+    `configured` (config `wandb_runid`) wins when set. Otherwise the id recorded in the config of
+    the run's own checkpoint (`saved_config`, None on a fresh start), else a new random id:
+    process 0's on every process (call this on all of them), so the config every process holds,
+    and the checkpoints save, is the same.
+    """
+    if configured:
+        return str(configured)
+    if saved_config and saved_config.get("wandb_runid"):
+        return str(saved_config["wandb_runid"])
+    words = distributed.all_processes(np.frombuffer(os.urandom(8), np.uint32))[0]
+    return "".join(f"{int(w):08x}" for w in words)
+
+
 class MetricsLogger:
     """Accumulates per-step scalars and phase timings; writes averaged records every `log_every`
     steps (see the module docstring). All methods are no-ops on non-main processes."""
@@ -136,7 +194,7 @@ class MetricsLogger:
             self._jsonl = open(  # noqa: SIM115 - lives until close()
                 os.path.join(logdir, "metrics.jsonl"), "a", encoding="utf-8"
             )
-        if progress_bar:
+        if progress_bar and _is_terminal(sys.stdout) and _is_terminal(sys.stderr):
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
@@ -167,6 +225,9 @@ class MetricsLogger:
                 name=options.get("name"),
                 mode=options.get("mode", "offline"),
                 dir=options.get("dir"),
+                # The same id after a restart continues the same W&B run (see wandb_run_id).
+                id=options.get("id"),
+                resume=options.get("resume"),
                 config=config,
             )
         except Exception as e:  # noqa: BLE001 - logging must not take the training run down
@@ -232,19 +293,19 @@ class MetricsLogger:
         `<logdir>/text.jsonl` and the console."""
         if not self.is_main or self._closed:
             return
-        self._print(f"[step {step}] {tag}:\n{text}")
+        self._print(f"[step {step}] {tag}: {escape_controls(text)}")
         if self._writer is not None:
-            self._write_text_event(int(step), tag, text)
+            self._write_text_event(int(step), tag, escape_controls(text, keep="\n\t"))
             self._writer.flush()
         if self.logdir is not None:
             if self._text_jsonl is None:
                 path = os.path.join(self.logdir, "text.jsonl")
                 self._text_jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
             record = {"step": int(step), "time": time.time(), "tag": tag, "text": text}
-            self._text_jsonl.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._text_jsonl.write(json_line(record))
             self._text_jsonl.flush()
         if self._wandb_run is not None:
-            self._wandb_run.log({tag: text}, step=int(step))
+            self._wandb_run.log({tag: escape_controls(text, keep="\n\t")}, step=int(step))
 
     def close(self) -> None:
         """Flush and close every sink. Safe to call more than once."""

@@ -43,7 +43,7 @@ class Text:
 @dataclasses.dataclass(frozen=True)
 class Image:
     patches: np.ndarray  # [N, 588]
-    position_ids: np.ndarray  # [N] r*70 + c
+    position_ids: np.ndarray  # [N] r*G + c (G: the ViT's position grid, 70 at 7B)
 
     def __post_init__(self):
         if self.patches.ndim != 2 or self.patches.shape[0] != len(self.position_ids):

@@ -198,6 +198,16 @@ def index_name(stem: str) -> str:
     return f"{stem}.safetensors.index.json"
 
 
+def present_stems(directory: str | os.PathLike, stems=WEIGHT_STEMS) -> list[str]:
+    """The `stems` (in their order) that have `<stem>.safetensors` or its index in `directory`."""
+    directory = Path(directory)
+    return [
+        stem
+        for stem in stems
+        if (directory / f"{stem}.safetensors").exists() or (directory / index_name(stem)).exists()
+    ]
+
+
 class WeightDirectory:
     """The weight files of a checkpoint directory: one file, or shards plus an index json.
 
@@ -211,15 +221,13 @@ class WeightDirectory:
         if stem is not None and stem.endswith(".safetensors"):
             stem = stem[: -len(".safetensors")]
         stems = [stem] if stem is not None else list(WEIGHT_STEMS)
-        for candidate in stems:
-            single = self.directory / f"{candidate}.safetensors"
-            index = self.directory / index_name(candidate)
-            if index.exists() or single.exists():
-                self.stem = candidate
-                break
-        else:
+        found = present_stems(self.directory, stems)
+        if not found:
             names = ", ".join(f"{s}.safetensors[.index.json]" for s in stems)
             raise SafetensorsError(f"{self.directory}: no weights found (looked for {names})")
+        self.stem = found[0]
+        single = self.directory / f"{self.stem}.safetensors"
+        index = self.directory / index_name(self.stem)
         self.index: dict | None = None
         if index.exists():
             self.index = _read_index(index)

@@ -44,6 +44,7 @@ from flax.core import spmd
 
 from models.pack import Pack
 from models.sharding import constrain
+from opsd_jax import losses
 from opsd_jax.decode_copy import DecodeCopy
 from opsd_jax.distributed import rows_array, to_host
 from opsd_jax.packing import SpecialTokens
@@ -192,9 +193,7 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
 
     def choose(logits, step):
-        logits = logits.astype(jnp.float32)
-        vocab = jnp.arange(logits.shape[-1])
-        logits = jnp.where(vocab < settings.vocab_limit, logits, -jnp.inf)
+        logits = losses.mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
         scaled = logits / settings.temperature if settings.do_sample else logits
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
         if settings.do_sample:

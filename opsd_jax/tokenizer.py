@@ -19,10 +19,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import transformers
-from tokenizers import AddedToken
+# transformers advises on import that PyTorch is missing ("Models won't be available"): true
+# and irrelevant, since we only take its tokenizer. Advisory warnings only; a user's own
+# setting wins.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+import transformers  # noqa: E402
+from tokenizers import AddedToken  # noqa: E402
 
-from opsd_jax.packing import SpecialTokens
+from opsd_jax.packing import SpecialTokens  # noqa: E402
 
 # BAGEL's structural tokens, under the names its `add_special_tokens` returns them.
 BAGEL_SPECIAL_TOKENS = {

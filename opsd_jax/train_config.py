@@ -1,18 +1,21 @@
 """Validation of a training config: every bad value is named before anything compiles.
 
-`validate(config, num_devices, num_processes)` collects all problems and raises one ValueError
+`validate(config, num_devices, num_processes)` collects all problems and raises one ConfigError
 listing each with its key and the allowed values, so a long job never dies at step 0 (or step
-500) on a typo in a value. Unknown keys are already refused by the locked ConfigDict. Without
-`num_devices` the device-dependent checks (mesh, batch divisibility) are left out: train.py runs
-that first, because no device may be touched before `jax.distributed.initialize`.
+500) on a typo in a value. `unknown_keys(config, keys)` names every command-line key the config
+does not have, with the nearest valid names (the locked ConfigDict refuses them too, but one at
+a time, from deep inside ml_collections' flag parser). Without `num_devices` the
+device-dependent checks (mesh, batch divisibility) are left out: train.py runs that first,
+because no device may be touched before `jax.distributed.initialize`.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 
 from models import attention, configs
-from opsd_jax import losses, mesh, train_step
+from opsd_jax import hf, losses, mesh, train_step
 
 MODES = ("opsd", "sft")
 
@@ -28,8 +31,9 @@ _CHOICES = {
     "attention_backend": attention.BACKENDS,
     "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
-    "weights": ("", "ema", "model"),
+    "weights": hf.WEIGHT_CHOICES,
     "wandb_mode": ("offline", "online", "disabled"),
+    "wandb_resume": ("allow", "must", "never", "auto"),
 }
 
 # (key, test, description of what is allowed)
@@ -67,6 +71,56 @@ _RANGES = (
     ("num_shard", lambda v: v == -1 or v >= 1, ">= 1, or -1 for the devices left over"),
     ("num_tensor", lambda v: v >= 1, ">= 1"),
 )
+
+
+class ConfigError(ValueError):
+    """A bad training config; the message names every problem (train.py prints it as it is)."""
+
+
+def load_config_file(path: str | os.PathLike):
+    """A `configs/<name>.py` file's `get_config()` (a ConfigDict), imported as a module;
+    `file.py:argument` calls `get_config(argument)`, as ml_collections' --config does."""
+    import importlib.util
+
+    path, *argument = os.fspath(path).split(":", 1)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--config {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"--config {path}: defines no get_config()")
+    return module.get_config(*argument)
+
+
+def config_keys(config, prefix: str = "") -> list[str]:
+    """Every key of a ConfigDict as a dotted path, nested ones included (`data.datasets`)."""
+    keys = []
+    for key, value in config.items():
+        keys.append(prefix + key)
+        if hasattr(value, "items"):
+            keys += config_keys(value, prefix + key + ".")
+    return keys
+
+
+def unknown_keys(config, keys) -> list[str]:
+    """One line per key (`jsd_bta`, `data.image_transform.max_sise`) that `config` lacks, with
+    the nearest valid names."""
+    from ml_collections.config_flags import config_path  # the path syntax the flags accept
+
+    known = config_keys(config)
+    problems = []
+    for key in keys:
+        try:
+            config_path.get_value(key, config)
+            continue
+        except (AttributeError, KeyError, IndexError, ValueError):
+            pass
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = (f"did you mean {', '.join(close)}?" if close else
+                "nothing similar (configs/common.py lists every key)")  # fmt: skip
+        problems.append(f"{key}: no such key; {hint}")
+    return problems
 
 
 def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
@@ -113,11 +167,12 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
             or list(buckets) != sorted(set(buckets))):  # fmt: skip
         problems.append(f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
                         "increasing list of integers >= 16 (prompt row lengths)")  # fmt: skip
-    if config.freeze_und:
-        problems.append("freeze_und=True: BAGEL's flag only matters with the gen expert, which "
-                        "understanding-only training does not build; allowed value is False")  # fmt: skip
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
+    if config.freeze_und and config.freeze_llm:
+        # freeze_und leaves only lm_head trainable (train_step.trainable_labels), a part of the LM.
+        problems.append("freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
+                        "trains only lm_head, which freeze_llm freezes)")  # fmt: skip
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if config.resume_from and not os.path.exists(config.resume_from):
@@ -141,7 +196,7 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1) -> 
                         f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
                         "would always be empty")  # fmt: skip
     if problems:
-        raise ValueError("bad training config:\n  " + "\n  ".join(problems))
+        raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
 
 
 def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:

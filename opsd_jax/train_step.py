@@ -15,8 +15,9 @@ updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (
 params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory).
 
 Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
-config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`) get no optimizer state and a
-zero update, so they stay bit-identical.
+config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`, and with `freeze_und`
+everything but lm_head, see `trainable_labels`) get no optimizer state and a zero update, so
+they stay bit-identical.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class LossSettings:
     jsd_clip_mode: str = "entry"
     reduction: str = "seq_mean"
     num_samples: int = 1  # samples per micro-batch (per-sample reduction)
+    # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
+    # as the sampler masks them (losses.mask_vocab); None keeps the whole table.
+    vocab_limit: int | None = None
 
 
 @flax.struct.dataclass
@@ -78,14 +82,27 @@ def learning_rate_schedule(config) -> optax.Schedule:
     return optax.join_schedules([warmup, after], [config.warmup_steps])
 
 
-def trainable_labels(params, *, freeze_vit: bool, freeze_llm: bool):
-    """'train' / 'frozen' per parameter, by where it lives in the model."""
+def trainable_labels(params, *, freeze_vit: bool, freeze_llm: bool, freeze_und: bool = False):
+    """'train' / 'frozen' per parameter, by where it lives in the model.
+
+    `freeze_und` is BAGEL's flag (Qwen2MoT forward_train in modeling/bagel/qwen2_navit.py):
+    every understanding-token activation is detached, at the LM input, after q/k/v, after
+    attention, after the MLP and after the final norm, so only generation tokens carry gradient
+    into the LM body. In understanding-only training every token is an understanding token, so
+    nothing but `lm_head` (applied after the detached final norm) gets a gradient: the ViT,
+    connector, embeddings and LM layers keep their values, exactly as frozen groups here do.
+    """
+
+    def name(key) -> str:
+        return str(key.key if hasattr(key, "key") else key)
 
     def label(path, _):
-        top = str(path[0].key if hasattr(path[0], "key") else path[0])
+        top = name(path[0])
         if freeze_vit and top == "vit_model":
             return "frozen"
         if freeze_llm and top == "language_model":
+            return "frozen"
+        if freeze_und and not (top == "language_model" and name(path[1]) == "lm_head"):
             return "frozen"
         return "train"
 
@@ -103,7 +120,8 @@ def make_optimizer(config, params) -> optax.GradientTransformation:
             weight_decay=0.0,
         ),
     )
-    labels = trainable_labels(params, freeze_vit=config.freeze_vit, freeze_llm=config.freeze_llm)
+    labels = trainable_labels(params, freeze_vit=config.freeze_vit, freeze_llm=config.freeze_llm,
+                              freeze_und=config.get("freeze_und", False))  # fmt: skip
     # set_to_zero keeps no state: frozen params cost no optimizer memory and never move.
     return optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels)
 
@@ -117,22 +135,29 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
             beta=settings.jsd_beta, temperature=settings.jsd_temperature,
             top_k=settings.jsd_top_k, clip=settings.jsd_token_clip,
             clip_mode=settings.jsd_clip_mode, reduction=settings.reduction,
-            token_ids=pack.loss_targets, **common,
+            token_ids=pack.loss_targets, vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
     else:
         distill, diag = losses.tinker_loss(
             student_logits, teacher_logits, pack.loss_targets, pack.loss_mask,
-            temperature=settings.jsd_temperature, reduction=settings.reduction, **common,
+            temperature=settings.jsd_temperature, reduction=settings.reduction,
+            vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
     metrics = {"jsd": distill}
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
         if key in diag:
             metrics[key] = diag[key]
+    if settings.jsd_loss_kind == "tinker":
+        # Under 'tinker' the distillation value (`jsd`, and `loss`) is -reduce(A), the k1 KL
+        # estimate; the PyTorch trainer logs -reduce(A * log p) for the same gradient. Both are
+        # logged under names that say which is which, so the two trainers' logs can be compared.
+        metrics["tinker_k1"] = distill
+        metrics["tinker_surrogate"] = diag["pytorch_surrogate"]
     loss = settings.jsd_weight * distill
     if settings.ce_weight:
         ce, _ = losses.completion_ce(
             student_logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
-            **common,
+            vocab_limit=settings.vocab_limit, **common,
         )  # fmt: skip
         loss = loss + settings.ce_weight * ce
         metrics["ce"] = ce
@@ -234,8 +259,10 @@ def make_sft_grad_step(graphdef, rest, settings: LossSettings):
         ce, _ = losses.completion_ce(
             logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
             sample_ids=pack.loss_sample, num_samples=settings.num_samples,
+            vocab_limit=settings.vocab_limit,
         )  # fmt: skip
-        hits = (jnp.argmax(logits, axis=-1) == pack.loss_targets) & pack.loss_mask
+        predicted = jnp.argmax(losses.mask_vocab(logits, settings.vocab_limit), axis=-1)
+        hits = (predicted == pack.loss_targets) & pack.loss_mask
         tokens = jnp.sum(pack.loss_mask)
         metrics = {"ce": ce, "loss": ce, "loss_tokens": tokens,
                    "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1)}  # fmt: skip

@@ -14,7 +14,8 @@ Context: `student` ([system?, image, question]) or `teacher` (plus the VT images
 `--noise_vt` the VT pixels are noise). `--temperature 0` (default) is greedy decoding.
 
 Writes `<out>/<name>_generations.jsonl`, `<name>_summary.json` and `<name>_table.md`, name =
-`<context>[_noise_vt]`, and prints the table.
+`<context>[_noise_vt]`, and prints the table. `--out` defaults to `<run>/eval/` with
+`--checkpoint` (next to the evaluations the trainer writes there), else `results/eval/`.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from opsd_jax import evaluation
 from opsd_jax.data.sources import SPLITS
 
 
-def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags shared with scripts/kl_diagnostic.py."""
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """The model (HF directory or training checkpoint) and the config that goes with it; shared
+    with scripts/kl_diagnostic.py and scripts/generate.py."""
     model = parser.add_argument_group("model")
     model.add_argument("--model_dir", help="HF directory (llm_config.json, vit_config.json, ...)")
     model.add_argument("--checkpoint", help="training checkpoint: results_dir, checkpoints/ or a "
@@ -41,19 +43,63 @@ def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
                        help="HF weight file (default: ema.safetensors if present)")  # fmt: skip
     model.add_argument("--compute_dtype", choices=("float32", "bfloat16"), default=None,
                        help="default: the run config's, else bfloat16")  # fmt: skip
+    model.add_argument("--config", help="configs/<name>.py: datasets, prompt options, image size "
+                       "(default: the config saved with --checkpoint)")  # fmt: skip
+    model.add_argument("--image_size", default=None, metavar="MAX,MIN",
+                       help="ViT resize bounds (default: the config's, else BAGEL's 980,378)")  # fmt: skip
+
+
+def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
+    """Model flags plus held-out data flags; shared with scripts/kl_diagnostic.py."""
+    add_model_flags(parser)
     data = parser.add_argument_group("data")
-    data.add_argument("--config", help="configs/<name>.py: datasets and prompt options")
     data.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
                       help="a dataset (repeatable); replaces the config's datasets")  # fmt: skip
     data.add_argument("--split", choices=SPLITS, default="eval")
     data.add_argument("--num_samples", type=int, default=None,
-                      help="at most this many samples per dataset (default: all)")  # fmt: skip
-    data.add_argument("--image_size", default=None, metavar="MAX,MIN",
-                      help="ViT resize bounds (default: the config's, else BAGEL's 980,378)")  # fmt: skip
+                      help="at most this many samples from EACH dataset, not in total "
+                      "(default: all)")  # fmt: skip
     data.add_argument("--noise_vt", action="store_true",
                       help="teacher context: VT images replaced by Gaussian noise (control)")  # fmt: skip
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    """Decoding flags; shared with scripts/generate.py (see sampling_settings for defaults)."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy decoding; > 0 samples at this temperature")  # fmt: skip
+    parser.add_argument("--max_new_tokens", type=int, default=None,
+                        help="total over image-skip rounds (default: the config's "
+                        "sample_max_new_tokens, else 1024)")  # fmt: skip
+    parser.add_argument("--max_image_skips", type=int, default=None,
+                        help="extra rounds after an <image_start> the model cannot draw "
+                        "(default: the config's sample_max_image_skips, else 0)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random stream of sampling (with --temperature > 0)")  # fmt: skip
+
+
+def check_sampling_flags(args) -> None:
+    """Before any loading: a bad value fails at once."""
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise SystemExit(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_image_skips is not None and args.max_image_skips < 0:
+        raise SystemExit(f"--max_image_skips must be >= 0, got {args.max_image_skips}")
+
+
+def sampling_settings(args, config) -> dict:
+    """evaluation.evaluate / evaluation.answer keyword arguments from the sampling flags, the
+    run's config filling what the flags leave open."""
+    config = config or {}
+    return {
+        "max_new_tokens": args.max_new_tokens or config.get("sample_max_new_tokens", 1024),
+        "max_image_skips": (args.max_image_skips if args.max_image_skips is not None
+                            else config.get("sample_max_image_skips", 0)),
+        "do_sample": args.temperature > 0,
+        "temperature": args.temperature or 1.0,
+        "seed": args.seed,
+    }  # fmt: skip
 
 
 def image_transform_arg(text: str | None):
@@ -71,23 +117,20 @@ def image_transform_arg(text: str | None):
     }
 
 
-def setup(args, log=print):
-    """(model, tokenizer, samples, prompt options, run config) from the shared flags."""
-    from opsd_jax.mesh import make_mesh
-
-    if args.batch_size < 1:
-        raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}")
-    if args.num_samples is not None and args.num_samples < 1:
-        raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
+def load_config(args):
+    """(the --config file's config or None, the config in use: that file's, else the one saved
+    with --checkpoint, else None), as plain dicts."""
     file_config = evaluation.load_config_file(args.config) if args.config else None
     run_config = None
     if args.checkpoint:
         run_config = evaluation.checkpoint_config(evaluation.checkpoint_step_dir(args.checkpoint))
-    config = file_config if file_config is not None else run_config
-    # Data first: a wrong path fails before the (possibly long) model load.
-    data_config = evaluation.data_config_from(config, args.data,
-                                              image_transform_arg(args.image_size))  # fmt: skip
-    samples = evaluation.load_eval_samples(data_config, args.split, args.num_samples, log=log)
+    return file_config, file_config if file_config is not None else run_config
+
+
+def load_model(args, file_config, config, log=print):
+    """(model, tokenizer, mesh) from the model flags; sets args.compute_dtype to the one used."""
+    from opsd_jax.mesh import make_mesh
+
     model_dir = args.model_dir
     if model_dir is None and file_config is not None and not args.checkpoint:
         model_dir = evaluation.model_dir_from_config(file_config)
@@ -98,6 +141,23 @@ def setup(args, log=print):
         model_dir, args.checkpoint, which=args.params, compute_dtype=args.compute_dtype,
         mesh=mesh, weights=args.weights, log=log,
     )  # fmt: skip
+    return model, tokenizer, mesh
+
+
+def setup(args, log=print):
+    """(model, tokenizer, samples, prompt options, run config, mesh) from the shared flags."""
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.num_samples is not None and args.num_samples < 1:
+        raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
+    file_config, config = load_config(args)
+    # Data first: a wrong path fails before the (possibly long) model load.
+    data_config = evaluation.data_config_from(config, args.data,
+                                              image_transform_arg(args.image_size))  # fmt: skip
+    model, tokenizer, mesh = load_model(args, file_config, config, log=log)
+    # The images' patches and position ids follow the model's ViT (patch size, position grid).
+    samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
+                                           args.num_samples, log=log)  # fmt: skip
     options = evaluation.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh
 
@@ -106,16 +166,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_data_flags(parser)
     parser.add_argument("--context", choices=evaluation.CONTEXTS, default="student")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy decoding; > 0 samples at this temperature")  # fmt: skip
-    parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="default: the config's sample_max_new_tokens, else 1024")  # fmt: skip
-    parser.add_argument("--max_image_skips", type=int, default=None,
-                        help="default: the config's sample_max_image_skips, else 0")  # fmt: skip
-    parser.add_argument("--out", default="results/eval", help="output directory")
+    add_sampling_flags(parser)
+    parser.add_argument("--out", default=None, help="output directory (default: RUN/eval with "
+                        "--checkpoint RUN, else results/eval)")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.temperature < 0:
-        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
+    check_sampling_flags(args)
     if args.noise_vt and args.context != "teacher":
         raise SystemExit("--noise_vt only changes the teacher context: add --context teacher")
 
@@ -123,24 +178,22 @@ def main(argv=None) -> None:
         model, tokenizer, samples, options, config, mesh = setup(args)
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
-    config = config or {}
-    max_new_tokens = args.max_new_tokens or config.get("sample_max_new_tokens", 1024)
-    max_image_skips = (args.max_image_skips if args.max_image_skips is not None
-                       else config.get("sample_max_image_skips", 0))  # fmt: skip
     result = evaluation.evaluate(
         model, samples, tokenizer, options=options, context=args.context,
-        max_new_tokens=max_new_tokens, do_sample=args.temperature > 0,
-        temperature=args.temperature or 1.0, batch_size=args.batch_size,
-        max_image_skips=max_image_skips, seed=args.seed, mesh=mesh,
-        cache_dtype=evaluation.cache_dtype_for(args.compute_dtype),
-        log=print,
+        batch_size=args.batch_size, mesh=mesh,
+        cache_dtype=evaluation.cache_dtype_for(args.compute_dtype), log=print,
+        **sampling_settings(args, config),
     )  # fmt: skip
     result.summary["settings"].update(
         model_dir=args.model_dir, checkpoint=args.checkpoint, params=args.params,
         config=args.config, split=args.split,
     )  # fmt: skip
     name = args.context + ("_noise_vt" if args.noise_vt else "")
-    paths = evaluation.save_results(result, args.out, name)
+    out = args.out
+    if out is None:
+        out = (os.path.join(evaluation.run_dir_of(args.checkpoint), "eval") if args.checkpoint
+               else "results/eval")  # fmt: skip
+    paths = evaluation.save_results(result, out, name)
     print()
     print(evaluation.markdown_table(result.summary), end="")
     print()

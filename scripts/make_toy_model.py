@@ -35,13 +35,13 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ml_dtypes  # noqa: E402
-import transformers  # noqa: E402
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from models.bagel import sincos_2d_table  # noqa: E402
 from models.configs import BagelConfig  # noqa: E402
 from opsd_jax import hf  # noqa: E402
 from opsd_jax.safetensors_io import index_name, write_file  # noqa: E402
+from opsd_jax.tokenizer import transformers  # noqa: E402 - quiet import (see there)
 
 # Qwen2's special tokens that BAGEL uses, in Qwen2.5's id order, after the BPE ids.
 QWEN2_SPECIAL_TOKENS = (

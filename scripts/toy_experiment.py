@@ -156,7 +156,7 @@ class Evaluator:
         self.abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
         )
-        data_config = evaluation.data_config_from(run_config)
+        data_config = evaluation.data_config_from(run_config).for_model(model.config)
         self.samples = evaluation.load_eval_samples(data_config, "eval", log=log)
         if eval_samples:
             self.samples = self.samples[:eval_samples]

@@ -10,6 +10,8 @@ import shutil
 import sys
 import tempfile
 
+import numpy as np
+
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
@@ -40,3 +42,34 @@ def subprocess_env(devices: int = 1) -> dict:
         flags.append(f"{DEVICES_FLAG}={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
     return env
+
+
+def assert_close_to_scale(actual, expected, rel: float, scale: float | None = None,
+                          err_msg: str = "") -> None:
+    """|actual - expected| <= rel * scale everywhere, scale = max |expected| unless given.
+
+    For fp32 results computed in a different order (another mesh, chunk size, code path, or a
+    float64 reference): their round-off is proportional to the magnitude of the terms summed,
+    not to each result. A pure relative tolerance then fails on small or cancelling results (a
+    near-zero gradient entry, the JSD of two nearly equal distributions) that are right to fp32
+    precision, so the tolerance here is absolute, in units of the quantity's own scale."""
+    expected = np.asarray(expected, np.float64)
+    if scale is None:
+        scale = float(np.abs(expected).max()) if expected.size else 0.0
+    atol = rel * max(scale, float(np.finfo(np.float32).tiny))
+    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=0, atol=atol,
+                               err_msg=err_msg)  # fmt: skip
+
+
+def assert_trees_close_to_scale(actual, expected, rel: float) -> None:
+    """assert_close_to_scale on every leaf of two pytrees (e.g. gradients), with one scale for
+    all: the largest |leaf| of `expected`. A leaf whose values are all ~0 (a gradient that
+    barely flows) holds round-off of the size of the others' and would fail a per-leaf scale."""
+    import jax
+
+    expected_leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(expected)]
+    actual_leaves = jax.tree.leaves(actual)
+    assert len(actual_leaves) == len(expected_leaves) > 0
+    scale = max(float(np.abs(x).max()) for x in expected_leaves if x.size)
+    for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
+        assert_close_to_scale(a, e, rel, scale=scale, err_msg=f"leaf {i} of {len(expected_leaves)}")

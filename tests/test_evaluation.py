@@ -251,6 +251,29 @@ def test_checkpoint_step_dir(tmp_path):
         evaluation.checkpoint_step_dir(only_incomplete)
     with pytest.raises(FileNotFoundError, match="--checkpoint"):
         evaluation.checkpoint_step_dir(tmp_path / "nope")
+    # The run a checkpoint belongs to, from any of the three ways to name it.
+    for given in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "3"):
+        assert evaluation.run_dir_of(given) == str(tmp_path)
+
+
+def test_cli_writes_under_the_run_by_default(tmp_path, monkeypatch, capsys):
+    """`--checkpoint RUN` without `--out` writes to RUN/eval/, beside the trainer's evaluations
+    (model loading and sampling are stubbed: only where the files go is checked here)."""
+    from scripts import evaluate as evaluate_cli
+
+    (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "3" / "commit_success.txt").write_text("ok")
+    monkeypatch.setattr(evaluate_cli, "setup", lambda args: (None, None, [], PromptOptions(), None,
+                                                             None))  # fmt: skip
+    records = [{"dataset": "d", "correct": True, "completion_length": 1, "has_answer_tag": True,
+                "finished": True}]  # fmt: skip
+    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: evaluation.EvalResult(
+        records, evaluation.summarize(records)))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    evaluate_cli.main(["--checkpoint", str(tmp_path / "run")])
+    assert not (tmp_path / "results").exists()
+    summary = tmp_path / "run" / "eval" / "student_summary.json"
+    assert summary.is_file() and f"summary: {summary}" in capsys.readouterr().out
 
 
 def test_cli_on_an_fsdp_mesh(toy, tmp_path, capsys):

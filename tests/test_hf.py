@@ -6,8 +6,11 @@ reader, so it checks the mapping table against an independent spelling of the sa
 """
 
 import json
+import logging
 import math
+import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -315,6 +318,9 @@ def test_convert_script_round_trip(toy_fp32_sharded, tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "111 tensors (73 from our params, 38 copied" in printed
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(back.stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
     before, after = WeightDirectory(toy_fp32_sharded), WeightDirectory(back)
     assert len(after.files) == 3
     for key in before.keys():
@@ -426,15 +432,20 @@ def test_mapping_table_reproduces_the_7b_key_list():
         hf.plan_load(header, targets, config)
 
 
-def test_export_from_a_training_style_orbax_checkpoint(loaded_bf16, toy_bf16, tmp_path):
+def test_export_from_a_training_style_orbax_checkpoint(loaded_bf16, toy_bf16, tmp_path, caplog):
     import orbax.checkpoint as ocp
 
     # A trainer saving nnx.State directly (leaves end in `.value`) under <dir>/<step>/<item>.
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(tmp_path / "checkpoints" / "7" / "ema_params", nnx.state(loaded_bf16[0]))
+    item = tmp_path / "checkpoints" / "7" / "ema_params"
+    checkpointer.save(item, nnx.state(loaded_bf16[0]))
     checkpointer.wait_until_finished()
+    # A CheckpointManager (our trainer's) keeps the checkpoint-level metadata in the step folder.
+    (item / "_CHECKPOINT_METADATA").rename(item.parent / "_CHECKPOINT_METADATA")
     mesh = mesh_lib.make_mesh()
-    params = hf.restore_params(tmp_path / "checkpoints", toy_bf16, mesh, item="ema_params")
+    with caplog.at_level(logging.INFO):
+        params = hf.restore_params(tmp_path / "checkpoints", toy_bf16, mesh, item="ema_params")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     embed = params["language_model.embed_tokens"]
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
     out = hf.save_hf(params, tmp_path / "exported", toy_bf16)

@@ -3,14 +3,16 @@ back with EventAccumulator), phase timings, non-main silence, the missing-wandb 
 device-array values. A fake clock makes throughput, ETA and phase numbers exact."""
 
 import json
+import re
 import sys
+import types
 
 import jax.numpy as jnp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from opsd_jax import metrics
-from opsd_jax.metrics import MetricsLogger, format_duration, format_number
+from opsd_jax.metrics import MetricsLogger, format_duration, format_number, wandb_run_id
 
 
 class FakeClock:
@@ -152,6 +154,41 @@ def test_wandb_missing_warns_and_continues(tmp_path, clock, capsys, monkeypatch)
     assert out.count("WARNING") == 1 and "wandb" in out
 
 
+class FakeWandb(types.ModuleType):
+    """A stand-in `wandb` module (the real one is optional and not installed): records init
+    kwargs and logged records."""
+
+    def __init__(self):
+        super().__init__("wandb")
+        self.inits, self.logged = [], []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        return types.SimpleNamespace(log=lambda record, step: self.logged.append((step, record)),
+                                     finish=lambda: None)  # fmt: skip
+
+
+def test_wandb_gets_the_run_id_and_resume_mode(tmp_path, clock, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    options = {"project": "p", "name": "n", "id": "abc123", "resume": "allow"}
+    logger = MetricsLogger(str(tmp_path), total_steps=4, start_step=2, log_every=1,
+                           progress_bar=False, wandb=options, config={"lr": 1.0})  # fmt: skip
+    logger.log_step(3, {"loss": 2.0})
+    logger.close()
+    (init,) = fake.inits
+    assert (init["project"], init["name"], init["id"], init["resume"]) == ("p", "n", "abc123",
+                                                                          "allow")  # fmt: skip
+    assert fake.logged[0][0] == 3 and fake.logged[0][1]["loss"] == 2.0
+
+
+def test_wandb_run_id_is_configured_or_kept_or_new():
+    assert wandb_run_id("mine", {"wandb_runid": "old"}) == "mine"
+    assert wandb_run_id("", {"wandb_runid": "old"}) == "old"
+    new = {wandb_run_id("", None), wandb_run_id("", {"wandb_runid": ""})}
+    assert len(new) == 2 and all(len(i) == 16 and int(i, 16) >= 0 for i in new)
+
+
 def test_jax_array_values(tmp_path, clock):
     logger = MetricsLogger(str(tmp_path), total_steps=10, log_every=5, progress_bar=False)
     logged = [r for r in _run_ten_steps(logger, clock, as_jax=True) if r is not None]
@@ -181,15 +218,54 @@ def test_log_text_and_config(tmp_path, clock, capsys):
     assert json.loads(acc.Tensors("config")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
 
 
-def test_progress_bar_keeps_lines_on_stdout(clock, capsys):
+def _log_four_steps_and_a_completion(clock):
     logger = MetricsLogger(None, total_steps=4, log_every=2, progress_bar=True)
     for step in range(1, 5):
+        clock.t += 0.5
         logger.log_step(step, {"loss": 0.5})
+        if step == 2:
+            logger.log_text(step, "completion", "two\nlines")
     logger.close()
+
+
+def test_progress_bar_on_a_terminal_keeps_lines_on_stdout(clock, capsys, monkeypatch):
+    monkeypatch.setattr(metrics, "_is_terminal", lambda stream: True)
+    _log_four_steps_and_a_completion(clock)
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert len(lines) == 2 and lines[0].startswith("step 2/4 | loss 0.5 |")
-    assert "4/4" in captured.err  # the bar itself goes to stderr
+    assert len(lines) == 3 and lines[0].startswith("step 2/4 | loss 0.5 |")
+    assert lines[1] == "[step 2] completion: two\\nlines"
+    assert "4/4" in captured.err and "\r" in captured.err  # the bar itself goes to stderr
+
+
+def test_no_progress_bar_when_output_is_not_a_terminal(clock, capsys):
+    """Redirected to a file (capsys is not a terminal): no bar, no carriage return, one line per
+    event, even for a multi-line completion."""
+    _log_four_steps_and_a_completion(clock)
+    captured = capsys.readouterr()
+    assert captured.err == "" and "\r" not in captured.out
+    assert captured.out.splitlines() == [
+        "step 2/4 | loss 0.5 | 2 steps/s | ETA 1s",
+        "[step 2] completion: two\\nlines",
+        "step 4/4 | loss 0.5 | 2 steps/s | ETA 0s",
+    ]
+
+
+def test_control_characters_in_text_are_escaped_in_every_sink(tmp_path, clock, capsys):
+    text = "red \x1b[31mtext\x1b[0m\x07 nul\x00 del\x7f csi\x9b2J\nnext\tline é"
+    logger = MetricsLogger(str(tmp_path), total_steps=10, log_every=5, progress_bar=False)
+    logger.log_text(3, "completion", text)
+    logger.close()
+    controls = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # every control but newline
+    out = capsys.readouterr().out
+    assert out == ("[step 3] completion: red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f "
+                   "csi\\x9b2J\\nnext\\tline é\n")  # fmt: skip
+    raw = (tmp_path / "text.jsonl").read_text(encoding="utf-8")
+    assert not controls.search(raw) and raw.count("\n") == 1
+    assert json.loads(raw)["text"] == text  # the exact text, in JSON escapes
+    logged = _accumulator(tmp_path).Tensors("completion")[0].tensor_proto.string_val[0]
+    assert logged.decode() == ("red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f csi\\x9b2J\n"
+                               "next\tline é")  # fmt: skip
 
 
 @pytest.mark.parametrize(

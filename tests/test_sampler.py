@@ -11,7 +11,7 @@ from flax import nnx
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import mesh as mesh_lib
-from opsd_jax import sampler
+from opsd_jax import losses, sampler
 from opsd_jax.data.image_transform import patchify, vit_position_ids
 from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
 
@@ -91,6 +91,28 @@ def test_logprobs_match_the_forward_and_seeds_reproduce(model):
     np.testing.assert_array_equal(again.tokens, out.tokens)
     other = sampler.sample(model, prompt_pack(samples), jax.random.key(4), **kwargs)
     assert not np.array_equal(other.tokens, out.tokens)
+
+
+def test_sampler_and_losses_share_one_vocab_limit(model):
+    """The log-prob the sampler records for a token is the one the losses compute from the same
+    logits with the same vocab_limit (losses.mask_vocab on both sides): padded rows are no token
+    for either. Without the limit the loss's softmax would also spread over ids 1004..1023."""
+    samples = prompts(2)[:1]
+    # The sampling settings of the test above: its compiled decode is reused.
+    out = sampler.sample(model, prompt_pack(samples), jax.random.key(5), special=SPECIAL,
+                         vocab_limit=VOCAB_LIMIT, max_new_tokens=5, temperature=0.7,
+                         cache_dtype="float32")  # fmt: skip
+    tokens = out.row(0)
+    pack = pack_samples([samples[0] + [Text(tokens)]], row_length=48, special=SPECIAL)
+    length = int((pack.segment_ids[0] > 0).sum())
+    # Rows predicting each completion token: the one before it (<|im_start|> for the first).
+    rows = jnp.arange(length - 2 - len(tokens), length - 2)[None]
+    logits = _logits_at(*nnx.split(model), pack, rows)
+    ids, mask = jnp.asarray([tokens]), jnp.ones((1, len(tokens)), bool)
+    shared = losses.token_logprobs(logits, ids, mask, temperature=0.7, vocab_limit=VOCAB_LIMIT)
+    np.testing.assert_allclose(shared[0], out.logprobs[0, : len(tokens)], atol=2e-4)
+    whole = losses.token_logprobs(logits, ids, mask, temperature=0.7)
+    assert np.abs(np.asarray(whole[0]) - out.logprobs[0, : len(tokens)]).max() > 1e-3
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

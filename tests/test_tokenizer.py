@@ -1,9 +1,13 @@
 """The toy Qwen2 tokenizer and BAGEL's special-token rule (bagel_spec.md §7)."""
 
 import json
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import transformers
+from conftest import subprocess_env
 
 from opsd_jax.packing import SpecialTokens
 from opsd_jax.tokenizer import BAGEL_SPECIAL_TOKENS, add_special_tokens, load_tokenizer
@@ -123,3 +127,13 @@ def test_toy_tokenizer_is_deterministic_and_trains_on_a_given_corpus(toy_dir, tm
 def test_a_directory_without_tokenizer_files_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer files found"):
         load_tokenizer(tmp_path)
+
+
+def test_importing_the_tokenizer_without_pytorch_prints_nothing():
+    """transformers advises on import that PyTorch is missing; a JAX user need not hear it."""
+    code = "import sys; sys.modules['torch'] = None; import opsd_jax.tokenizer"  # torch hidden
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in subprocess_env(1).items() if not k.startswith("TRANSFORMERS_")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0 and result.stderr == "" and result.stdout == "", result.stderr

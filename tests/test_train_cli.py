@@ -1,6 +1,7 @@
 """train.py as a user runs it: the tiny config end to end, and config errors before compute."""
 
 import json
+import os
 import pathlib
 import random
 import re
@@ -26,8 +27,8 @@ def train_command(*overrides):
             "--config.progress_bar=False", *overrides]  # fmt: skip
 
 
-def run_train(*overrides, timeout=600):
-    env = subprocess_env(1)  # one CPU device, as on a user's laptop
+def run_train(*overrides, timeout=600, env=None):
+    env = env or subprocess_env(1)  # one CPU device, as on a user's laptop
     return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
 
@@ -107,15 +108,41 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
 
 
+FAKE_WANDB = '''"""A stand-in for the optional wandb package: appends init's arguments to a file."""
+import json, os, types
+
+
+def init(**kwargs):
+    with open(os.environ["FAKE_WANDB_LOG"], "a") as f:
+        f.write(json.dumps({k: kwargs.get(k) for k in ("project", "id", "resume")}) + "\\n")
+    return types.SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+'''
+
+
+def fake_wandb_env(tmp_path):
+    """A subprocess environment whose `import wandb` finds FAKE_WANDB; its init log file."""
+    package = tmp_path / "fake_wandb" / "wandb"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(FAKE_WANDB)
+    env = subprocess_env(1)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent),
+                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env["FAKE_WANDB_LOG"] = str(tmp_path / "wandb_inits.jsonl")
+    return env, tmp_path / "wandb_inits.jsonl"
+
+
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
     """SIGTERM (a preemption) after step 1: the run saves where it is and exits 0; the next
-    run resumes there and its final params are bit-identical to the uninterrupted run's."""
+    run resumes there and its final params are bit-identical to the uninterrupted run's. Both
+    launches log to one W&B run (a fake wandb records the init arguments)."""
     root, result = straight
     assert result.returncode == 0
     # No periodic checkpoints in this run, so the one it leaves is the one the signal made.
     shutil.copytree(root / "toy", tmp_path / "toy")
-    env = dict(subprocess_env(1), PYTHONUNBUFFERED="1")
-    command = train_command(*reference_args(tmp_path, "--config.save_every=1000"))
+    wandb_env, wandb_inits = fake_wandb_env(tmp_path)
+    env = dict(wandb_env, PYTHONUNBUFFERED="1")
+    wandb_args = ("--config.wandb_project=opsd",)
+    command = train_command(*reference_args(tmp_path, "--config.save_every=1000", *wandb_args))
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
     output = []
@@ -133,10 +160,16 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [str(saved)]
     assert (tmp_path / "checkpoints" / str(saved) / "commit_success.txt").exists()
 
-    resumed = run_train(*reference_args(tmp_path))
+    resumed = run_train(*reference_args(tmp_path, *wandb_args), env=wandb_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout
     assert_same_params(root / "checkpoints", tmp_path / "checkpoints", 6)
+    first, second = (json.loads(line) for line in wandb_inits.read_text().splitlines())
+    assert first["project"] == second["project"] == "opsd"
+    assert len(first["id"]) == 16 and second["id"] == first["id"]  # the same W&B run, continued
+    assert first["resume"] == second["resume"] == "allow"
+    saved_config = json.loads((tmp_path / "checkpoints" / "6" / "config" / "metadata").read_text())
+    assert saved_config["wandb_runid"] == first["id"]
 
 
 def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(straight, tmp_path):
@@ -161,6 +194,26 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
             assert x.resumed_at == x.committed_before, (x.listing_before, x.output[-2000:])
     assert "done: 6 steps" in launches[-1].output
     assert_same_params(root / "checkpoints", checkpoints, 6)
+
+
+def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_path):
+    """scripts/generate.py on the run's results_dir: its saved config gives the model, the
+    image size and the prompt; the last step's params are restored; a completion is printed."""
+    from PIL import Image
+
+    root, result = straight
+    assert result.returncode == 0
+    image = tmp_path / "picture.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8)).save(image)
+    command = [sys.executable, "scripts/generate.py", "--checkpoint", str(root), "--image",
+               str(image), "--question", "Which way out?", "--max_new_tokens", "6"]  # fmt: skip
+    run = subprocess.run(command, cwd=ROOT, env=subprocess_env(1), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"model: params of {root / 'checkpoints' / '6'} on " in run.stderr, run.stderr
+    summary = re.search(r"^answer: .*; (\d+) tokens, (\d+) round\(s\), ", run.stderr, re.M)
+    assert summary and 1 <= int(summary.group(1)) <= 6, run.stderr
+    assert run.stdout.strip() and run.stdout.count("\n") >= 1  # the completion
 
 
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
@@ -203,17 +256,38 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     assert any(changed)  # step 3 was a good step and trained
 
 
-def test_a_typo_in_a_config_key_is_an_error(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine")
-    assert result.returncode != 0
-    assert "lr_schedular" in result.stderr
+def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine",
+                       "--config.nonexistent_key=1", "--config.data.image_transform.max_sise=3")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "train.py: unknown config keys for configs/tiny.py:",
+        "  --config.lr_schedular: no such key; did you mean lr_scheduler?",
+        "  --config.nonexistent_key: no such key; nothing similar (configs/common.py lists every "
+        "key)",
+        "  --config.data.image_transform.max_sise: no such key; did you mean "
+        "data.image_transform.max_size, data.image_transform.max_pixels, "
+        "data.image_transform.min_size?",
+    ]  # fmt: skip
     assert not (tmp_path / "checkpoints").exists()
+    missing = subprocess.run([sys.executable, "train.py", "--config", "configs/nope.py"], cwd=ROOT,
+                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert missing.returncode == 2
+    assert missing.stderr == "train.py: --config configs/nope.py: no such file\n"
 
 
-def test_a_bad_value_fails_before_any_compute(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor")
-    assert result.returncode != 0
-    assert "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'" in result.stderr
+def test_bad_values_are_all_named_before_any_compute(tmp_path):
+    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor",
+                       "--config.jsd_beta=2.0", "--config.model_path=/nonexistent")  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [
+        "train.py: bad training config:",
+        "  teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'",
+        "  jsd_beta=2.0: must be a number in [0, 1]",
+        "  model_path='/nonexistent': not a directory",
+    ]
     assert "mesh" not in result.stdout  # stopped before building anything
 
 
@@ -241,7 +315,6 @@ def _valid_config(tmp_path):
         ("num_replicate", 3, "does not match the 1 devices"),
         ("rows_per_micro_batch", 3, "rows_per_micro_batch=3 exceeds samples_per_micro_batch=2"),
         ("model_path", "/nonexistent/model", "model_path='/nonexistent/model': not a directory"),
-        ("freeze_und", True, "freeze_und=True"),
         ("compute_dtype", "fp8", "compute_dtype='fp8'"),
         ("sampler_layout", "fsdp", "sampler_layout='fsdp': allowed values are 'replicated', "
          "'tensor'"),
@@ -257,6 +330,17 @@ def test_bad_configs_are_named(tmp_path, key, value, message):
     with pytest.raises(ValueError) as error:
         train_config.validate(config, num_devices=1)
     assert message in str(error.value)
+
+
+def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.freeze_und = True
+    train_config.validate(config, num_devices=1)  # trains lm_head alone
+    with config.unlocked():
+        config.freeze_llm = True
+    with pytest.raises(ValueError, match="freeze_und=True and freeze_llm=True: nothing left"):
+        train_config.validate(config, num_devices=1)
 
 
 def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):

@@ -61,4 +61,4 @@ _real_make_grad_step = train_step.make_grad_step
 train_step.make_grad_step = _make_poisoned_grad_step
 
 if __name__ == "__main__":
-    app.run(train.main)
+    app.run(train.main, flags_parser=train.parse_flags)

@@ -2,12 +2,13 @@
 
 What: PIL image -> RGB on white -> resized to a stride-aligned size (the exact BAGEL resize rule)
 -> float32 [H, W, 3] in [-1, 1] -> NaViT patches [N, 588] in (py, px, channel) order, plus the
-flattened position ids that index the 70x70 learned / sin-cos tables.
+flattened position ids that index the G x G learned / sin-cos tables (G = the checkpoint's
+image_size // patch_size: 70 at 7B).
 
 Why a separate, numpy-only module: the token count of every image (and hence the packed sequence
 layout) is decided here, on the host, before anything reaches JAX. Getting any detail wrong
 (round-half-even snapping, the over-shrinking area rule, the interleave path's VAE pre-resize,
-the patch feature order, r*70+c ids) silently changes the tokens the checkpoint sees, so each
+the patch feature order, r*G+c ids) silently changes the tokens the checkpoint sees, so each
 rule is implemented literally from the spec and is unit-testable without a model.
 """
 
@@ -20,8 +21,10 @@ import numpy as np
 from PIL import Image
 
 DEFAULT_MAX_PIXELS = 1_806_336
+# BAGEL-7B / ThinkMorph-7B's ViT (SigLIP-so400m-14-980): 14 px patches, a 980 / 14 = 70 per side
+# position grid. Another checkpoint's come from its vit_config.json (DataConfig.for_model).
 PATCH_SIZE = 14
-MAX_PATCHES_PER_SIDE = 70  # SigLIP-so400m-14-980: 980 / 14; both position tables are 70x70.
+MAX_PATCHES_PER_SIDE = 70
 
 # Modes that carry an alpha channel of their own ("a" = premultiplied alpha).
 _ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
@@ -246,10 +249,11 @@ def vit_position_ids(
     max_patches_per_side: int = MAX_PATCHES_PER_SIDE,
     interpolate: bool = False,
 ) -> np.ndarray:
-    """Flattened (row-major) ids into the 70x70 position tables for a grid_h x grid_w patch grid.
+    """Flattened (row-major) ids into the G x G position tables (G = `max_patches_per_side`, 70
+    for BAGEL-7B) for a grid_h x grid_w patch grid.
 
-    Extrapolate (the release's setting): id(r, c) = r*70 + c — the top-left sub-block of the table,
-    never r*grid_w + c (spec §10 item 4). Interpolate: id = bucket(r/grid_h)*70 + bucket(c/grid_w),
+    Extrapolate (the release's setting): id(r, c) = r*G + c — the top-left sub-block of the table,
+    never r*grid_w + c (spec §10 item 4). Interpolate: id = bucket(r/grid_h)*G + bucket(c/grid_w),
     see `_interpolated_buckets`.
     """
     if grid_h <= 0 or grid_w <= 0:
@@ -261,7 +265,8 @@ def vit_position_ids(
         if grid_h > max_patches_per_side or grid_w > max_patches_per_side:
             # Beyond 70 per side the ids would alias other rows / overrun the table.
             raise ValueError(
-                f"grid {grid_h}x{grid_w} exceeds {max_patches_per_side} patches per side"
+                f"grid {grid_h}x{grid_w} (rows x columns) exceeds the ViT position grid of "
+                f"{max_patches_per_side} patches per side"
             )
         rows = np.arange(grid_h, dtype=np.int64)
         cols = np.arange(grid_w, dtype=np.int64)
@@ -297,11 +302,20 @@ def prepare_vit_image(
     `pre_resize` applies another transform's resize step first: pass `ImageTransform.vae_resize()`
     to reproduce the interleave-inference path (§4.1); leave None for chat/eval and training.
     """
+    original = _check_image(image).size
     if pre_resize is not None:
         image = pre_resize.resize(image)
     pixels = transform(image, img_num=img_num)
     height, width, _ = pixels.shape
-    patches = patchify(pixels, patch_size)
     grid_h, grid_w = height // patch_size, width // patch_size
+    if not interpolate and max(grid_h, grid_w) > max_patches_per_side:
+        # Ids past the grid would index other rows of the position tables, or past them.
+        raise ValueError(
+            f"a {original[0]}x{original[1]} image resized to {width}x{height} px is "
+            f"{grid_w}x{grid_h} patches of {patch_size} px, more than the ViT position grid of "
+            f"{max_patches_per_side} per side (the checkpoint's image_size // patch_size); keep "
+            f"the transform's max_size <= {max_patches_per_side * patch_size}"
+        )
+    patches = patchify(pixels, patch_size)
     ids = vit_position_ids(grid_h, grid_w, max_patches_per_side, interpolate)
     return VitImageInputs(patches, ids, grid_h, grid_w)

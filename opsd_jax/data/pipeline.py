@@ -2,7 +2,8 @@
 
 What: per dataset `MapDataset.source -> shuffle(seed) -> slice[process_index::process_count] ->
 repeat()`, then `MapDataset.mix(weights)`, then one `.map` that decodes the row and runs the ViT
-image transform (patches + r*70+c position ids), then `to_iter_dataset` with a few read threads.
+image transform (patches + r*G+c position ids, G the model's ViT grid), then `to_iter_dataset`
+with a few read threads.
 `DataIterator` wraps the grain iterator: it drops bad rows, counts them per reason, and exposes a
 small JSON-able state (`get_state` / `set_state`) for our checkpoints.
 
@@ -26,7 +27,7 @@ from typing import Any
 
 import grain
 
-from opsd_jax.data.image_transform import ImageTransform, VitImageInputs, prepare_vit_image
+from opsd_jax.data.image_transform import VitImageInputs, prepare_vit_image
 from opsd_jax.data.sources import (
     BAD_IMAGE,
     DECODE_ERROR,
@@ -61,11 +62,14 @@ class Sample:
     full_text_only_thought: str | None
 
 
-def prepare_sample(raw: RawSample, transform: ImageTransform) -> Sample | Skipped:
-    """Run the ViT transform on every image of a decoded row (a failure skips the row)."""
+def prepare_sample(raw: RawSample, config: DataConfig) -> Sample | Skipped:
+    """Run the ViT transform on every image of a decoded row (a failure skips the row), with
+    the model's patch size and position grid."""
+    vit = dict(patch_size=config.vit_patch_size,
+               max_patches_per_side=config.vit_max_patches_per_side)  # fmt: skip
     try:
-        problem = prepare_vit_image(raw.problem_image, transform)
-        vts = [prepare_vit_image(image, transform) for image in raw.vt_images]
+        problem = prepare_vit_image(raw.problem_image, config.image_transform, **vit)
+        vts = [prepare_vit_image(image, config.image_transform, **vit) for image in raw.vt_images]
     except (ValueError, OSError) as e:  # e.g. a truncated image that decodes lazily, odd modes
         return Skipped(BAD_IMAGE, raw.dataset, raw.pid, f"transform: {type(e).__name__}: {e}")
     return Sample(
@@ -101,7 +105,7 @@ class _DecodeAndTransform:
             )
             if isinstance(raw, Skipped):
                 return raw
-            return prepare_sample(raw, cfg.image_transform)
+            return prepare_sample(raw, cfg)
         except Exception as e:  # noqa: BLE001 — a bad row must never stop training
             pid = record.get("pid") if isinstance(record, dict) else None
             return Skipped(DECODE_ERROR, name, pid, f"{type(e).__name__}: {e}")

@@ -44,7 +44,7 @@ from typing import Any
 
 from PIL import Image
 
-from opsd_jax.data.image_transform import ImageTransform
+from opsd_jax.data.image_transform import MAX_PATCHES_PER_SIDE, PATCH_SIZE, ImageTransform
 
 SPLITS = ("train", "eval", "all")
 THOUGHT_PREFIX = "resoning_thought_"  # sic: the ThinkMorph column name
@@ -117,6 +117,10 @@ class DataConfig:
     # grain's default (500) would hold gigabytes.
     prefetch_buffer_size: int = 4
     row_group_cache: int = 4  # parquet row groups kept in memory per source
+    # The model's ViT patch size and position grid (vit_config.json: patch_size, image_size //
+    # patch_size); BAGEL-7B's by default. Set from the model with `for_model`.
+    vit_patch_size: int = PATCH_SIZE
+    vit_max_patches_per_side: int = MAX_PATCHES_PER_SIDE
 
     def __post_init__(self):
         if not self.datasets:
@@ -128,6 +132,25 @@ class DataConfig:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.max_reference_rounds < 1:
             raise ValueError("max_reference_rounds must be >= 1")
+        transform = self.image_transform
+        patch, grid = self.vit_patch_size, self.vit_max_patches_per_side
+        if transform.stride % patch:
+            raise ValueError(f"data.image_transform.stride={transform.stride} is not a multiple "
+                             f"of the ViT's patch_size={patch}")  # fmt: skip
+        if transform.max_size > grid * patch:
+            # Resized sides reach max_size: more patches than position ids (an error per image).
+            raise ValueError(
+                f"data.image_transform.max_size={transform.max_size} px allows "
+                f"{transform.max_size // patch} patches of {patch} px per side, more than the "
+                f"model's ViT position grid of {grid} (vit_config.json image_size // patch_size);"
+                f" set data.image_transform.max_size <= {grid * patch}"
+            )
+
+    def for_model(self, model_config) -> DataConfig:
+        """This config with the ViT patch size and position grid of `model_config`, a BagelConfig."""
+        grid = model_config.vit_max_num_patch_per_side
+        return dataclasses.replace(self, vit_patch_size=model_config.vit.patch_size,
+                                   vit_max_patches_per_side=grid)  # fmt: skip
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> DataConfig:

@@ -1,0 +1,91 @@
+"""Where a training run's weights start: the student, and the EMA or fixed teacher.
+
+The rules are the PyTorch Visual-OPSD launcher's (scripts/visual_opsd/train_visual_opsd.py with
+FSDPCheckpoint.try_load_ckpt in train/fsdp_utils.py), so a recipe moved from there starts from
+the same weights:
+
+* from the HF directory `model_path` (`weights='auto'`, see `hf.initial_weights`): the student
+  from `model.safetensors`, the EMA teacher from `ema.safetensors` when both exist, the fixed
+  teacher from `model.safetensors`; one file present starts every copy;
+* `finetune_from_ema`: the student starts from the EMA weights too (the HF `ema.safetensors`, or
+  a `resume_model_only` checkpoint's EMA);
+* `resume_from` with `resume_model_only`: the student from the checkpoint's params, the EMA
+  teacher from its EMA when it kept one (else the student's weights); the fixed teacher stays
+  the HF `model_path` weights (the launcher loads it from model_path whatever it resumes);
+* a full resume (auto-resume or `resume_from` without `resume_model_only`) restores everything
+  from the checkpoint, so no second file is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from opsd_jax import hf
+from opsd_jax.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
+from opsd_jax.tokenizer import BagelTokenizer
+
+
+@dataclasses.dataclass
+class StartingWeights:
+    graphdef: Any
+    params: Any  # nnx.State of the student's nnx.Params
+    rest: Any  # the non-Param state (fixed tables)
+    model_config: Any  # models.configs.BagelConfig
+    tokenizer: BagelTokenizer
+    teacher_source: Any  # nnx.State of Params the EMA / fixed teacher starts from; None: params
+    description: str  # for the console: which file / item each copy starts from
+
+
+def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> StartingWeights:
+    """The model, tokenizer and starting weights a training `config` asks for, on `mesh`."""
+    model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
+    from_ema = config.finetune_from_ema and not full_resume
+    files = hf.initial_weights(config.model_path, config.weights,
+                               finetune_from_ema=from_ema and not model_only)  # fmt: skip
+    model, model_config, tokenizer = hf.load_hf(
+        config.model_path, mesh=mesh, config_changes=config_changes, weights=files.student)  # fmt: skip
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    del model
+    described = {"student": f"{files.student}.safetensors"}
+
+    def hf_params(stem):
+        if stem == files.student:
+            return params
+        _, state = hf.load_weights(config.model_path, model_config, weights=stem, mesh=mesh)
+        return nnx.state(nnx.merge(graphdef, state), nnx.Param)
+
+    teacher_source = None
+    if config.teacher_mode == "fixed" and not full_resume:
+        # Loaded before any checkpoint replaces `params`: the fixed teacher is the HF weights.
+        teacher_source = hf_params(files.fixed_teacher)
+        described["fixed teacher"] = f"{files.fixed_teacher}.safetensors"
+    if model_only:
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
+        saved_mode = saved_teacher_mode(config.resume_from)
+        if from_ema and saved_mode != "ema":
+            # Its 'ema_params' item, if any, holds a fixed teacher: not an EMA of the student.
+            raise ValueError(f"finetune_from_ema=True: resume_from={config.resume_from!r} was "
+                             f"saved with teacher_mode={saved_mode!r}, so it has no EMA weights")  # fmt: skip
+        item = EMA_PARAMS if from_ema else PARAMS
+        params = restore_model_params(config.resume_from, abstract, which=item)
+        described["student"] = f"{config.resume_from} {item}"
+        if config.teacher_mode == "ema" and not from_ema:
+            if saved_mode == "ema":
+                teacher_source = restore_model_params(config.resume_from, abstract,
+                                                      which=EMA_PARAMS)  # fmt: skip
+                described["ema teacher"] = f"{config.resume_from} {EMA_PARAMS}"
+    elif config.teacher_mode == "ema" and not full_resume:
+        teacher_source = hf_params(files.ema_teacher)
+        described["ema teacher"] = f"{files.ema_teacher}.safetensors"
+    if teacher_source is params:
+        teacher_source = None  # init_state copies the student's
+    if config.teacher_mode in ("ema", "fixed") and teacher_source is None and not full_resume:
+        described[f"{config.teacher_mode} teacher"] = "the student's weights"
+    description = ", ".join(f"{who} from {what}" for who, what in described.items())
+    return StartingWeights(graphdef, params, rest, model_config, tokenizer, teacher_source,
+                           description)  # fmt: skip
