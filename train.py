@@ -362,7 +362,7 @@ def main(argv):
                                         name=f"step{step}_{context}")  # fmt: skip
         return scalars
 
-    # ---- sampler: a decode copy of the student per step, prompts in fixed shapes -------------------
+    # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
     prompt_shapes = set()  # (row length, patches) the sampler has compiled for
     if not sft:
         decode_mesh = mesh_lib.decode_mesh(mesh, config.sampler_layout)  # checks the layout fits

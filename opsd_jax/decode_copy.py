@@ -37,10 +37,9 @@ def _is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def _cast(x: jax.Array, dtype) -> jax.Array:
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2:
-        return x.astype(dtype)
-    return x
+def copy_dtype(x, dtype):
+    """The dtype `x` has in the copy (see the module docstring)."""
+    return jnp.dtype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2 else x.dtype
 
 
 @dataclasses.dataclass
@@ -87,6 +86,31 @@ def decode_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules=mesh_lib.D
     return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 
+def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
+    """The jitted state -> copy on the decode mesh `view` (cached: one compile per run, not one
+    per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
+    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)), view,
+           jnp.dtype(dtype))  # fmt: skip
+    if key not in _CAST_FUNCTIONS:
+        # Each device casts its own shard first (the input's layout), so the gather that the
+        # out_shardings ask for moves compute-dtype bytes.
+        _CAST_FUNCTIONS[key] = jax.jit(
+            lambda s: jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), s),
+            out_shardings=decode_shardings(state, view))  # fmt: skip
+    return _CAST_FUNCTIONS[key]
+
+
+_CAST_FUNCTIONS: dict = {}
+
+
+def abstract_decode_copy(state: nnx.State, view: jax.sharding.Mesh, dtype) -> nnx.State:
+    """The copy's ShapeDtypeStructs (dtype and decode sharding), allocating nothing."""
+    def abstract(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, copy_dtype(x, dtype), sharding=sharding)
+
+    return jax.tree.map(abstract, state, decode_shardings(state, view))
+
+
 def make_decode_copy(graphdef: nnx.GraphDef, *states: nnx.State, layout: str,
                      mesh: jax.sharding.Mesh, dtype, tensor_size: int | None = None) -> DecodeCopy:  # fmt: skip
     """The model `nnx.merge(graphdef, *states)` cast to `dtype` (see the module docstring) and
@@ -94,14 +118,4 @@ def make_decode_copy(graphdef: nnx.GraphDef, *states: nnx.State, layout: str,
     computed on device (states: e.g. the training params and the rest of the model state)."""
     state = nnx.merge_state(*states) if len(states) > 1 else states[0]
     view = mesh_lib.decode_mesh(mesh, layout, tensor_size)
-    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)), view,
-           jnp.dtype(dtype))  # fmt: skip
-    if key not in _CAST_FUNCTIONS:  # one compile per run, not one per step
-        # Each device casts its own shard first (the input's layout), so the gather that the
-        # out_shardings ask for moves compute-dtype bytes.
-        _CAST_FUNCTIONS[key] = jax.jit(lambda s: jax.tree.map(lambda x: _cast(x, dtype), s),
-                                       out_shardings=decode_shardings(state, view))  # fmt: skip
-    return DecodeCopy(graphdef, _CAST_FUNCTIONS[key](state), view, layout)
-
-
-_CAST_FUNCTIONS: dict = {}
+    return DecodeCopy(graphdef, cast_function(state, view, dtype)(state), view, layout)

@@ -193,6 +193,11 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
 
     def choose(logits, step):
+        if settings.do_sample:
+            # The draw inverts the CDF over the whole vocabulary: with the vocabulary split over
+            # 'tensor', gather the logits once (in their compute dtype) rather than let XLA
+            # partition the cumsum in f32. Greedy argmax partitions fine (a max per shard).
+            logits = constrain(logits, ("act_batch", None))
         logits = losses.mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
         scaled = logits / settings.temperature if settings.do_sample else logits
         log_probs = jax.nn.log_softmax(scaled, axis=-1)

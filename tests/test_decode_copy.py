@@ -40,13 +40,13 @@ def bf16_setup():
     return mesh, model, graphdef, params, rest, pack
 
 
-def round_collectives(graphdef, state, pack):
-    """The collectives of one compiled greedy decode round, under the active mesh and rules."""
+def round_collectives(graphdef, state, pack, do_sample=False):
+    """The collectives of one compiled decode round, under the active mesh and rules."""
     rules = tuple(spmd.get_logical_axis_rules())
     slots = pack.row_length + NEW_TOKENS + 2
     decode_state = sampler._prefill(graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules)
-    settings = sampler._RoundSettings(1.0, False, SPECIAL.im_start, SPECIAL.im_end, VOCAB_LIMIT,
-                                      NEW_TOKENS + 1)  # fmt: skip
+    settings = sampler._RoundSettings(1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end,
+                                      VOCAB_LIMIT, NEW_TOKENS + 1)  # fmt: skip
     lowered = sampler._decode_round.lower(graphdef, state, decode_state, jax.random.key(0),
                                           jnp.arange(8, dtype=jnp.int32), settings, rules)  # fmt: skip
     return hlo_stats.collectives(hlo_stats.partitioned_hlo(lowered))
@@ -95,26 +95,35 @@ def test_replicated_decode_round_moves_no_weight(bf16_setup):
                                         dtype=jnp.bfloat16)  # fmt: skip
     with copy.activate():
         found = round_collectives(copy.graphdef, copy.state, pack)
-    assert not big(found), f"the replicated decode round moves more than scalars:\n{describe(found)}"
+    assert not big(found), f"the replicated round moves more than scalars:\n{describe(found)}"
+    with copy.activate():
+        found = round_collectives(copy.graphdef, copy.state, pack, do_sample=True)
+    assert not big(found), f"the sampled round moves more than scalars:\n{describe(found)}"
 
 
 def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
     mesh, _, graphdef, params, rest, pack = bf16_setup
     copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
                                         dtype=jnp.bfloat16, tensor_size=2)  # fmt: skip
-    with copy.activate():
-        found = round_collectives(copy.graphdef, copy.state, pack)
     llm = BagelConfig.tiny().llm
-    rows = 8 // copy.mesh.shape["data"]
-    moved = big(found)
-    # Megatron layout: the attention output and the MLP output of each layer (and the embedding
-    # of the fed token, whose table is split over the vocabulary) are summed over 'tensor'.
-    layer_outputs = [c for c in moved if c.kind == "all-reduce"
-                     and [s.dims for s in c.operands] == [(rows, 1, llm.hidden_size)]]  # fmt: skip
-    assert moved == layer_outputs, f"more than layer outputs move:\n{describe(moved)}"
-    steps = NEW_TOKENS + 1
-    assert sum(c.count for c in layer_outputs) == steps * (2 * llm.num_hidden_layers + 1)
-    assert all(c.group_size == 2 for c in layer_outputs)  # inside one tensor group
+    rows, steps = 8 // copy.mesh.shape["data"], NEW_TOKENS + 1
+    for do_sample in (False, True):
+        with copy.activate():
+            found = round_collectives(copy.graphdef, copy.state, pack, do_sample)
+        moved = big(found)
+        # Megatron layout: the attention output and the MLP output of each layer (and the
+        # embedding of the fed token, whose table is split over the vocabulary) are summed over
+        # 'tensor'.
+        layer_outputs = [c for c in moved if c.kind == "all-reduce"
+                         and [s.dims for s in c.operands] == [(rows, 1, llm.hidden_size)]]  # fmt: skip
+        assert sum(c.count for c in layer_outputs) == steps * (2 * llm.num_hidden_layers + 1)
+        assert all(c.group_size == 2 for c in layer_outputs)  # inside one tensor group
+        # Sampling draws from the whole vocabulary's CDF: the bf16 logits, gathered once a step.
+        logits = [c for c in moved if c.kind == "all-gather" and c.dtypes == {"bf16"}
+                  and [s.dims for s in c.results] == [(rows, llm.vocab_size)]]  # fmt: skip
+        assert sum(c.count for c in logits) == (steps if do_sample else 0)
+        others = [c for c in moved if c not in layer_outputs + logits]
+        assert not others, f"more than layer outputs and logits move:\n{describe(others)}"
 
 
 def test_same_completions_as_sampling_on_the_training_params(bf16_setup):
