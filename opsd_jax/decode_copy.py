@@ -105,6 +105,7 @@ _CAST_FUNCTIONS: dict = {}
 
 def abstract_decode_copy(state: nnx.State, view: jax.sharding.Mesh, dtype) -> nnx.State:
     """The copy's ShapeDtypeStructs (dtype and decode sharding), allocating nothing."""
+
     def abstract(x, sharding):
         return jax.ShapeDtypeStruct(x.shape, copy_dtype(x, dtype), sharding=sharding)
 

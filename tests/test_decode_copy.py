@@ -65,6 +65,11 @@ def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
         assert x.sharding.is_fully_replicated
         assert x.dtype == (jnp.bfloat16 if x.ndim >= 2 else jnp.float32)  # 1-D: norms, biases
     assert copy.nbytes < sum(x.nbytes for x in jax.tree.leaves((params, rest))) * 0.6
+    # The refresh casts each shard, then gathers: only bf16 crosses the interconnect.
+    state = nnx.merge_state(params, rest)
+    refresh = decode_copy.cast_function(state, copy.mesh, jnp.bfloat16).lower(state)
+    found = hlo_stats.collectives(hlo_stats.partitioned_hlo(refresh))
+    assert found and all(c.kind == "all-gather" and c.dtypes == {"bf16"} for c in big(found))
     leaves = jax.tree.leaves(copy.state)
     copy.delete()
     assert all(x.is_deleted() for x in leaves)
