@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from models import attention
 from opsd_jax import (
+    decode_copy,
     distributed,
     evaluation,
     init_weights,
@@ -43,6 +44,7 @@ from opsd_jax.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
+    prompt_shape_bound,
     shaped_pack,
 )
 
@@ -472,7 +474,9 @@ def main(argv):
                 max_new_tokens=config.eval_max_new_tokens or config.sample_max_new_tokens,
                 do_sample=False, batch_size=config.eval_batch_size,
                 max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
-                mesh=mesh, cache_dtype=evaluation.cache_dtype_for(config.compute_dtype),
+                mesh=mesh, sampler_layout=config.sampler_layout,
+                prompt_buckets=config.sample_prompt_buckets,
+                cache_dtype=evaluation.cache_dtype_for(config.compute_dtype),
             )  # fmt: skip
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
@@ -480,6 +484,15 @@ def main(argv):
                 evaluation.save_results(result, os.path.join(config.results_dir, "eval"),
                                         name=f"step{step}_{context}")  # fmt: skip
         return scalars
+
+    # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
+    prompt_shapes = set()  # (row length, patches) the sampler has compiled for
+    if not sft:
+        decode_mesh = mesh_lib.decode_mesh(mesh, config.sampler_layout)  # checks the layout fits
+        say(f"sampler: '{config.sampler_layout}' decode copy ({config.compute_dtype}) on "
+            f"{dict(decode_mesh.shape)}; {accum * per_micro} prompt rows, lengths bucketed to "
+            f"{list(config.sample_prompt_buckets)}: at most "
+            f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes")  # fmt: skip
 
     # ---- loop ----------------------------------------------------------------------------------
     stop, stopped_at = StopRequest(), None
@@ -529,7 +542,8 @@ def main(argv):
                 # The sampler needs the previous step's params: its device time counts here.
                 jax.block_until_ready(state.params)
             with logger.phase("sample"):
-                prompt_pack = build_prompt_pack(samples, encode, options, special)
+                prompt_pack = build_prompt_pack(samples, encode, options, special,
+                                                buckets=config.sample_prompt_buckets)  # fmt: skip
                 # One prompt per row. Rows go on the mesh when they divide over it (always with
                 # several processes: validate() checks), else the sampler takes host arrays.
                 first_row = 0
@@ -537,18 +551,28 @@ def main(argv):
                     prompt_pack = on_mesh(prompt_pack)
                     first_row = distributed.local_row_offset(prompt_pack.tokens)
                 row_ids = distributed.all_processes(local_to_global).reshape(-1)
-                student = nnx.merge(graphdef, state.params, rest)
-                with mesh_lib.use_mesh(mesh):
-                    completions = sampler.sample(
-                        student, prompt_pack,
-                        jax.random.fold_in(state.rng, step), special=special,
-                        vocab_limit=tokenizer.vocab_length,
-                        max_new_tokens=config.sample_max_new_tokens,
-                        temperature=config.sample_temperature, do_sample=config.sample_do_sample,
-                        max_image_skips=config.sample_max_image_skips, decode_text=tokenizer.decode,
-                        row_ids=row_ids + step * accum * per_micro,  # global sample ids
-                    )  # fmt: skip
-                del student
+                shape = distributed.pack_sizes(prompt_pack)[:2]
+                if shape not in prompt_shapes:
+                    prompt_shapes.add(shape)
+                    say(f"sampler: compiling for prompt length {shape[0]}, {shape[1]} patches "
+                        f"({len(prompt_shapes)} of at most "
+                        f"{prompt_shape_bound(config.sample_prompt_buckets)} shapes)")  # fmt: skip
+                # Decode on a compute-dtype copy of the updated student in the decode layout
+                # (one all-gather on device), freed right after: no per-token weight gathers,
+                # and never two copies alive.
+                student = decode_copy.make_decode_copy(
+                    graphdef, state.params, rest, layout=config.sampler_layout, mesh=mesh,
+                    dtype=config.compute_dtype)  # fmt: skip
+                completions = sampler.sample(
+                    student, prompt_pack,
+                    jax.random.fold_in(state.rng, step), special=special,
+                    vocab_limit=tokenizer.vocab_length,
+                    max_new_tokens=config.sample_max_new_tokens,
+                    temperature=config.sample_temperature, do_sample=config.sample_do_sample,
+                    max_image_skips=config.sample_max_image_skips, decode_text=tokenizer.decode,
+                    row_ids=row_ids + step * accum * per_micro,  # global sample ids
+                )  # fmt: skip
+                student.delete()
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
         if offline:
             state, metrics, scalars, tokens = offline_step(step, samples)

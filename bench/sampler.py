@@ -1,4 +1,4 @@
-"""Sampler throughput: prefill time, decode tokens/s, and the decode loop's overhead.
+"""Sampler throughput: prefill time, decode tokens/s, the decode loop's overhead, refresh cost.
 
 For each batch size B the script prefills B prompts ([16x16-patch image, 20-token question])
 and samples `--new-tokens` tokens per row, then times bare decode steps of the same model for
@@ -6,6 +6,11 @@ the same B (one token per row through every layer with the KV cache, in a jitted
 same length; no sampling, no stopping logic, no bookkeeping). The ratio of the sampler's per-step time to the bare loop's per-step time is the cost
 of the loop, sampling and bookkeeping. The compiled temp memory of a decode round next to the
 cache size shows that the (donated) cache is updated in place, not copied.
+
+The sampler decodes on a decode copy (opsd_jax/decode_copy.py: the fp32 params cast to the
+compute dtype, laid out by `--layout`); `refresh ms` is the time to make it (once per training
+step), next to the rollout time (prefill + decode round) it serves. `fp32 params tok/s` decodes
+on the fp32 parameters as the sampler did before the copy existed, in the same run.
 
     python bench/sampler.py                       # tiny and the ~64M config, B = 1, 8, 32, 128
     python bench/sampler.py --configs m64 --batch-sizes 1 32
@@ -28,7 +33,10 @@ from flax import nnx  # noqa: E402
 
 from models.bagel import Bagel  # noqa: E402
 from models.configs import BagelConfig  # noqa: E402
-from opsd_jax import sampler  # noqa: E402
+from flax.core import spmd  # noqa: E402
+
+from opsd_jax import decode_copy, sampler  # noqa: E402
+from opsd_jax import mesh as mesh_lib  # noqa: E402
 from opsd_jax.data.image_transform import patchify, vit_position_ids  # noqa: E402
 from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples  # noqa: E402
 
@@ -89,10 +97,20 @@ def bare_decode_steps(graphdef, params, state, steps):
     return acc, state
 
 
-def bench_config(name, batch_sizes, new_tokens, repeats):
+def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     config = CONFIGS[name]()
     model = Bagel(config, rngs=nnx.Rngs(0))
-    graphdef, params = nnx.split(model)
+    graphdef, fp32_params = nnx.split(model)
+    mesh = mesh_lib.make_mesh()
+
+    def refresh():
+        return decode_copy.make_decode_copy(graphdef, fp32_params, layout=layout, mesh=mesh,
+                                            dtype=config.llm.compute_dtype)  # fmt: skip
+
+    refresh().delete()  # compile
+    refresh_s = timed(lambda: refresh().state, repeats)
+    copy = refresh()
+    params = copy.state
     lm_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.language_model, nnx.Param)))
     vocab = config.llm.vocab_size
     special = SpecialTokens(*range(vocab - 4, vocab))
@@ -101,39 +119,51 @@ def bench_config(name, batch_sizes, new_tokens, repeats):
         vocab_limit=vocab - 4, max_steps=new_tokens + 1,
     )  # fmt: skip
     print(f"\nconfig {name}: {lm_params / 1e6:.1f}M LM parameters, {config.llm.compute_dtype} "
-          f"compute, bf16 cache, prompt = 256 patches + 20 text tokens, {new_tokens} new tokens")  # fmt: skip
-    header = (f"{'B':>5} {'prefill ms':>11} {'decode tok/s':>13} {'step ms':>9} "
-              f"{'bare step ms':>13} {'overhead':>9} {'cache MiB':>10} {'round temp MiB':>15}")  # fmt: skip
+          f"compute, bf16 cache, prompt = 256 patches + 20 text tokens, {new_tokens} new tokens; "
+          f"'{layout}' decode copy {copy.nbytes / 2**20:.1f} MiB, refresh "
+          f"{refresh_s * 1e3:.1f} ms")  # fmt: skip
+    header = (f"{'B':>5} {'prefill ms':>11} {'fp32 params tok/s':>18} {'decode tok/s':>13} "
+              f"{'step ms':>9} {'bare step ms':>13} {'overhead':>9} {'refresh ms':>11} "
+              f"{'rollout s':>10} {'cache MiB':>10} {'round temp MiB':>15}")  # fmt: skip
     print(header)
     print("-" * len(header))
     rng = np.random.default_rng(0)
     results, bare_results = {}, {}
+    with copy.activate():  # the decode mesh and rules, as sampler.sample(copy) runs
+        rules = tuple(spmd.get_logical_axis_rules())
     for batch in batch_sizes:
         pack = prompt_pack(config, batch, special, rng)
         slots = pack.row_length + new_tokens + 1
-        prefill = lambda: sampler._prefill(graphdef, params, pack, new_tokens, slots, jnp.bfloat16)  # noqa: E731
-        jax.block_until_ready(prefill())  # compile
-        prefill_s = timed(prefill, repeats)
         row_ids = jnp.arange(batch, dtype=jnp.int32)
 
-        def decode():
-            state = prefill()
+        def prefill(params=params):
+            return sampler._prefill(graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules)
+
+        def decode(params=params):
+            state = prefill(params)
             jax.block_until_ready(state)
             start = time.perf_counter()
             state = sampler._decode_round(graphdef, params, state, jax.random.key(1), row_ids,
-                                          settings)  # fmt: skip
+                                          settings, rules)  # fmt: skip
             jax.block_until_ready(state)
             return time.perf_counter() - start, int(state.length.sum())
 
-        decode()  # compile
-        runs = [decode() for _ in range(repeats)]
+        with copy.activate():
+            jax.block_until_ready(prefill())  # compile
+            prefill_s = timed(prefill, repeats)
+            decode()  # compile
+            runs = [decode() for _ in range(repeats)]
+            # Before the decode copy: the same sampler on the fp32 params (cast at every use).
+            decode(fp32_params)  # compile
+            fp32_runs = [decode(fp32_params) for _ in range(repeats)]
         decode_s = float(np.median([r[0] for r in runs]))
+        fp32_decode_s = float(np.median([r[0] for r in fp32_runs]))
         generated = runs[0][1]
         steps = generated / batch + 1  # every row also feeds <|im_start|>
 
         state = prefill()
         lowered = sampler._decode_round.lower(graphdef, params, state, jax.random.key(1), row_ids,
-                                              settings)  # fmt: skip
+                                              settings, rules)  # fmt: skip
         round_temp = lowered.compile().memory_analysis().temp_size_in_bytes
         cache = state.cache
         cache_bytes = sum(x.size * x.dtype.itemsize for x in cache)
@@ -152,9 +182,11 @@ def bench_config(name, batch_sizes, new_tokens, repeats):
         step_s = decode_s / steps
         results[batch] = generated / decode_s
         bare_results[batch] = batch / bare_s
-        print(f"{batch:>5} {prefill_s * 1e3:>11.1f} {generated / decode_s:>13.1f} "
-              f"{step_s * 1e3:>9.2f} {bare_s * 1e3:>13.2f} {step_s / bare_s - 1:>+9.1%} "
-              f"{cache_bytes / 2**20:>10.1f} {round_temp / 2**20:>15.1f}")  # fmt: skip
+        print(f"{batch:>5} {prefill_s * 1e3:>11.1f} {runs[0][1] / fp32_decode_s:>18.1f} "
+              f"{generated / decode_s:>13.1f} {step_s * 1e3:>9.2f} {bare_s * 1e3:>13.2f} "
+              f"{step_s / bare_s - 1:>+9.1%} {refresh_s * 1e3:>11.1f} "
+              f"{prefill_s + decode_s:>10.3f} {cache_bytes / 2**20:>10.1f} "
+              f"{round_temp / 2**20:>15.1f}")  # fmt: skip
     if 1 in results and 32 in results:
         print(f"decode tokens/s B=32 / B=1: {results[32] / results[1]:.2f}x (target >= 3.5x); "
               f"the bare forward alone: {bare_results[32] / bare_results[1]:.2f}x, the ceiling "
@@ -167,10 +199,11 @@ def main():
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", default="replicated", choices=sorted(mesh_lib.SAMPLER_LAYOUTS))
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({jax.device_count()} device)")
     for name in args.configs:
-        bench_config(name, args.batch_sizes, args.new_tokens, args.repeats)
+        bench_config(name, args.batch_sizes, args.new_tokens, args.repeats, args.layout)
 
 
 if __name__ == "__main__":

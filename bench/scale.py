@@ -7,7 +7,9 @@ ThinkMorph-7B shapes, understanding-only):
 * the grad step: student forward + backward and teacher forward over one micro-batch of student
   and teacher packs, with the paper's JSD settings;
 * the optimizer / EMA update;
-* the sampler's decode round (one `while_loop` that generates every token of a rollout).
+* the sampler's decode round (one `while_loop` that generates every token of a rollout), on
+  the FSDP-sharded fp32 params (how it ran before the decode copy) and on the bf16 decode copy
+  in each `sampler_layout` (opsd_jax/decode_copy.py), with the copy's per-step refresh.
 
 From each program it prints, per device: the bytes of params / optimizer state / EMA teacher,
 the compiled argument / output / temp sizes, the FLOPs of every matmul counted through the
@@ -94,7 +96,8 @@ def main():
     from models.bagel import Bagel
     from models.configs import BagelConfig
     from models.pack import Pack
-    from opsd_jax import hlo_stats, sampler, train_step
+    from models.sharding import logical_spec
+    from opsd_jax import decode_copy, hlo_stats, sampler, train_step
     from opsd_jax import mesh as mesh_lib
 
     recipe = thinkmorph_7b.get_config()
@@ -265,7 +268,7 @@ def main():
         lowered = sampler._decode_round.lower(graphdef, model_state, decode_state,
                                               jax.random.key(0), per_row(jnp.int32), settings)  # fmt: skip
         decode_compiled, decode_text = hlo_stats.compile_and_read(lowered)
-    decode_memory, decode_table, decode_flops, decode_found = report(
+    _, decode_table, _, _ = report(
         f"decode round ({rows} rows, cache {slots} slots; one while_loop iteration per token)",
         decode_compiled, decode_text, time.perf_counter() - t0)  # fmt: skip
     # The round's loop runs at most max_steps times (it can stop early); counts are at that bound.
@@ -278,6 +281,54 @@ def main():
     print(f"  per generated token per device: collectives inside the loop "
           f"{per_token_moved / gib:.3f} GiB, HBM read ~{per_token_hbm / gib:.3f} GiB "
           f"(weights + KV cache {cache_bytes / gib:.3f} GiB)")  # fmt: skip
+
+    # ---- the decode copy, per sampler layout (what the sampler decodes on) ---------------------
+    # After each update the params become a bf16 copy in a decode layout (one jitted reshard);
+    # the decode round runs on it under the decode mesh and rules, as sampler.sample(copy) does.
+    layouts = {}
+    for layout in mesh_lib.SAMPLER_LAYOUTS:
+        view = mesh_lib.decode_mesh(mesh, layout)
+        copy = decode_copy.abstract_decode_copy(model_state, view, recipe.compute_dtype)
+        refresh = decode_copy.cast_function(model_state, view, recipe.compute_dtype)
+        _, refresh_text = hlo_stats.compile_and_read(refresh.lower(model_state))
+        refresh_table = hlo_stats.summarize(hlo_stats.collectives(refresh_text))
+        refresh_moved = sum(row["bytes"] for row in refresh_table.values())
+
+        def on_view(shape, dtype, names, view=view):
+            spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
+            return jax.ShapeDtypeStruct(shape, dtype,
+                                        sharding=jax.sharding.NamedSharding(view, spec))  # fmt: skip
+
+        def rows_of(dtype, *tail, on_view=on_view):
+            return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+        view_cache = on_view(cache_shape, jnp.bfloat16, sampler._CACHE_NAMES)
+        view_state = sampler.DecodeState(
+            cache=(view_cache, view_cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
+            tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
+            length=rows_of(jnp.int32), budget=rows_of(jnp.int32), active=rows_of(jnp.bool_),
+            finished=rows_of(jnp.bool_))  # fmt: skip
+        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+            t0 = time.perf_counter()
+            lowered = sampler._decode_round.lower(graphdef, copy, view_state, jax.random.key(0),
+                                                  rows_of(jnp.int32), settings,
+                                                  mesh_lib.DECODE_RULES)  # fmt: skip
+            compiled, text = hlo_stats.compile_and_read(lowered)
+        memory, table, _, _ = report(
+            f"decode round on the '{layout}' bf16 decode copy (decode mesh {dict(view.shape)})",
+            compiled, text, time.perf_counter() - t0)  # fmt: skip
+        copy_bytes = shard_bytes(copy)
+        view_cache_bytes = 2 * shard_bytes(view_cache)
+        moved = sum(row["bytes"] for row in table.values()) / settings.max_steps
+        hbm_read = copy_bytes + view_cache_bytes  # each step reads its weights and rows' cache
+        token_s = max(hbm_read / hbm_bw, moved / link_bw)
+        layouts[layout] = dict(
+            token_s=token_s, rollout_s=token_s * new_tokens, refresh_s=refresh_moved / link_bw,
+            peak=resident + copy_bytes + memory.temp_size_in_bytes + view_cache_bytes)  # fmt: skip
+        print(f"  copy {copy_bytes / gib:.2f} GiB per device, refreshed once per step by "
+              f"{refresh_moved / gib:.2f} GiB of all-gather per device; per token step per "
+              f"device: HBM read ~{hbm_read / gib:.3f} GiB (copy + KV cache "
+              f"{view_cache_bytes / gib:.3f} GiB), moved {moved / 2**20:.3f} MiB")  # fmt: skip
 
     # ---- projection ----------------------------------------------------------------------------
     tokens_student = samples * args.student_len
@@ -300,25 +351,36 @@ def main():
     decode_token_s = max(per_token_hbm / hbm_bw, per_token_moved / link_bw)
     rollout_s = decode_token_s * new_tokens
     rows_per_device = rows // (n // args.num_tensor)
-    print(f"  decode: {decode_token_s * 1e3:.2f} ms per token step (HBM {per_token_hbm / hbm_bw * 1e3:.2f} "
+    print(f"  decode on the FSDP params (before the decode copy): {decode_token_s * 1e3:.2f} ms "
+          f"per token step (HBM {per_token_hbm / hbm_bw * 1e3:.2f} "
           f"ms, interconnect {per_token_moved / link_bw * 1e3:.2f} ms) -> "
           f"{rows_per_device / decode_token_s:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
           f"of {rows} rows {rollout_s:.1f} s; bound reading bf16 weights + cache once per step "
           f"{(num_params * 2 / (n if args.num_tensor > 1 else 1) + cache_bytes) / hbm_bw * 1e3:.2f} ms")  # fmt: skip
-    step_low = accum * max(compute_s, comm_s) + rollout_s
-    step_high = accum * (compute_s + comm_s) + rollout_s
+    for layout, row in layouts.items():
+        print(f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step -> "
+              f"{rows / n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout of "
+              f"{rows} rows {row['rollout_s']:.1f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms "
+              f"per step")  # fmt: skip
+    # The step samples on the copy in the recipe's layout.
+    sampling_s = layouts[recipe.sampler_layout]["rollout_s"] + layouts[recipe.sampler_layout][
+        "refresh_s"]
+    step_low = accum * max(compute_s, comm_s) + sampling_s
+    step_high = accum * (compute_s + comm_s) + sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
-    print(f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + rollout); "
+    print(f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
+          f"'{recipe.sampler_layout}' refresh and rollout); "
           f"paper recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
           f"{hours(step_high):.1f} h")  # fmt: skip
 
     # ---- memory --------------------------------------------------------------------------------
     grad_peak = resident + grad_memory.temp_size_in_bytes + grad_memory.output_size_in_bytes
-    decode_peak = resident + decode_memory.temp_size_in_bytes + 2 * cache_bytes
+    decode_peak = layouts[recipe.sampler_layout]["peak"]  # training state + copy + cache
     budget = hbm_bytes * (1 - HEADROOM)
     print(f"\nmemory per device on {args.gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
           f"-> {budget / gib:.1f} GiB): resident state {resident / gib:.2f} GiB; grad step peak "
           f"{grad_peak / gib:.2f} GiB ({grad_peak / hbm_bytes:.0%}); decode peak "
+          f"('{recipe.sampler_layout}' copy) "
           f"{decode_peak / gib:.2f} GiB ({decode_peak / hbm_bytes:.0%})")  # fmt: skip
     print("  fits" if max(grad_peak, decode_peak) <= budget else "  DOES NOT FIT")
     if not args.skip_fit:

@@ -78,6 +78,14 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample_temperature = 1.0
     c.sample_do_sample = True
     c.sample_max_image_skips = 1
+    # The sampler decodes on a compute-dtype copy of the student made after every update, laid
+    # out for decoding: 'replicated' (every device holds the whole copy) or 'tensor' (heads,
+    # MLP and vocab split over the devices of one host, rows over the hosts: for a model whose
+    # copy does not fit on one device).
+    c.sampler_layout = "replicated"
+    # Prompt row lengths (and patches per row) are rounded up to one of these, so the sampler
+    # compiles for a bounded set of shapes; a longer prompt is an error.
+    c.sample_prompt_buckets = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     c.use_system_prompt = True
     c.system_prompt = ""  # empty: our default wording (opsd_jax/opsd_packs.py)
     c.use_reference_intro = True

@@ -26,6 +26,8 @@ the job of a jitted init with out_shardings.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -145,12 +147,15 @@ class DecoderLayer(nnx.Module):
         that are done), then the query attends the first `kv_lengths[b]` slots.
         """
         q, k, v = self._qkv(h, positions, None)
-        cache_k, cache_v = cache
-        rows = jnp.arange(h.shape[0])
-        cache_k = cache_k.at[layer_index, rows, write_slots].set(k[:, 0].astype(cache_k.dtype),
-                                                                 mode="drop")  # fmt: skip
-        cache_v = cache_v.at[layer_index, rows, write_slots].set(v[:, 0].astype(cache_v.dtype),
-                                                                 mode="drop")  # fmt: skip
+
+        # Per row (vmap over the cache's row axis): the scatter then has a batch dimension, which
+        # the SPMD partitioner keeps on each device's own rows; indexed by a row-id array instead,
+        # it all-gathers every row's new key and value to every device.
+        @functools.partial(jax.vmap, in_axes=(1, 0, 0), out_axes=1)
+        def write(cache_rows, slot, new):  # [L, S, Hkv, Dh], [], [Hkv, Dh]
+            return cache_rows.at[layer_index, slot].set(new.astype(cache_rows.dtype), mode="drop")
+
+        cache_k, cache_v = (write(c, write_slots, x[:, 0]) for c, x in zip(cache, (k, v)))
         out = attention_lib.decode_attention(
             q[:, 0], cache_k[layer_index], cache_v[layer_index], kv_lengths
         )

@@ -44,8 +44,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from models.pack import Pack
+from opsd_jax import decode_copy
 from opsd_jax import mesh as mesh_lib
 from opsd_jax import sampler as sampler_lib
 from opsd_jax.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
@@ -132,12 +134,13 @@ def is_correct(prediction: str | None, reference: str) -> bool:
 
 
 def build_context_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,
-                              context: str, num_rows: int | None = None) -> Pack:  # fmt: skip
-    """Sampler prompts in the `student` or `teacher` context."""
+                              context: str, num_rows: int | None = None,
+                              buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
+    """Sampler prompts in the `student` or `teacher` context (lengths rounded up to `buckets`)."""
     if context == "student":
-        return build_prompt_pack(samples, encode, options, special, num_rows=num_rows)
+        return build_prompt_pack(samples, encode, options, special, num_rows, buckets)
     if context == "teacher":
-        return build_teacher_prompt_pack(samples, encode, options, special, num_rows=num_rows)
+        return build_teacher_prompt_pack(samples, encode, options, special, num_rows, buckets)
     raise ValueError(f"context={context!r}: allowed values are {', '.join(map(repr, CONTEXTS))}")
 
 
@@ -236,6 +239,8 @@ def evaluate(
     max_image_skips: int = 0,
     seed: int = 0,
     mesh: jax.sharding.Mesh | None = None,
+    sampler_layout: str = "replicated",
+    prompt_buckets: Sequence[int] | None = None,
     cache_dtype: str = "bfloat16",
     sample_fn: SampleFn = sampler_lib.sample,
     log: Callable[[str], None] | None = None,
@@ -249,7 +254,10 @@ def evaluate(
       None = PromptOptions() defaults.
     do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
       `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
-    mesh: shard the prompt rows over it (when `batch_size` divides) and sample under it.
+    mesh: shard the prompt rows over it (when `batch_size` divides) and sample on a decode copy
+      of the model over its devices (opsd_jax/decode_copy.py: compute dtype, `sampler_layout`;
+      made once here, freed at the end). Without a mesh the model samples as it is.
+    prompt_buckets: prompt lengths round up to one of these (default: powers of two).
     sample_fn: `opsd_jax.sampler.sample` or a drop-in with its signature (tests script outputs).
     log: called with a progress line after every batch (e.g. `print`).
 
@@ -268,17 +276,22 @@ def evaluate(
     sampling = dict(options=options, context=context, max_new_tokens=max_new_tokens,
                     do_sample=do_sample, temperature=temperature, max_image_skips=max_image_skips,
                     rng=jax.random.key(seed), mesh=mesh, cache_dtype=cache_dtype,
-                    sample_fn=sample_fn)  # fmt: skip
+                    prompt_buckets=prompt_buckets, sample_fn=sample_fn)  # fmt: skip
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(samples) // batch_size)
+    sampled = model
+    if mesh is not None and model is not None:
+        graphdef, state = nnx.split(model)
+        sampled = decode_copy.make_decode_copy(graphdef, state, layout=sampler_layout, mesh=mesh,
+                                               dtype=model.language_model.compute_dtype)  # fmt: skip
     for batch_index in range(num_batches):
         first = batch_index * batch_size
         batch = list(samples[first : first + batch_size])
         real = len(batch)
         batch += [batch[-1]] * (batch_size - real)
         row_ids = np.minimum(np.arange(first, first + batch_size), len(samples) - 1)
-        completions = sample_prompts(model, batch, tokenizer, row_ids=row_ids, **sampling)
+        completions = sample_prompts(sampled, batch, tokenizer, row_ids=row_ids, **sampling)
         for row in range(real):
             sample = batch[row]
             text = tokenizer.decode(completions.row(row))
@@ -300,6 +313,8 @@ def evaluate(
             accuracy = np.mean([r["correct"] for r in records])
             log(f"eval [{context}] {done}/{len(samples)} samples, running accuracy "
                 f"{accuracy:.1%}, {time.perf_counter() - start:.1f}s")  # fmt: skip
+    if isinstance(sampled, decode_copy.DecodeCopy):
+        sampled.delete()
     settings = {
         "context": context, "noise_vt": options.noise_vt, "max_new_tokens": max_new_tokens,
         "do_sample": do_sample, "temperature": temperature if do_sample else None,
@@ -311,13 +326,16 @@ def evaluate(
 def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOptions, context: str,
                    max_new_tokens: int, do_sample: bool, temperature: float, max_image_skips: int,
                    rng: jax.Array, row_ids, mesh: jax.sharding.Mesh | None = None,
-                   cache_dtype: str = "bfloat16",
+                   cache_dtype: str = "bfloat16", prompt_buckets: Sequence[int] | None = None,
                    sample_fn: SampleFn = sampler_lib.sample) -> sampler_lib.Completions:  # fmt: skip
     """One sampler call: a completion for each sample's prompt in `context`, one row each.
 
-    row_ids: each row's id for its random stream (`evaluate` passes the sample's index)."""
+    model: an nnx model or a `DecodeCopy` (which samples under its own mesh and rules).
+    row_ids: each row's id for its random stream (`evaluate` passes the sample's index).
+    prompt_buckets: prompt lengths round up to one of these (default: powers of two)."""
     special = tokenizer.special_tokens()
-    prompt_pack = build_context_prompt_pack(samples, tokenizer.encode, options, special, context)
+    prompt_pack = build_context_prompt_pack(samples, tokenizer.encode, options, special, context,
+                                            buckets=prompt_buckets)  # fmt: skip
     sampling = {
         "special": special, "vocab_limit": tokenizer.vocab_length, "max_new_tokens": max_new_tokens,
         "temperature": temperature, "do_sample": do_sample, "max_image_skips": max_image_skips,

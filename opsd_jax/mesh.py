@@ -11,6 +11,11 @@ Model parameters and activations carry logical axis names (models/ sets them); t
 below, kept as data, map those names to mesh axes. Changing a parallelism layout means changing
 the rules, not the model. `use_mesh(mesh)` sets the mesh and activates the rules: everything
 jitted and traced inside it gets the activation layout (models/sharding.py reads both).
+
+Sampling has its own layout (DECODE_RULES on a `decode_mesh` view of the same devices): a decode
+step is one token per row, so gathering FSDP-sharded weights for it would move the whole model
+per token; the sampler decodes on a compute-dtype copy whose weights are whole (or split over
+the tensor axis inside one host) instead (opsd_jax/decode_copy.py).
 """
 
 from __future__ import annotations
@@ -56,6 +61,16 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("patch", None),
 )
 
+# The sampler's layout: the training rules without the FSDP split of the hidden dimension, so
+# a decode step reads whole weights on every device ('replicated') or its tensor slice of them
+# (heads / MLP / vocab over 'tensor', 'tensor' layout); rows stay over ('data', 'fsdp').
+_DECODE_CHANGES = {"embed": None, "vit_embed": None}
+DECODE_RULES = tuple((name, _DECODE_CHANGES.get(name, axes)) for name, axes in LOGICAL_RULES)
+
+# sampler_layout -> the size of the decode mesh's 'tensor' axis ("host": the devices of one
+# process, so tensor-parallel collectives never leave a host; rows go over the rest).
+SAMPLER_LAYOUTS = {"replicated": 1, "tensor": "host"}
+
 
 def make_mesh(
     num_replicate: int = 1,
@@ -84,6 +99,35 @@ def make_mesh(
     return jax.make_mesh(
         shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = None):
+    """The sampler's view of `mesh`'s devices: ('data', 'fsdp', 'tensor') = (N / t, 1, t).
+
+    t is 1 for 'replicated' and the devices of one process for 'tensor' (`tensor_size`
+    overrides it, for tests). The devices keep the training mesh's order (jit takes arrays
+    of both meshes in one call only when the device order agrees), so rows sharded over the
+    training mesh's data x fsdp sit on the same devices as over this mesh's data axis when
+    t = 1; each group of t consecutive devices must lie in one process.
+    """
+    if layout not in SAMPLER_LAYOUTS:
+        raise ValueError(f"sampler_layout={layout!r}: allowed values are "
+                         f"{', '.join(map(repr, SAMPLER_LAYOUTS))}")  # fmt: skip
+    devices = np.asarray(mesh.devices).reshape(-1)
+    if tensor_size is None:
+        tensor_size = SAMPLER_LAYOUTS[layout]
+        if tensor_size == "host":
+            tensor_size = min(jax.local_device_count(), devices.size)
+    if tensor_size < 1 or devices.size % tensor_size:
+        raise ValueError(f"sampler_layout={layout!r}: a tensor axis of {tensor_size} devices "
+                         f"does not divide the {devices.size} devices")  # fmt: skip
+    groups = devices.reshape(-1, 1, tensor_size)
+    for group in groups.reshape(-1, tensor_size):
+        if len({d.process_index for d in group}) > 1:
+            raise ValueError(f"sampler_layout={layout!r}: the training mesh's device order puts "
+                             f"devices of several processes in one tensor group {list(group)}; "
+                             "use 'replicated' or a process-major mesh")  # fmt: skip
+    return jax.sharding.Mesh(groups, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @contextlib.contextmanager

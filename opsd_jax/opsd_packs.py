@@ -21,6 +21,8 @@ and both packs use the truncated completion. Training packs take the fixed shape
 opsd_jax/pack_shapes.py (several samples per row where they fit; a sample that fits in no row
 loses the end of its completion, in both packs); without shapes (tests, diagnostics) the sizes
 are fitted to the content and rounded up to powers of two.
+Sampler prompts are rounded up to a fixed list of lengths instead (config
+`sample_prompt_buckets`), which bounds how often a run compiles the sampler.
 """
 
 from __future__ import annotations
@@ -120,25 +122,45 @@ def bucket(n: int, minimum: int = 16) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def bucket_in(n: int, buckets: Sequence[int]) -> int:
+    """The smallest of `buckets` (ascending) >= n; an error naming the config key if none is."""
+    for size in buckets:
+        if size >= n:
+            return int(size)
+    raise ValueError(f"a sampler prompt needs {n} slots, more than the largest of "
+                     f"sample_prompt_buckets={tuple(buckets)}: add a larger bucket")  # fmt: skip
+
+
+def prompt_shape_bound(buckets: Sequence[int]) -> int:
+    """How many (row length, patches) shapes prompts bucketed by `buckets` can take: a row's
+    patches fit in its length, so the patch bucket is at most the length bucket (or absent)."""
+    n = len(buckets)
+    return n * (n + 1) // 2 + n
+
+
 def build_prompt_pack(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
-                      num_rows: int | None = None) -> Pack:  # fmt: skip
-    """One prompt per row (the sampler's input), row length bucketed."""
-    return _one_per_row([prompt_items(s, encode, options) for s in samples], special, num_rows)
+                      num_rows: int | None = None, buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
+    """One prompt per row (the sampler's input); row length and patches rounded up to one of
+    `buckets` (default: powers of two)."""
+    items = [prompt_items(s, encode, options) for s in samples]
+    return _one_per_row(items, special, num_rows, buckets)
 
 
 def build_teacher_prompt_pack(samples, encode: Encode, options: PromptOptions,
-                              special: SpecialTokens, num_rows: int | None = None) -> Pack:  # fmt: skip
+                              special: SpecialTokens, num_rows: int | None = None,
+                              buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
     """The teacher's context (VT images included) as sampler prompts, one per row (evaluation
     of the with-VT model)."""
     items = [teacher_context_items(s, encode, options) for s in samples]
-    return _one_per_row(items, special, num_rows)
+    return _one_per_row(items, special, num_rows, buckets)
 
 
-def _one_per_row(items, special: SpecialTokens, num_rows: int | None) -> Pack:
+def _one_per_row(items, special: SpecialTokens, num_rows: int | None, buckets) -> Pack:
+    round_up = bucket if buckets is None else (lambda n: bucket_in(n, buckets))
     longest = max(sample_length(i) for i in items)
     patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
-    return pack_samples(items, row_length=bucket(longest), num_rows=num_rows,
-                        max_patches=bucket(patches), special=special,
+    return pack_samples(items, row_length=round_up(longest), num_rows=num_rows,
+                        max_patches=round_up(patches), special=special,
                         one_sample_per_row=True)  # fmt: skip
 
 

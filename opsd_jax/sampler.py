@@ -19,13 +19,18 @@ the sampling distribution.
    The rounds' tokens are concatenated (each later round's leading `<|im_start|>` is not part
    of the completion); `max_new_tokens` is the total over rounds, appended tokens included.
 
-Everything runs on the parameters as they are (sharded or not); the state is donated to each
+`sample` takes a `DecodeCopy` (opsd_jax/decode_copy.py: the compute-dtype copy of the
+student in a decode layout, made once per training step) and runs under its mesh and rules, or
+any nnx model, run as it is under whatever mesh and rules the caller set. The KV cache and the
+per-row state are pinned to rows over the batch axes (kv heads over 'tensor'), so with the
+weights whole or tensor-split a decode step moves no weight. The state is donated to each
 jitted call so the cache is updated in place. With several processes the prompt Pack is the
 global one (opsd_jax/distributed.py `put_rows`) and every process gets every row's completion.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -35,9 +40,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import spmd
 
 from models.pack import Pack
+from models.sharding import constrain
 from opsd_jax import losses
+from opsd_jax.decode_copy import DecodeCopy
 from opsd_jax.distributed import rows_array, to_host
 from opsd_jax.packing import SpecialTokens
 
@@ -69,6 +77,21 @@ class DecodeState:
     budget: jax.Array  # [B] new tokens left (sampled + appended)
     active: jax.Array  # [B] still sampling in this round
     finished: jax.Array  # [B] the last round ended on <|im_end|>
+
+
+# Logical names of the decode state's axes: rows over the batch axes, kv heads as the rules say.
+_CACHE_NAMES = (None, "act_batch", None, "act_kv_heads", None)  # [L, B, S, Hkv, Dh]
+
+
+def _pinned(state: DecodeState) -> DecodeState:
+    """`state` with its layout pinned: without it XLA may replicate the per-row state (and then
+    gather each step's tokens) or let the cache follow the weights' layout."""
+    rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
+    return DecodeState(
+        cache=tuple(constrain(x, _CACHE_NAMES) for x in state.cache),
+        **{f.name: rows(getattr(state, f.name))
+           for f in dataclasses.fields(state) if f.name != "cache"},
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +134,13 @@ def _check_prompt_pack(pack: Pack) -> None:
         raise ValueError("sample(): prompt rows must be left-aligned (padding only at the end)")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype):
+# Every jitted function takes the active logical-axis rules as a static argument: jax caches a
+# trace per function and mesh, not per rules, and the same mesh may be used with the training
+# rules and the decode rules.
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6))
+def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype,
+             rules=()):  # fmt: skip
+    del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
     _, (k, v) = model.prefill(pack)  # [L, B, T, Hkv, Dh]
     layers, batch, length, kv_heads, head_dim = k.shape
@@ -121,7 +149,7 @@ def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int
         jnp.zeros(shape, cache_dtype).at[:, :, :length].set(x.astype(cache_dtype)) for x in (k, v)
     )
     real = pack.segment_ids > 0
-    return DecodeState(
+    return _pinned(DecodeState(
         cache=cache,
         kv_length=real.sum(axis=1).astype(jnp.int32),
         rope=(jnp.max(jnp.where(real, pack.positions, -1), axis=1) + 1).astype(jnp.int32),
@@ -131,7 +159,7 @@ def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int
         budget=jnp.full((batch,), max_new_tokens, jnp.int32),
         active=jnp.ones((batch,), bool),
         finished=jnp.zeros((batch,), bool),
-    )
+    ))
 
 
 def _feed(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
@@ -144,22 +172,32 @@ def _feed(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
     return logits, state
 
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array):
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
+def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array,
+                  rules=()):  # fmt: skip
     """Append `token` to the cache of `rows` (it counts against their budget)."""
+    del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
     _, state = _feed(model, state, jnp.broadcast_to(token, rows.shape), rows)
-    return state.replace(budget=state.budget - rows)
+    return _pinned(state.replace(budget=state.budget - rows, active=rows))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,))
-def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: _RoundSettings):
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,))
+def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: _RoundSettings,
+                  rules=()):  # fmt: skip
     """Feed <|im_start|> to the active rows, then sample until every row has stopped."""
+    del rules  # in the cache key only
     batch, capacity = state.tokens.shape
-    rows = jnp.arange(batch)
+    # Per row (vmap), so the write stays on each device's rows (see DecoderLayer.decode).
+    put = jax.vmap(lambda row, at, value: row.at[at].set(value, mode="drop"))
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
 
     def choose(logits, step):
+        if settings.do_sample:
+            # The draw inverts the CDF over the whole vocabulary: with the vocabulary split over
+            # 'tensor', gather the logits once (in their compute dtype) rather than let XLA
+            # partition the cumsum in f32. Greedy argmax partitions fine (a max per shard).
+            logits = constrain(logits, ("act_batch", None))
         logits = losses.mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
         scaled = logits / settings.temperature if settings.do_sample else logits
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
@@ -186,23 +224,23 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
         keep = state.active & ~is_eos & (state.budget > 0)
         slot = jnp.where(keep, state.length, capacity)  # out of range: dropped
         state = state.replace(
-            tokens=state.tokens.at[rows, slot].set(token, mode="drop"),
-            logprobs=state.logprobs.at[rows, slot].set(logprob, mode="drop"),
+            tokens=put(state.tokens, slot, token),
+            logprobs=put(state.logprobs, slot, logprob),
             length=state.length + keep,
             budget=state.budget - keep,
             finished=jnp.where(state.active, is_eos, state.finished),
         )
-        state = state.replace(active=keep & (state.budget > 0))
+        state = _pinned(state.replace(active=keep & (state.budget > 0)))
         return params, state, token, step + 1
 
-    state = state.replace(finished=state.finished & ~state.active)  # re-decided this round
-    bos = jnp.full((batch,), settings.bos_id, jnp.int32)
+    state = _pinned(state.replace(finished=state.finished & ~state.active))  # re-decided here
+    bos = constrain(jnp.full((batch,), settings.bos_id, jnp.int32), ("act_batch",))
     _, state, _, _ = jax.lax.while_loop(cond, body, (params, state, bos, jnp.zeros((), jnp.int32)))
     return state
 
 
 def sample(
-    model: nnx.Module,
+    model: nnx.Module | DecodeCopy,
     prompt_pack: Pack,
     rng: jax.Array,
     *,
@@ -218,6 +256,8 @@ def sample(
 ) -> Completions:
     """Sample one completion per prompt row (see the module docstring).
 
+    model: a `DecodeCopy` (decoded under its own mesh and rules) or an nnx model (decoded as it
+      is, under the caller's context).
     special: the structural ids (`<|im_start|>` is fed first, `<|im_end|>` stops a row).
     vocab_limit: the tokenizer length; logits rows at or past it are never sampled.
     decode_text: ids -> text, needed when max_image_skips > 0 (to find `<image_start>`).
@@ -238,11 +278,24 @@ def sample(
     if row_ids.shape != (batch,):
         raise ValueError(f"row_ids has shape {row_ids.shape}, expected ({batch},)")
 
-    graphdef, params = nnx.split(model)
+    if isinstance(model, DecodeCopy):
+        graphdef, params, context = model.graphdef, model.state, model.activate()
+    else:
+        (graphdef, params), context = nnx.split(model), contextlib.nullcontext()
+    with context:
+        return _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_tokens,
+                       temperature, do_sample, max_image_skips, decode_text, row_ids,
+                       cache_dtype)  # fmt: skip
+
+
+def _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_tokens, temperature,
+            do_sample, max_image_skips, decode_text, row_ids, cache_dtype) -> Completions:  # fmt: skip
+    batch = prompt_pack.num_rows
+    rules = tuple(spmd.get_logical_axis_rules())
     # Every round feeds <|im_start|>; each skip also appends <|im_end|> (counted in the budget).
     cache_slots = prompt_pack.row_length + max_new_tokens + (max_image_skips + 1)
     state = _prefill(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
-                     jnp.dtype(cache_dtype))  # fmt: skip
+                     jnp.dtype(cache_dtype), rules)  # fmt: skip
     settings = _RoundSettings(
         temperature=float(temperature), do_sample=bool(do_sample), bos_id=special.im_start,
         eos_id=special.im_end, vocab_limit=int(vocab_limit), max_steps=max_new_tokens + 1,
@@ -254,7 +307,7 @@ def sample(
     round_start = np.zeros(batch, np.int64)
     for round_index in range(max_image_skips + 1):
         state = _decode_round(graphdef, params, state, jax.random.fold_in(rng, round_index),
-                              row_ids, settings)  # fmt: skip
+                              row_ids, settings, rules)  # fmt: skip
         if round_index == max_image_skips:
             break
         finished, length, budget, tokens = map(
@@ -269,8 +322,7 @@ def sample(
         if not skip.any():
             break
         skip_rows = rows_array(skip, like=prompt_pack.tokens)
-        state = _append_token(graphdef, params, state, np.int32(special.im_end), skip_rows)
-        state = state.replace(active=skip_rows)
+        state = _append_token(graphdef, params, state, np.int32(special.im_end), skip_rows, rules)
         rounds += skip
         round_start = np.where(skip, length, round_start)
 

@@ -15,7 +15,7 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax import hf, losses, offline_cache, train_step
+from opsd_jax import hf, losses, mesh, offline_cache, train_step
 
 MODES = ("opsd", "sft", "offline")
 
@@ -29,6 +29,7 @@ _CHOICES = {
     "compute_dtype": configs.COMPUTE_DTYPES,
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
+    "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
     "weights": hf.WEIGHT_CHOICES,
     "kd_student_norm": losses.STUDENT_NORMS,
@@ -187,6 +188,12 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
     if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
         problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
                         "'teacher' or 'student,teacher'")  # fmt: skip
+    buckets = config.sample_prompt_buckets
+    if (not isinstance(buckets, (tuple, list)) or not buckets
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 for b in buckets)
+            or list(buckets) != sorted(set(buckets))):  # fmt: skip
+        problems.append(f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
+                        "increasing list of integers >= 16 (prompt row lengths)")  # fmt: skip
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
     if config.freeze_und and config.freeze_llm:

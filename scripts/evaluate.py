@@ -181,6 +181,7 @@ def main(argv=None) -> None:
     result = evaluation.evaluate(
         model, samples, tokenizer, options=options, context=args.context,
         batch_size=args.batch_size, mesh=mesh,
+        sampler_layout=(config or {}).get("sampler_layout", "replicated"),
         cache_dtype=evaluation.cache_dtype_for(args.compute_dtype), log=print,
         **sampling_settings(args, config),
     )  # fmt: skip

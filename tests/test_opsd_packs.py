@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-from opsd_jax.opsd_packs import PromptOptions, build_prompt_pack, build_training_packs
+from opsd_jax.opsd_packs import (PromptOptions, build_prompt_pack, build_training_packs,
+                                 prompt_shape_bound)  # fmt: skip
 from opsd_jax.packing import SpecialTokens
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
@@ -148,3 +149,13 @@ def test_noise_vt_replaces_only_vt_pixels_and_is_seeded():
     assert not np.allclose(a.teacher.vit_patches[0, 2], clean.teacher.vit_patches[0, 2])
     np.testing.assert_array_equal(a.teacher.vit_patches, b.teacher.vit_patches)
     np.testing.assert_array_equal(a.student.vit_patches, clean.student.vit_patches)
+
+
+def test_prompt_lengths_and_patches_round_up_to_the_configured_buckets():
+    # A prompt of ~15 tokens and 2 patches, another of ~40 tokens and 12 patches.
+    samples = [sample(), sample(question="q" * 20, problem=(3, 4))]
+    pack = build_prompt_pack(samples, encode, OPTIONS, SPECIAL, buckets=(24, 48, 96))
+    assert pack.row_length == 48 and pack.vit_patches.shape[1] == 24
+    assert prompt_shape_bound((24, 48, 96)) == 9  # lengths x patches <= length, + no images
+    with pytest.raises(ValueError, match=r"sample_prompt_buckets=\(16,\)"):
+        build_prompt_pack(samples, encode, OPTIONS, SPECIAL, buckets=(16,))

@@ -341,6 +341,10 @@ def _valid_config(tmp_path):
         ("rows_per_micro_batch", 3, "rows_per_micro_batch=3 exceeds samples_per_micro_batch=2"),
         ("model_path", "/nonexistent/model", "model_path='/nonexistent/model': not a directory"),
         ("compute_dtype", "fp8", "compute_dtype='fp8'"),
+        ("sampler_layout", "fsdp", "sampler_layout='fsdp': allowed values are 'replicated', "
+         "'tensor'"),
+        ("sample_prompt_buckets", (512, 256), "sample_prompt_buckets=(512, 256): must be"),
+        ("sample_prompt_buckets", (), "sample_prompt_buckets=(): must be"),
     ],
 )
 def test_bad_configs_are_named(tmp_path, key, value, message):

@@ -1,0 +1,122 @@
+"""The sampler's copy of the student: compute dtype, decode layout, made on device once per step.
+
+Why: the training parameters are fp32 and FSDP-sharded over their hidden dimension. A decode
+step feeds one token per row, so decoding on them all-gathers every layer's weights for every
+generated token (the whole model crosses the interconnect per token). Instead, after each
+update, `make_decode_copy` casts the parameters to the compute dtype and lays them out for
+decoding in one jitted reshard (one all-gather of the bf16 model per step, no host round trip);
+the sampler decodes on that copy, and the caller frees it (`DecodeCopy.delete`) after sampling,
+so peak memory is the training state + one compute-dtype copy + the KV cache.
+
+Layouts (config `sampler_layout`, opsd_jax/mesh.py SAMPLER_LAYOUTS and DECODE_RULES):
+  replicated  every device holds the whole copy; rows over all devices; a decode step moves
+              nothing but per-row scalars.
+  tensor      heads, MLP and vocab split over the devices of one host (a head / width split only
+              where it divides), rows over the hosts; a decode step all-reduces the layer
+              outputs inside the host (Megatron-style). For models that do not fit replicated.
+
+Floating parameters of two or more dimensions are cast (the model casts them to the compute
+dtype before every use anyway); one-dimensional ones (norm scales, biases: well under 1% of the
+bytes) keep their dtype, because some are used in fp32 (the ViT's LayerNorm). So the copy
+computes exactly what the training parameters compute, without per-token casts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.sharding import logical_spec
+from opsd_jax import mesh as mesh_lib
+
+
+def _is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def copy_dtype(x, dtype):
+    """The dtype `x` has in the copy (see the module docstring)."""
+    return jnp.dtype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2 else x.dtype
+
+
+@dataclasses.dataclass
+class DecodeCopy:
+    """A model state laid out for decoding, with the mesh and rules it was laid out by.
+
+    `sampler.sample(copy, ...)` decodes on it under `activate()`; `delete()` frees its device
+    memory at once (the next step's copy must not coexist with this one)."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    mesh: jax.sharding.Mesh
+    layout: str
+    rules: tuple = mesh_lib.DECODE_RULES
+
+    @property
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state)
+
+    def activate(self):
+        """The decode mesh and rules as the context (jitted sampler calls run inside it)."""
+        return mesh_lib.use_mesh(self.mesh, self.rules)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.state))
+
+    def delete(self) -> None:
+        for x in jax.tree.leaves(self.state):
+            x.delete()
+
+
+def decode_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules=mesh_lib.DECODE_RULES):
+    """The decode layout of `state` (Variables with logical names): a tree of NamedShardings.
+
+    A mesh axis that does not divide its dimension is dropped from it (models/sharding.py), so
+    e.g. 28 heads on an 8-device tensor axis stay whole instead of failing."""
+
+    def sharding(variable):
+        names = variable.get_metadata().get("out_sharding") or (None,) * variable.ndim
+        spec = logical_spec(variable.shape, names, mesh, rules)
+        return variable.replace(value=jax.sharding.NamedSharding(mesh, spec))
+
+    return jax.tree.map(sharding, state, is_leaf=_is_variable)
+
+
+def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
+    """The jitted state -> copy on the decode mesh `view` (cached: one compile per run, not one
+    per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
+    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)), view,
+           jnp.dtype(dtype))  # fmt: skip
+    if key not in _CAST_FUNCTIONS:
+        # Each device casts its own shard first (the input's layout), so the gather that the
+        # out_shardings ask for moves compute-dtype bytes.
+        _CAST_FUNCTIONS[key] = jax.jit(
+            lambda s: jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), s),
+            out_shardings=decode_shardings(state, view))  # fmt: skip
+    return _CAST_FUNCTIONS[key]
+
+
+_CAST_FUNCTIONS: dict = {}
+
+
+def abstract_decode_copy(state: nnx.State, view: jax.sharding.Mesh, dtype) -> nnx.State:
+    """The copy's ShapeDtypeStructs (dtype and decode sharding), allocating nothing."""
+
+    def abstract(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, copy_dtype(x, dtype), sharding=sharding)
+
+    return jax.tree.map(abstract, state, decode_shardings(state, view))
+
+
+def make_decode_copy(graphdef: nnx.GraphDef, *states: nnx.State, layout: str,
+                     mesh: jax.sharding.Mesh, dtype, tensor_size: int | None = None) -> DecodeCopy:  # fmt: skip
+    """The model `nnx.merge(graphdef, *states)` cast to `dtype` (see the module docstring) and
+    laid out by `layout` on the decode view of `mesh`'s devices: one jitted cast + reshard,
+    computed on device (states: e.g. the training params and the rest of the model state)."""
+    state = nnx.merge_state(*states) if len(states) > 1 else states[0]
+    view = mesh_lib.decode_mesh(mesh, layout, tensor_size)
+    return DecodeCopy(graphdef, cast_function(state, view, dtype)(state), view, layout)
