@@ -23,30 +23,24 @@ from flax import nnx
 from ml_collections import config_flags
 
 from models import attention
-from opsd_jax import (
-    decode_copy,
-    distributed,
-    evaluation,
-    init_weights,
-    offline_cache,
-    pack_shapes,
-    sampler,
-    sft_packs,
-    train_config,
-    train_step,
-)
-from opsd_jax import mesh as mesh_lib
-from opsd_jax.checkpoint import Checkpointer, abstract_like
-from opsd_jax.data.pipeline import make_iterator
-from opsd_jax.data.sources import DataConfig
-from opsd_jax.hf import load_hf
-from opsd_jax.metrics import MetricsLogger, wandb_run_id
-from opsd_jax.opsd_packs import (
+from opsd_jax.data import offline_cache, pack_shapes, sft_packs
+from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
     prompt_shape_bound,
     shaped_pack,
 )
+from opsd_jax.data.pipeline import make_iterator
+from opsd_jax.data.sources import DataConfig
+from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.io import init_weights
+from opsd_jax.io.checkpoint import Checkpointer, abstract_like
+from opsd_jax.io.hf import load_hf
+from opsd_jax.parallel import distributed
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import decode_copy, sampler
+from opsd_jax.training import train_config, train_step
+from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 flags.mark_flags_as_required(["config"])

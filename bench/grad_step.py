@@ -37,11 +37,11 @@ def main():
 
     from bench.sampler import CONFIGS
     from models.bagel import Bagel
-    from opsd_jax import mesh as mesh_lib
-    from opsd_jax import train_step
-    from opsd_jax.opsd_packs import PromptOptions, build_training_packs
     from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-    from opsd_jax.packing import SpecialTokens
+    from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+    from opsd_jax.data.packing import SpecialTokens
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.training import train_step
 
     config = CONFIGS["m64"]()
     config = config.replace(llm=dict(compute_dtype=args.compute_dtype))

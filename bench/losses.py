@@ -3,8 +3,8 @@
 Three ways to compute the default OPSD loss (beta 0.5, tau 1, per-entry clip 0.05, seq_mean) on
 C completion rows over a V-entry vocabulary, bf16 logits:
 
-* top-k     - opsd_jax.losses, teacher top-k support (k = 256 by default);
-* chunked   - opsd_jax.losses, full vocabulary, rows in chunks (top_k = 0);
+* top-k     - opsd_jax.training.losses, teacher top-k support (k = 256 by default);
+* chunked   - opsd_jax.training.losses, full vocabulary, rows in chunks (top_k = 0);
 * naive     - full vocabulary in one go: fp32 log-softmax of both sides over [C, V], as a
               straightforward port of the PyTorch loss would do.
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from opsd_jax import losses  # noqa: E402
+from opsd_jax.training import losses  # noqa: E402
 
 MIB = 1 << 20
 BETA, TEMPERATURE, CLIP = 0.5, 1.0, 0.05

@@ -34,12 +34,15 @@ from flax import nnx  # noqa: E402
 
 import train  # noqa: E402
 from configs import offline_tiny  # noqa: E402
-from opsd_jax import evaluation, offline_cache, sampler, train_step  # noqa: E402
-from opsd_jax import mesh as mesh_lib  # noqa: E402
+from opsd_jax.data import offline_cache  # noqa: E402
+from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
-from opsd_jax.hf import load_hf  # noqa: E402
-from opsd_jax.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
+from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.io.hf import load_hf  # noqa: E402
+from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
+from opsd_jax.sampling import sampler  # noqa: E402
+from opsd_jax.training import train_step  # noqa: E402
 
 VOCAB_7B = 152_064
 TOP_K_7B = 256

@@ -7,7 +7,7 @@ same length; no sampling, no stopping logic, no bookkeeping). The ratio of the s
 of the loop, sampling and bookkeeping. The compiled temp memory of a decode round next to the
 cache size shows that the (donated) cache is updated in place, not copied.
 
-The sampler decodes on a decode copy (opsd_jax/decode_copy.py: the fp32 params cast to the
+The sampler decodes on a decode copy (opsd_jax/sampling/decode_copy.py: the fp32 params cast to the
 compute dtype, laid out by `--layout`); `refresh ms` is the time to make it (once per training
 step), next to the rollout time (prefill + decode round) it serves. `fp32 params tok/s` decodes
 on the fp32 parameters as the sampler did before the copy existed, in the same run.
@@ -30,15 +30,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
+from flax.core import spmd  # noqa: E402
 
 from models.bagel import Bagel  # noqa: E402
 from models.configs import BagelConfig  # noqa: E402
-from flax.core import spmd  # noqa: E402
-
-from opsd_jax import decode_copy, sampler  # noqa: E402
-from opsd_jax import mesh as mesh_lib  # noqa: E402
 from opsd_jax.data.image_transform import patchify, vit_position_ids  # noqa: E402
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples  # noqa: E402
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples  # noqa: E402
+from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
+from opsd_jax.sampling import decode_copy, sampler  # noqa: E402
 
 CONFIGS = {
     "tiny": lambda: BagelConfig.tiny(),

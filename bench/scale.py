@@ -9,12 +9,12 @@ ThinkMorph-7B shapes, understanding-only):
 * the optimizer / EMA update;
 * the sampler's decode round (one `while_loop` that generates every token of a rollout), on
   the FSDP-sharded fp32 params (how it ran before the decode copy) and on the bf16 decode copy
-  in each `sampler_layout` (opsd_jax/decode_copy.py), with the copy's per-step refresh.
+  in each `sampler_layout` (opsd_jax/sampling/decode_copy.py), with the copy's per-step refresh.
 
 From each program it prints, per device: the bytes of params / optimizer state / EMA teacher,
 the compiled argument / output / temp sizes, the FLOPs of every matmul counted through the
 layer loops (next to the analytic 6·N·tokens), and the collective bytes by kind, counting
-collectives inside loops by their trip count (opsd_jax/hlo_stats.py reads the program right
+collectives inside loops by their trip count (opsd_jax/parallel/hlo_stats.py reads the program right
 after SPMD partitioning: what a GPU build would move, in the dtypes it would move). Then a
 roofline projection for a GPU from the table below, the memory headroom, the largest teacher
 pack that fits, and the hours for the paper recipe (1000 steps).
@@ -97,8 +97,10 @@ def main():
     from models.configs import BagelConfig
     from models.pack import Pack
     from models.sharding import logical_spec
-    from opsd_jax import decode_copy, hlo_stats, sampler, train_step
-    from opsd_jax import mesh as mesh_lib
+    from opsd_jax.parallel import hlo_stats
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.sampling import decode_copy, sampler
+    from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate

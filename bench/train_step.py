@@ -28,13 +28,17 @@ from flax import nnx  # noqa: E402
 
 import train  # noqa: E402
 from configs import tiny  # noqa: E402
-from opsd_jax import distributed, evaluation, pack_shapes, sampler, train_step  # noqa: E402
-from opsd_jax import mesh as mesh_lib  # noqa: E402
-from opsd_jax.checkpoint import abstract_like  # noqa: E402
+from opsd_jax.data import pack_shapes  # noqa: E402
+from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
-from opsd_jax.hf import load_hf  # noqa: E402
-from opsd_jax.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
+from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.io.checkpoint import abstract_like  # noqa: E402
+from opsd_jax.io.hf import load_hf  # noqa: E402
+from opsd_jax.parallel import distributed  # noqa: E402
+from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
+from opsd_jax.sampling import sampler  # noqa: E402
+from opsd_jax.training import train_step  # noqa: E402
 
 
 def main():

@@ -2,7 +2,7 @@
 
 Configs in this folder start from `base_config()` and change what they need; the result is
 locked, so a misspelt key on the command line (`--config.lr_schedular=...`) is an error.
-opsd_jax/train_config.py checks the values (allowed choices, ranges, mesh divisibility)
+opsd_jax/training/train_config.py checks the values (allowed choices, ranges, mesh divisibility)
 before anything compiles.
 """
 
@@ -87,7 +87,7 @@ def base_config() -> ml_collections.ConfigDict:
     # compiles for a bounded set of shapes; a longer prompt is an error.
     c.sample_prompt_buckets = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
     c.use_system_prompt = True
-    c.system_prompt = ""  # empty: our default wording (opsd_jax/opsd_packs.py)
+    c.system_prompt = ""  # empty: our default wording (opsd_jax/data/opsd_packs.py)
     c.use_reference_intro = True
     c.reference_intro = ""
     c.use_transition_prompt = True
@@ -99,7 +99,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_forward_tokens = 10240  # teacher pack length; completions truncated to fit
     c.max_reference_rounds = 8
 
-    # --- fixed pack shapes (opsd_jax/pack_shapes.py): the train step compiles once per length
+    # --- fixed pack shapes (opsd_jax/data/pack_shapes.py): the train step compiles once per length
     # bucket, before step 1. 0 derives the size from max_forward_tokens, the image transform and
     # sample_max_new_tokens (rounded up to 128); samples share rows where they fit.
     c.pack_row_tokens = 0  # teacher row (OPSD) / row (SFT) length; derived: max_forward_tokens
@@ -125,7 +125,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.freeze_llm = False
     c.freeze_vit = False
     # BAGEL's flag: understanding-token activations are detached; with understanding-only data
-    # that leaves only lm_head training (opsd_jax/train_step.py frozen_groups).
+    # that leaves only lm_head training (opsd_jax/training/train_step.py frozen_groups).
     c.freeze_und = False
 
     # --- checkpoints, resume, logging -------------------------------------------------------------

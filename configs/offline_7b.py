@@ -13,7 +13,7 @@ teacher copy. Data, optimiser betas / eps and mesh as configs/thinkmorph_7b.py. 
 that remain: the PyTorch trainer packs micro-batches by a 10240-token budget (here 8 samples in
 8 rows, one micro-batch per step), takes the CE as a token mean (here `loss_reduction`, the
 sequence mean, for both terms) and aligns its two views from their ends (here both views share
-the target tokens; see opsd_jax/offline_cache.py).
+the target tokens; see opsd_jax/data/offline_cache.py).
 """
 
 import ml_collections

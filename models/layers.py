@@ -2,7 +2,7 @@
 
 Parameters carry logical axis names (`out_sharding` metadata) and are created unsharded
 (`eager_sharding=False`): a model can be built anywhere, and placement on a mesh is the job of a
-jitted init with out_shardings (opsd_jax/mesh.py maps the logical names to mesh axes).
+jitted init with out_shardings (opsd_jax/parallel/mesh.py maps the logical names to mesh axes).
 
 Layer stacks are built once with `nnx.vmap` (a leading 'layers' axis on every weight) and run
 with `nnx.scan`, so compile time does not grow with depth; each layer can be rematerialised

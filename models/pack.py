@@ -1,9 +1,9 @@
 """The Pack: the model's input contract, one representation from the packer to the kernel.
 
 A Pack is a batch of R fixed-length rows; each row holds one or more samples (segments). The
-packer (opsd_jax/packing.py) builds it as numpy arrays on the host; the same dataclass holds the
+packer (opsd_jax/data/packing.py) builds it as numpy arrays on the host; the same dataclass holds the
 sharded jax.Arrays on device (it is a pytree). Training packs have shapes fixed by the config
-(opsd_jax/pack_shapes.py), so the train step compiles once, before training; sampler prompts
+(opsd_jax/data/pack_shapes.py), so the train step compiles once, before training; sampler prompts
 are rounded up to a few length buckets.
 
 | field          | shape          | meaning |

@@ -19,7 +19,7 @@ built with it (image generation), never in understanding-only training.
 
 Layers are stacked on a leading 'layers' axis and run with `nnx.scan`, each under a
 `jax.checkpoint` policy chosen by `Qwen2Config.remat`. Every parameter carries logical axis names
-(`out_sharding` metadata); opsd_jax/mesh.py maps them to mesh axes. Parameters are created
+(`out_sharding` metadata); opsd_jax/parallel/mesh.py maps them to mesh axes. Parameters are created
 unsharded (`eager_sharding=False`) so the model can be built anywhere; placement on a mesh is
 the job of a jitted init with out_shardings.
 """
@@ -34,8 +34,14 @@ from flax import nnx
 
 from models import attention as attention_lib
 from models.configs import Qwen2Config
-from models.layers import (Projection, RMSNorm, compute_weight, normal_param, scan_layers,
-                           stack_layers)  # fmt: skip
+from models.layers import (
+    Projection,
+    RMSNorm,
+    compute_weight,
+    normal_param,
+    scan_layers,
+    stack_layers,  # fmt: skip
+)
 from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, ROWS_MLP, constrain, vocab_names
 
 

@@ -4,7 +4,7 @@ The model code calls `constrain(x, ("act_batch", "act_length", "act_embed"))` at
 that fix the layout (embedding output, each layer's input, q/k/v, attention output, MLP hidden,
 logits), and runs attention per device with `per_row_shard_map`. Neither knows about meshes or
 parallelism strategies: the names are resolved through the logical-axis rules that the caller
-activated (`flax.nnx.logical_axis_rules`, done by `opsd_jax.mesh.use_mesh`) on the mesh that is
+activated (`flax.nnx.logical_axis_rules`, done by `opsd_jax.parallel.mesh.use_mesh`) on the mesh that is
 set (`jax.set_mesh`). With no mesh or no rules in context both are no-ops, so the model runs
 unchanged on one device and in tests that never set a layout.
 

@@ -13,7 +13,7 @@ the cache matches what the trainer packs; `rows_per_micro_batch` rows of
 Resumable: run the same command again after a kill and it continues with the samples not yet
 committed (each exactly once). Several processes (e.g. one per host, each on its own devices,
 no communication) split the rows with --process_index / --process_count and write their own
-shards into the same directory. The format is in opsd_jax/offline_cache.py.
+shards into the same directory. The format is in opsd_jax/data/offline_cache.py.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ from absl import app, flags  # noqa: E402
 
 import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
 from models import attention  # noqa: E402
-from opsd_jax import evaluation, init_weights, offline_cache, train_config  # noqa: E402
-from opsd_jax import mesh as mesh_lib  # noqa: E402
+from opsd_jax.data import offline_cache  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
+from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.io import init_weights  # noqa: E402
+from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
+from opsd_jax.training import train_config  # noqa: E402
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")

@@ -3,12 +3,12 @@
     python scripts/convert_hf.py hf-to-jax --hf_dir D --out O [--gen_expert] [--weights ema]
     python scripts/convert_hf.py jax-to-hf --ckpt O --source D --out D2 [--item ema_params]
 
-hf-to-jax loads D with `opsd_jax.hf.load_hf` on a mesh over every local device (each tensor
+hf-to-jax loads D with `opsd_jax.io.hf.load_hf` on a mesh over every local device (each tensor
 goes straight into its shard) and saves the params as the orbax item `O/params`, plus
 `O/bagel_config.json`. jax-to-hf restores an orbax params item (this script's output, or a
 training checkpoint's `params` / `ema_params` in `<dir>/<step>/`, the latest step if `--ckpt`
 is the checkpoint directory) onto the same kind of mesh, and writes D2 with
-`opsd_jax.hf.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
+`opsd_jax.io.hf.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
 not hold copied from the source unchanged, and the other files of D copied. Both directions
 check everything before writing, so a failed conversion leaves no partial output.
 """
@@ -25,9 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from opsd_jax import hf  # noqa: E402
-from opsd_jax.mesh import make_mesh  # noqa: E402
-from opsd_jax.safetensors_io import WeightDirectory  # noqa: E402
+from opsd_jax.io import hf  # noqa: E402
+from opsd_jax.io.safetensors_io import WeightDirectory  # noqa: E402
+from opsd_jax.parallel.mesh import make_mesh  # noqa: E402
 
 
 def hf_to_jax(args) -> None:

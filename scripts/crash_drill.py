@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-COMMIT_MARKER = "commit_success.txt"  # orbax writes it last (see opsd_jax/checkpoint.py)
+COMMIT_MARKER = "commit_success.txt"  # orbax writes it last (see opsd_jax/io/checkpoint.py)
 TMP_MARKER = ".orbax-checkpoint-tmp"
 
 

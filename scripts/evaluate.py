@@ -26,8 +26,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opsd_jax import evaluation
 from opsd_jax.data.sources import SPLITS
+from opsd_jax.evaluation import evaluate as evaluation
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -129,7 +129,7 @@ def load_config(args):
 
 def load_model(args, file_config, config, log=print):
     """(model, tokenizer, mesh) from the model flags; sets args.compute_dtype to the one used."""
-    from opsd_jax.mesh import make_mesh
+    from opsd_jax.parallel.mesh import make_mesh
 
     model_dir = args.model_dir
     if model_dir is None and file_config is not None and not args.checkpoint:

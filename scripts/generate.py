@@ -24,8 +24,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from opsd_jax import evaluation  # noqa: E402
-from opsd_jax.metrics import escape_controls  # noqa: E402
+from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.training.metrics import escape_controls  # noqa: E402
 from scripts.evaluate import (  # noqa: E402
     add_model_flags,
     add_sampling_flags,

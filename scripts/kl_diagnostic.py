@@ -6,7 +6,7 @@
 The model scores each sample's reference solution (its text-only thought plus the answer, as
 `<think>...</think><answer>...</answer>`) teacher-forced twice: in the teacher's context (with
 the VT images) and in the student's; K_gen is the mean full-vocabulary KL between the two
-next-token distributions over the reference tokens (opsd_jax/kl_diagnostic.py). The same is
+next-token distributions over the reference tokens (opsd_jax/evaluation/kl_diagnostic.py). The same is
 computed with the VT pixels replaced by noise (the control), and both are printed side by side
 per dataset. Model / data / prompt flags are those of scripts/evaluate.py.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dataclasses
 
-from opsd_jax import kl_diagnostic
+from opsd_jax.evaluation import kl_diagnostic
 from scripts.evaluate import add_model_and_data_flags, setup
 
 SETTINGS = {"VT": False, "noise VT": True}  # label -> noise_vt

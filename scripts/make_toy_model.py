@@ -7,7 +7,7 @@ BAGEL-7B-MoT / ThinkMorph-7B without downloading 29 GB. This writes:
   says one layer more than is built and stored, and `from_hf_json` reads both back to
   exactly `BagelConfig.tiny()`;
 * the weights under BAGEL's key names, gen expert and generation-only keys included, with
-  the shapes the mapping table derives from the config (opsd_jax/hf.py `hf_key_shapes`):
+  the shapes the mapping table derives from the config (opsd_jax/io/hf.py `hf_key_shapes`):
   bf16 `ema.safetensors` like BAGEL, or fp32 / `model.safetensors` / N shards plus an index
   json like a ThinkMorph or trainer checkpoint;
 * a byte-level BPE tokenizer in Qwen2 format (normaliser, pre-tokeniser and decoder taken
@@ -39,9 +39,9 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers  
 
 from models.bagel import sincos_2d_table  # noqa: E402
 from models.configs import BagelConfig  # noqa: E402
-from opsd_jax import hf  # noqa: E402
-from opsd_jax.safetensors_io import index_name, write_file  # noqa: E402
-from opsd_jax.tokenizer import transformers  # noqa: E402 - quiet import (see there)
+from opsd_jax.io import hf  # noqa: E402
+from opsd_jax.io.safetensors_io import index_name, write_file  # noqa: E402
+from opsd_jax.io.tokenizer import transformers  # noqa: E402 - quiet import (see there)
 
 # Qwen2's special tokens that BAGEL uses, in Qwen2.5's id order, after the BPE ids.
 QWEN2_SPECIAL_TOKENS = (

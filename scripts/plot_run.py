@@ -5,7 +5,7 @@
 
 A run is a trainer results_dir. Its scalars are read from the TensorBoard event files there
 (`EventAccumulator`, every event kept), or, when it has none, from `metrics.jsonl` (both are
-written by opsd_jax/metrics.py with the same keys). A step logged twice (a resumed run appends
+written by opsd_jax/training/metrics.py with the same keys). A step logged twice (a resumed run appends
 to the same files) keeps its last value.
 
 Default keys: loss, jsd, ce, completion_length, lr, eval/accuracy; the plot of eval/accuracy

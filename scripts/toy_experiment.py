@@ -21,7 +21,7 @@ on-policy self-distillation, and replacing the VT image by noise removes the eff
 Writes under --out: `sft/`, `opsd/`, `control/` (each a train.py results_dir with checkpoints
 and metrics.jsonl), `results.json` (every figure), `results.md` (the table) and `results.png`
 (accuracy and JSD against steps, both arms). Each stage runs train.py in a subprocess, exactly as
-a user would; evaluation runs here with opsd_jax.evaluation. `--quick` runs a few steps of each
+a user would; evaluation runs here with opsd_jax.evaluation.evaluate. `--quick` runs a few steps of each
 stage on a small data set (a smoke test of the whole chain, not a measurement).
 """
 
@@ -158,8 +158,8 @@ class Evaluator:
         import jax
         from flax import nnx
 
-        from opsd_jax import evaluation
-        from opsd_jax.hf import load_hf
+        from opsd_jax.evaluation import evaluate as evaluation
+        from opsd_jax.io.hf import load_hf
 
         self.evaluation = evaluation
         model, _, self.tokenizer = load_hf(
@@ -182,7 +182,7 @@ class Evaluator:
         """Held-out accuracy; with `save_as` (a path prefix) also the generations and summary."""
         from flax import nnx
 
-        from opsd_jax.checkpoint import restore_model_params
+        from opsd_jax.io.checkpoint import restore_model_params
 
         params = restore_model_params(step_dir, self.abstract, which="params")
         model = nnx.merge(self.graphdef, params, self.rest)
@@ -419,7 +419,7 @@ def main(argv=None) -> dict:
         run.wait()
 
     # ---- evaluation ----------------------------------------------------------------------------
-    from opsd_jax import evaluation
+    from opsd_jax.evaluation import evaluate as evaluation
 
     sft_config = evaluation.checkpoint_config(sft_last)
     evaluator = Evaluator(os.path.join(toy_dir, "model"), sft_config, mode["eval_samples"])

@@ -13,7 +13,7 @@ from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
 from models.pack import Pack
 from opsd_jax.data.image_transform import patchify, vit_position_ids
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 

@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import checkpoint as ckpt_lib
-from opsd_jax import mesh as mesh_lib
-from opsd_jax import train_step
+from opsd_jax.io import checkpoint as ckpt_lib
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
 
 SAVE_STEP = 10
 DATA_STATE = {"grain": {"next_index": 37}, "skipped": {"bad_json": 2}, "num_yielded": 35}

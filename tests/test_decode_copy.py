@@ -1,4 +1,4 @@
-"""The sampler's decode copy (opsd_jax/decode_copy.py): layout, what a decode round moves, and
+"""The sampler's decode copy (opsd_jax/sampling/decode_copy.py): layout, what a decode round moves, and
 the same completions as sampling on the training parameters (8 CPU devices, tiny model)."""
 
 import jax
@@ -8,14 +8,22 @@ import pytest
 from flax import nnx
 from flax.core import spmd
 from jax.sharding import PartitionSpec as P
+from test_layout import describe
+from test_sampler import (
+    SPECIAL,
+    VOCAB_LIMIT,
+    ScriptedModel,
+    decode_text,
+    prompt_pack,
+    prompts,
+    scripted_pack,  # fmt: skip
+)
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import decode_copy, hlo_stats, sampler
-from opsd_jax import mesh as mesh_lib
-from test_layout import describe
-from test_sampler import (SPECIAL, VOCAB_LIMIT, ScriptedModel, decode_text, prompt_pack, prompts,
-                          scripted_pack)  # fmt: skip
+from opsd_jax.parallel import hlo_stats
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import decode_copy, sampler
 
 SMALL = 64  # elements: per-row scalars (token, log-prob, stop flags) may cross devices
 NEW_TOKENS = 6

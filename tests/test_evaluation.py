@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opsd_jax import evaluation
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
+from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.data.pipeline import Sample
-from opsd_jax.opsd_packs import PromptOptions
-from opsd_jax.sampler import Completions
+from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.sampling.sampler import Completions
 from scripts import make_toy_data, make_toy_model
 
 # ---------------------------------------------------------------------------------- answers
@@ -91,7 +91,7 @@ def test_is_correct(prediction, reference, correct):
 def toy(tmp_path_factory):
     """The toy data (2 held-out rows per task) and the toy model, written once for the module."""
     from opsd_jax.data.sources import DataConfig
-    from opsd_jax.hf import load_hf
+    from opsd_jax.io.hf import load_hf
 
     root = tmp_path_factory.mktemp("eval_toy")
     data = make_toy_data.write_toy_data(str(root / "data"), num_train=4, num_test=2)

@@ -21,11 +21,11 @@ from safetensors.torch import load_file
 
 from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
-from opsd_jax import hf
-from opsd_jax import mesh as mesh_lib
 from opsd_jax.data.image_transform import patchify, vit_position_ids
-from opsd_jax.packing import Image, Text, pack_samples
-from opsd_jax.safetensors_io import WeightDirectory, index_name
+from opsd_jax.data.packing import Image, Text, pack_samples
+from opsd_jax.io import hf
+from opsd_jax.io.safetensors_io import WeightDirectory, index_name
+from opsd_jax.parallel import mesh as mesh_lib
 from scripts import convert_hf, make_toy_model
 
 # fp32 compute and the dense reference attention without remat: the quickest compile on CPU.
@@ -379,7 +379,7 @@ def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
 
 
 def _spec_7b_keys() -> dict[str, tuple[int, ...]]:
-    """bagel_spec.md §8.2, written out independently of opsd_jax/hf.py's table."""
+    """bagel_spec.md §8.2, written out independently of opsd_jax/io/hf.py's table."""
     d, kv, f, vocab, head = 3584, 512, 18944, 152064, 128
     vd, vf = 1152, 4304
     keys = {}

@@ -11,9 +11,10 @@ from flax import nnx
 
 from configs import tiny
 from models.configs import BagelConfig
-from opsd_jax import hf, init_weights, train_step
-from opsd_jax import mesh as mesh_lib
-from opsd_jax.checkpoint import Checkpointer
+from opsd_jax.io import hf, init_weights
+from opsd_jax.io.checkpoint import Checkpointer
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
 from scripts import make_toy_model
 
 RUNTIME = {"llm": {"compute_dtype": "float32", "attention_backend": "reference", "remat": "none"}}

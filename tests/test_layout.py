@@ -1,7 +1,7 @@
 """The compute layout, read from the compiled program (8 CPU devices, tiny model).
 
 Numbers that match one device prove numerics, not layout: these tests read the per-device HLO
-right after SPMD partitioning (opsd_jax/hlo_stats.py) and check what crosses the interconnect.
+right after SPMD partitioning (opsd_jax/parallel/hlo_stats.py) and check what crosses the interconnect.
 Under pure FSDP only weights (all-gather, compute dtype) and weight gradients (reduce-scatter;
 all-reduce for the small replicated ones) may move; any collective whose shape is not a
 parameter's is an activation collective, which is a layout bug.
@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_opsd_packs import SPECIAL, encode, sample
 
 from models import attention as attention_lib
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import hlo_stats
-from opsd_jax import mesh as mesh_lib
-from opsd_jax import train_step
-from opsd_jax.opsd_packs import PromptOptions, build_training_packs
-from test_opsd_packs import SPECIAL, encode, sample
+from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.parallel import hlo_stats
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 SMALL = 64  # elements: scalars and per-sample loss sums may be all-reduced

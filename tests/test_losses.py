@@ -1,4 +1,4 @@
-"""Tests for opsd_jax.losses: the generalized JSD, the sampled-token (tinker) loss and the CE.
+"""Tests for opsd_jax.training.losses: the generalized JSD, the sampled-token (tinker) loss and the CE.
 
 Values are checked against float64 numpy references written from the definitions in
 shared/reference/opsd_loss_spec.md (section a) and from the documented formula of TRL's
@@ -22,7 +22,7 @@ import pytest
 from conftest import assert_close_to_scale
 from jax.test_util import check_grads
 
-from opsd_jax import losses
+from opsd_jax.training import losses
 
 SHAPE = (2, 5, 9)  # [rows, entries per row, vocabulary]
 

@@ -1,4 +1,4 @@
-"""Tests for opsd_jax.metrics: window averaging, the sinks (console, JSONL, TensorBoard events read
+"""Tests for opsd_jax.training.metrics: window averaging, the sinks (console, JSONL, TensorBoard events read
 back with EventAccumulator), phase timings, non-main silence, the missing-wandb fallback and
 device-array values. A fake clock makes throughput, ETA and phase numbers exact."""
 
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from opsd_jax import metrics
-from opsd_jax.metrics import MetricsLogger, format_duration, format_number, wandb_run_id
+from opsd_jax.training import metrics
+from opsd_jax.training.metrics import MetricsLogger, format_duration, format_number, wandb_run_id
 
 
 class FakeClock:

@@ -19,9 +19,10 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import losses, offline_cache, train_step
-from opsd_jax import mesh as mesh_lib
-from opsd_jax.opsd_packs import PromptOptions
+from opsd_jax.data import offline_cache
+from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import losses, train_step
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 
@@ -88,8 +89,8 @@ def _fake_step(params, teacher, text):
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
-    from scripts import make_toy_data
     from opsd_jax.data.sources import DataConfig
+    from scripts import make_toy_data
 
     root = tmp_path_factory.mktemp("toy")
     rows = make_toy_data.make_rows("toy_count", "train", 14, seed=0)
@@ -315,7 +316,7 @@ def test_collect_traces_then_train_offline(tmp_path):
 
 def test_offline_config_values_are_checked(tmp_path):
     from configs import offline_7b, offline_tiny, thinkmorph_7b
-    from opsd_jax import train_config
+    from opsd_jax.training import train_config
 
     config = offline_tiny.get_config()
     with config.unlocked():

@@ -6,9 +6,13 @@ import numpy as np
 import pytest
 
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-from opsd_jax.opsd_packs import (PromptOptions, build_prompt_pack, build_training_packs,
-                                 prompt_shape_bound)  # fmt: skip
-from opsd_jax.packing import SpecialTokens
+from opsd_jax.data.opsd_packs import (
+    PromptOptions,
+    build_prompt_pack,
+    build_training_packs,
+    prompt_shape_bound,  # fmt: skip
+)
+from opsd_jax.data.packing import SpecialTokens
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 IMS, IME, VS, VE = 1000, 1001, 1002, 1003

@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
+from test_opsd_packs import OPTIONS, SPECIAL, encode, sample
 
 from configs import common, thinkmorph_7b, tiny
-from opsd_jax.opsd_packs import build_training_packs
-from opsd_jax.pack_shapes import PackShape, choose_bucket, fit_rows, pack_shapes
-from opsd_jax.sft_packs import build_sft_packs
-from test_opsd_packs import OPTIONS, SPECIAL, encode, sample
+from opsd_jax.data.opsd_packs import build_training_packs
+from opsd_jax.data.pack_shapes import PackShape, choose_bucket, fit_rows, pack_shapes
+from opsd_jax.data.sft_packs import build_sft_packs
 
 
 def test_derived_sizes_of_the_7b_recipe():

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from opsd_jax.metrics import MetricsLogger
+from opsd_jax.training.metrics import MetricsLogger
 from scripts import plot_run
 
 

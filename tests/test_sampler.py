@@ -10,10 +10,11 @@ from flax import nnx
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import mesh as mesh_lib
-from opsd_jax import losses, sampler
 from opsd_jax.data.image_transform import patchify, vit_position_ids
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import sampler
+from opsd_jax.training import losses
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 VOCAB_LIMIT = 1004  # ids 1004..1023 are padding rows of the tiny embedding table

@@ -12,9 +12,9 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import train_config, train_step
-from opsd_jax.opsd_packs import PromptOptions
-from opsd_jax.sft_packs import build_sft_packs, choose_vt, target_text
+from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.data.sft_packs import build_sft_packs, choose_vt, target_text
+from opsd_jax.training import train_config, train_step
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 

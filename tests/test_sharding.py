@@ -9,7 +9,7 @@ from flax import nnx
 
 from models.configs import BagelConfig
 from models.qwen2_mot import Qwen2MoT
-from opsd_jax import mesh as mesh_lib
+from opsd_jax.parallel import mesh as mesh_lib
 
 
 def _config():
@@ -92,7 +92,7 @@ def test_mesh_that_does_not_divide_the_devices_fails():
 def test_sharded_multimodal_forward_matches_single_device():
     from models.bagel import Bagel
     from opsd_jax.data.image_transform import patchify, vit_position_ids
-    from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples
+    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
 
     config = BagelConfig.tiny(llm=dict(compute_dtype="float32"))
     mesh = mesh_lib.make_mesh()

@@ -9,8 +9,8 @@ import pytest
 import transformers
 from conftest import subprocess_env
 
-from opsd_jax.packing import SpecialTokens
-from opsd_jax.tokenizer import BAGEL_SPECIAL_TOKENS, add_special_tokens, load_tokenizer
+from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.io.tokenizer import BAGEL_SPECIAL_TOKENS, add_special_tokens, load_tokenizer
 from scripts import make_toy_model
 
 
@@ -131,7 +131,7 @@ def test_a_directory_without_tokenizer_files_is_a_clear_error(tmp_path):
 
 def test_importing_the_tokenizer_without_pytorch_prints_nothing():
     """transformers advises on import that PyTorch is missing; a JAX user need not hear it."""
-    code = "import sys; sys.modules['torch'] = None; import opsd_jax.tokenizer"  # torch hidden
+    code = "import sys; sys.modules['torch'] = None; import opsd_jax.io.tokenizer"  # torch hidden
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in subprocess_env(1).items() if not k.startswith("TRANSFORMERS_")}
     result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,

@@ -16,7 +16,7 @@ import pytest
 from conftest import subprocess_env
 
 from configs import tiny
-from opsd_jax import train_config
+from opsd_jax.training import train_config
 from scripts import crash_drill
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

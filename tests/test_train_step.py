@@ -8,14 +8,14 @@ import optax
 import pytest
 from conftest import assert_close_to_scale, assert_trees_close_to_scale
 from flax import nnx
+from test_opsd_packs import SPECIAL, encode, sample
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import mesh as mesh_lib
-from opsd_jax import train_step
-from opsd_jax.opsd_packs import PromptOptions, build_training_packs
-from opsd_jax.pack_shapes import PackShape
-from test_opsd_packs import SPECIAL, encode, sample
+from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.data.pack_shapes import PackShape
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 

@@ -13,10 +13,10 @@ from PIL import Image
 
 from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
-from opsd_jax import hf
 from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
 from opsd_jax.data.pipeline import prepare_sample
 from opsd_jax.data.sources import DataConfig, DatasetSpec, RawSample
+from opsd_jax.io import hf
 from scripts import make_toy_model
 
 GRID8 = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none",

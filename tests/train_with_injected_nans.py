@@ -21,7 +21,7 @@ from absl import app
 from jax.sharding import NamedSharding, PartitionSpec
 
 import train
-from opsd_jax import train_step
+from opsd_jax.training import train_step
 
 
 def _injections() -> dict[int, str]:

@@ -1,1 +1,2 @@
-"""Host-side data preparation (numpy + PIL only): image preprocessing, patchify, packing."""
+"""From data sets to fixed-shape packs, on the host (numpy + PIL): sources, the grain pipeline,
+image preprocessing, packing, the OPSD / SFT pack views, pack shapes and the offline teacher cache."""

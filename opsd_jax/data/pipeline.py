@@ -49,7 +49,7 @@ class Sample:
     """A training/eval element: the raw text fields plus ViT-ready images.
 
     `problem_image` and each of `vt_images` are `VitImageInputs` (float32 patches [N, 588] in
-    [-1, 1], int32 position ids [N], grid_h, grid_w), ready for `opsd_jax.packing`.
+    [-1, 1], int32 position ids [N], grid_h, grid_w), ready for `opsd_jax.data.packing`.
     """
 
     pid: str

@@ -53,7 +53,7 @@ import ml_dtypes
 import numpy as np
 
 from models.pack import Pack
-from opsd_jax.opsd_packs import (
+from opsd_jax.data.opsd_packs import (
     Encode,
     PromptOptions,
     assign_rows,
@@ -62,7 +62,7 @@ from opsd_jax.opsd_packs import (
     per_row_max,
     prompt_items,
 )
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, sample_length
 
 CACHE_FORMAT = "opsd-jax offline teacher cache 1"
 TARGET_FORMAT = "thinkmorph-interleaved-1"  # target_segments' layout (bump when it changes)
@@ -485,7 +485,7 @@ def put_cache_rows(cache: dict, pack_on_mesh: Pack, mesh) -> dict:
     to the global loss width when several processes agree on a wider one)."""
     import jax
 
-    from opsd_jax import mesh as mesh_lib
+    from opsd_jax.parallel import mesh as mesh_lib
 
     width = pack_on_mesh.loss_mask.shape[1]
 
@@ -506,7 +506,7 @@ def make_collect_step(graphdef, rest, *, top_k: int, vocab_limit: int | None):
     import jax
     from flax import nnx
 
-    from opsd_jax import losses
+    from opsd_jax.training import losses
 
     @jax.jit
     def collect_step(params, teacher_pack, text_pack):
@@ -559,8 +559,8 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     total, rate, ETA) is logged at most every `log_every_s` seconds, and at the end."""
     import jax
 
-    from opsd_jax import distributed
-    from opsd_jax import mesh as mesh_lib
+    from opsd_jax.parallel import distributed
+    from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.data.pipeline import prepare_sample
     from opsd_jax.data.sources import Skipped, decode_row
 

@@ -18,7 +18,7 @@ row of every sample (it is the longer view) and the student pack uses the same r
 
 If a teacher sample is longer than `max_forward_tokens`, its completion is truncated so it fits,
 and both packs use the truncated completion. Training packs take the fixed shapes of
-opsd_jax/pack_shapes.py (several samples per row where they fit; a sample that fits in no row
+opsd_jax/data/pack_shapes.py (several samples per row where they fit; a sample that fits in no row
 loses the end of its completion, in both packs); without shapes (tests, diagnostics) the sizes
 are fitted to the content and rounded up to powers of two.
 Sampler prompts are rounded up to a fixed list of lengths instead (config
@@ -33,8 +33,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from models.pack import Pack
-from opsd_jax.pack_shapes import PackShape, choose_bucket
-from opsd_jax.packing import Image, SpecialTokens, Text, pack_samples, pad_pack, sample_length
+from opsd_jax.data.pack_shapes import PackShape, choose_bucket
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, pad_pack, sample_length
 
 # Our own wording. A checkpoint answers best with the system prompt it was trained with, so
 # every text here can be replaced from the config.

@@ -24,9 +24,9 @@ from typing import Any
 import jax
 from flax import nnx
 
-from opsd_jax import hf
-from opsd_jax.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
-from opsd_jax.tokenizer import BagelTokenizer
+from opsd_jax.io import hf
+from opsd_jax.io.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
+from opsd_jax.io.tokenizer import BagelTokenizer
 
 
 @dataclasses.dataclass

@@ -52,8 +52,8 @@ from flax import nnx
 
 from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
-from opsd_jax import mesh as mesh_lib
-from opsd_jax.safetensors_io import (
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.io.safetensors_io import (
     DTYPES,
     FLOAT_DTYPES,
     WEIGHT_STEMS,
@@ -63,7 +63,7 @@ from opsd_jax.safetensors_io import (
     present_stems,
     write_file,
 )
-from opsd_jax.tokenizer import BagelTokenizer, load_tokenizer
+from opsd_jax.io.tokenizer import BagelTokenizer, load_tokenizer
 
 LLM_CONFIG = "llm_config.json"
 VIT_CONFIG = "vit_config.json"
@@ -396,7 +396,7 @@ def plan_load(
         ("unexpected keys", unexpected),
         ("wrong shapes", wrong_shape),
         ("wrong dtypes", wrong_dtype),
-        ("model parameters without a mapping rule (a bug in opsd_jax/hf.py)", unmapped),
+        ("model parameters without a mapping rule (a bug in opsd_jax/io/hf.py)", unmapped),
     ]
     if any(items for _, items in problems):
         lines = [f"{where} does not match the model its configs describe:"]

@@ -8,7 +8,7 @@ decoding in one jitted reshard (one all-gather of the bf16 model per step, no ho
 the sampler decodes on that copy, and the caller frees it (`DecodeCopy.delete`) after sampling,
 so peak memory is the training state + one compute-dtype copy + the KV cache.
 
-Layouts (config `sampler_layout`, opsd_jax/mesh.py SAMPLER_LAYOUTS and DECODE_RULES):
+Layouts (config `sampler_layout`, opsd_jax/parallel/mesh.py SAMPLER_LAYOUTS and DECODE_RULES):
   replicated  every device holds the whole copy; rows over all devices; a decode step moves
               nothing but per-row scalars.
   tensor      heads, MLP and vocab split over the devices of one host (a head / width split only
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.sharding import logical_spec
-from opsd_jax import mesh as mesh_lib
+from opsd_jax.parallel import mesh as mesh_lib
 
 
 def _is_variable(x) -> bool:

@@ -15,7 +15,7 @@ jitted and traced inside it gets the activation layout (models/sharding.py reads
 Sampling has its own layout (DECODE_RULES on a `decode_mesh` view of the same devices): a decode
 step is one token per row, so gathering FSDP-sharded weights for it would move the whole model
 per token; the sampler decodes on a compute-dtype copy whose weights are whole (or split over
-the tensor axis inside one host) instead (opsd_jax/decode_copy.py).
+the tensor axis inside one host) instead (opsd_jax/sampling/decode_copy.py).
 """
 
 from __future__ import annotations

@@ -19,13 +19,13 @@ the sampling distribution.
    The rounds' tokens are concatenated (each later round's leading `<|im_start|>` is not part
    of the completion); `max_new_tokens` is the total over rounds, appended tokens included.
 
-`sample` takes a `DecodeCopy` (opsd_jax/decode_copy.py: the compute-dtype copy of the
+`sample` takes a `DecodeCopy` (opsd_jax/sampling/decode_copy.py: the compute-dtype copy of the
 student in a decode layout, made once per training step) and runs under its mesh and rules, or
 any nnx model, run as it is under whatever mesh and rules the caller set. The KV cache and the
 per-row state are pinned to rows over the batch axes (kv heads over 'tensor'), so with the
 weights whole or tensor-split a decode step moves no weight. The state is donated to each
 jitted call so the cache is updated in place. With several processes the prompt Pack is the
-global one (opsd_jax/distributed.py `put_rows`) and every process gets every row's completion.
+global one (opsd_jax/parallel/distributed.py `put_rows`) and every process gets every row's completion.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ from flax.core import spmd
 
 from models.pack import Pack
 from models.sharding import constrain
-from opsd_jax import losses
-from opsd_jax.decode_copy import DecodeCopy
-from opsd_jax.distributed import rows_array, to_host
-from opsd_jax.packing import SpecialTokens
+from opsd_jax.training import losses
+from opsd_jax.sampling.decode_copy import DecodeCopy
+from opsd_jax.parallel.distributed import rows_array, to_host
+from opsd_jax.data.packing import SpecialTokens
 
 IMAGE_SKIP_TEXT = "<image_start>"
 

@@ -17,7 +17,7 @@ both contexts over the epochs and a resumed run draws the same choices.
 
 A sample whose context plus target exceeds `max_forward_tokens` is dropped, not truncated: a cut
 target would lose the answer and teach `<|im_end|>` where the reasoning stops mid-way; so is one
-that fits in no row of the fixed shape (opsd_jax/pack_shapes.py, the 'sft' shapes). Without
+that fits in no row of the fixed shape (opsd_jax/data/pack_shapes.py, the 'sft' shapes). Without
 shapes (tests) the sizes are fitted to the content, rounded up to powers of two.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from models.pack import Pack
-from opsd_jax.opsd_packs import (
+from opsd_jax.data.opsd_packs import (
     Encode,
     PromptOptions,
     assign_rows,
@@ -41,8 +41,8 @@ from opsd_jax.opsd_packs import (
     shaped_pack,
     teacher_context_items,
 )
-from opsd_jax.pack_shapes import PackShape, choose_bucket
-from opsd_jax.packing import SpecialTokens, Text, sample_length
+from opsd_jax.data.pack_shapes import PackShape, choose_bucket
+from opsd_jax.data.packing import SpecialTokens, Text, sample_length
 
 
 def target_text(sample) -> str:

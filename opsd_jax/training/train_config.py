@@ -15,7 +15,10 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax import hf, losses, mesh, offline_cache, train_step
+from opsd_jax.io import hf
+from opsd_jax.training import losses, train_step
+from opsd_jax.parallel import mesh
+from opsd_jax.data import offline_cache
 
 MODES = ("opsd", "sft", "offline")
 

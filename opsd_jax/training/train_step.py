@@ -3,7 +3,7 @@
 One optimizer step (train.py drives it):
 
 1. the sampler draws completions for every micro-batch with the current params (OPSD);
-2. the host packs every micro-batch at the fixed shapes (opsd_jax/pack_shapes.py) and stacks
+2. the host packs every micro-batch at the fixed shapes (opsd_jax/data/pack_shapes.py) and stacks
    them: arrays [micro-batches, rows, ...];
 3. `make_train_step`'s jitted, donated `train_step(state, micro_batches) -> (state, metrics)`
    runs the whole rest on device: a `lax.scan` over the micro-batches (student forward /
@@ -37,7 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.pack import Pack
-from opsd_jax import losses
+from opsd_jax.training import losses
 
 TEACHER_MODES = ("self", "ema", "fixed")
 LOSS_KINDS = ("jsd", "tinker")
@@ -61,7 +61,7 @@ class LossSettings:
     # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
     # as the sampler masks them (losses.mask_vocab); None keeps the whole table.
     vocab_limit: int | None = None
-    # Offline mode (a cached teacher, opsd_jax/offline_cache.py): the PyTorch offline trainer's.
+    # Offline mode (a cached teacher, opsd_jax/data/offline_cache.py): the PyTorch offline trainer's.
     kd_weight: float = 0.5
     kd_temperature: float = 2.0
     kd_use_vt_weights: bool = True

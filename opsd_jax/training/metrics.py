@@ -45,7 +45,7 @@ from typing import Any, Self
 import jax
 import numpy as np
 
-from opsd_jax import distributed
+from opsd_jax.parallel import distributed
 
 # Interval clock; a module attribute so tests can substitute a deterministic one.
 _now = time.perf_counter

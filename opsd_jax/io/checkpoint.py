@@ -47,8 +47,8 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from opsd_jax.distributed import to_host
-from opsd_jax.train_step import TrainState
+from opsd_jax.parallel.distributed import to_host
+from opsd_jax.training.train_step import TrainState
 
 log = logging.getLogger(__name__)
 

@@ -47,11 +47,11 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
-from opsd_jax import decode_copy
-from opsd_jax import mesh as mesh_lib
-from opsd_jax import sampler as sampler_lib
-from opsd_jax.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
-from opsd_jax.packing import SpecialTokens
+from opsd_jax.sampling import decode_copy
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import sampler as sampler_lib
+from opsd_jax.data.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
+from opsd_jax.data.packing import SpecialTokens
 
 CONTEXTS = ("student", "teacher")
 
@@ -255,10 +255,10 @@ def evaluate(
     do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
       `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
     mesh: shard the prompt rows over it (when `batch_size` divides) and sample on a decode copy
-      of the model over its devices (opsd_jax/decode_copy.py: compute dtype, `sampler_layout`;
+      of the model over its devices (opsd_jax/sampling/decode_copy.py: compute dtype, `sampler_layout`;
       made once here, freed at the end). Without a mesh the model samples as it is.
     prompt_buckets: prompt lengths round up to one of these (default: powers of two).
-    sample_fn: `opsd_jax.sampler.sample` or a drop-in with its signature (tests script outputs).
+    sample_fn: `opsd_jax.sampling.sampler.sample` or a drop-in with its signature (tests script outputs).
     log: called with a progress line after every batch (e.g. `print`).
 
     Every batch has `batch_size` rows (the last is padded by repeating its final sample and
@@ -476,7 +476,7 @@ def save_results(result: EvalResult, out_dir: str | os.PathLike, name: str = "ev
 
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """A `configs/<name>.py` file's `get_config()` as a plain dict."""
-    from opsd_jax.train_config import load_config_file as load
+    from opsd_jax.training.train_config import load_config_file as load
 
     config = load(path)
     return config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -612,8 +612,8 @@ def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
     """
     from flax import nnx
 
-    from opsd_jax.checkpoint import restore_model_params
-    from opsd_jax.hf import load_hf
+    from opsd_jax.io.checkpoint import restore_model_params
+    from opsd_jax.io.hf import load_hf
 
     run_config = None
     step_dir = None
