@@ -35,7 +35,7 @@ from opsd_jax.data.sources import DataConfig
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.io import init_weights
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
-from opsd_jax.io.hf import load_hf
+from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler

@@ -39,7 +39,7 @@ from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # 
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
-from opsd_jax.io.hf import load_hf  # noqa: E402
+from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
 from opsd_jax.training import train_step  # noqa: E402

@@ -3,12 +3,12 @@
     python scripts/convert_hf.py hf-to-jax --hf_dir D --out O [--gen_expert] [--weights ema]
     python scripts/convert_hf.py jax-to-hf --ckpt O --source D --out D2 [--item ema_params]
 
-hf-to-jax loads D with `opsd_jax.io.hf.load_hf` on a mesh over every local device (each tensor
+hf-to-jax loads D with `opsd_jax.io.hf_load.load_hf` on a mesh over every local device (each tensor
 goes straight into its shard) and saves the params as the orbax item `O/params`, plus
 `O/bagel_config.json`. jax-to-hf restores an orbax params item (this script's output, or a
 training checkpoint's `params` / `ema_params` in `<dir>/<step>/`, the latest step if `--ckpt`
 is the checkpoint directory) onto the same kind of mesh, and writes D2 with
-`opsd_jax.io.hf.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
+`opsd_jax.io.hf_export.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
 not hold copied from the source unchanged, and the other files of D copied. Both directions
 check everything before writing, so a failed conversion leaves no partial output.
 """
@@ -16,6 +16,8 @@ check everything before writing, so a failed conversion leaves no partial output
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -24,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from opsd_jax.io import hf  # noqa: E402
+from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load  # noqa: E402
 from opsd_jax.io.safetensors_io import WeightDirectory  # noqa: E402
 from opsd_jax.parallel.mesh import make_mesh  # noqa: E402
 
@@ -33,7 +36,7 @@ from opsd_jax.parallel.mesh import make_mesh  # noqa: E402
 def hf_to_jax(args) -> None:
     start = time.time()
     mesh = make_mesh()
-    model, config, tokenizer = hf.load_hf(
+    model, config, tokenizer = hf_load.load_hf(
         args.hf_dir,
         mesh=mesh,
         dtype=jnp.dtype(args.dtype),
@@ -41,9 +44,12 @@ def hf_to_jax(args) -> None:
         weights=args.weights,
         progress=True,
     )
-    params = hf.flat_params(model)
+    params = hf_export.flat_params(model)
     count = sum(value.size for value in params.values())
-    out = hf.save_params(model, args.out, config)
+    item = checkpoint.save_model_params(nnx.state(model, nnx.Param), args.out)
+    if jax.process_index() == 0:
+        with open(os.path.join(args.out, "bagel_config.json"), "w") as f:
+            json.dump(dataclasses.asdict(config), f, indent=2)
     print(
         f"loaded {args.hf_dir}: {len(params)} params ({count:,} values, {args.dtype}) on mesh "
         f"{dict(mesh.shape)}; gen expert {'loaded' if args.gen_expert else 'skipped'}"
@@ -52,21 +58,21 @@ def hf_to_jax(args) -> None:
         f"tokenizer: {tokenizer.vocab_length} ids ({tokenizer.num_added} added), "
         f"{tokenizer.special_tokens()}"
     )
-    print(f"wrote {out / hf.PARAMS_ITEM} in {time.time() - start:.1f}s")
+    print(f"wrote {item} in {time.time() - start:.1f}s")
 
 
 def jax_to_hf(args) -> None:
     start = time.time()
-    params = hf.restore_params(args.ckpt, args.source, mesh=make_mesh(), item=args.item)
-    out = hf.save_hf(
+    params = hf_export.restore_for_export(args.ckpt, args.source, make_mesh(), which=args.item)
+    out = hf_export.save_hf(
         params, args.out, args.source, weights=args.weights, overwrite=args.overwrite, progress=True
     )
     source = WeightDirectory(args.source, args.weights)
     ours = 0
     for key in source.keys():
-        matched = hf.match_key(key)
+        matched = hf_layout.match_key(key)
         ours += matched is not None and matched[0].target in params
-    print(f"restored {hf.find_params_item(args.ckpt, args.item)}: {len(params)} params")
+    print(f"restored {args.item} of {args.ckpt}: {len(params)} params")
     print(
         f"wrote {out}: {len(source.keys())} tensors ({ours} from our params, "
         f"{len(source.keys()) - ours} copied from {args.source}) in {time.time() - start:.1f}s"
@@ -97,7 +103,7 @@ def main(argv=None) -> None:
     )
     to_hf.add_argument("--source", required=True, help="the HF directory the params came from")
     to_hf.add_argument("--out", required=True, help="new HF directory (must not exist)")
-    to_hf.add_argument("--item", default=hf.PARAMS_ITEM, help="orbax item: params or ema_params")
+    to_hf.add_argument("--item", default=checkpoint.PARAMS, help="orbax item: params or ema_params")
     to_hf.add_argument("--weights", default=None, help="source weights: ema or model")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     to_hf.set_defaults(run=jax_to_hf)

@@ -7,7 +7,7 @@ BAGEL-7B-MoT / ThinkMorph-7B without downloading 29 GB. This writes:
   says one layer more than is built and stored, and `from_hf_json` reads both back to
   exactly `BagelConfig.tiny()`;
 * the weights under BAGEL's key names, gen expert and generation-only keys included, with
-  the shapes the mapping table derives from the config (opsd_jax/io/hf.py `hf_key_shapes`):
+  the shapes the mapping table derives from the config (opsd_jax/io/hf_layout.py `hf_key_shapes`):
   bf16 `ema.safetensors` like BAGEL, or fp32 / `model.safetensors` / N shards plus an index
   json like a ThinkMorph or trainer checkpoint;
 * a byte-level BPE tokenizer in Qwen2 format (normaliser, pre-tokeniser and decoder taken
@@ -39,7 +39,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers  
 
 from models.bagel import sincos_2d_table  # noqa: E402
 from models.configs import BagelConfig  # noqa: E402
-from opsd_jax.io import hf  # noqa: E402
+from opsd_jax.io import hf_layout  # noqa: E402
 from opsd_jax.io.safetensors_io import index_name, write_file  # noqa: E402
 from opsd_jax.io.tokenizer import transformers  # noqa: E402 - quiet import (see there)
 
@@ -212,7 +212,7 @@ def toy_tensors(config: BagelConfig, seed: int) -> dict[str, np.ndarray]:
     """
     rng = np.random.default_rng(seed)
     tensors = {}
-    for key, shape in sorted(hf.hf_key_shapes(config).items()):
+    for key, shape in sorted(hf_layout.hf_key_shapes(config).items()):
         if key == "vit_pos_embed.pos_embed":
             value = sincos_2d_table(config.vit_max_num_patch_per_side, config.llm.hidden_size)
         elif key == "latent_pos_embed.pos_embed":
@@ -294,10 +294,10 @@ def write_toy_model(
     )
     bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")  # Qwen2's config bos (BAGEL ignores)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    (out_dir / hf.LLM_CONFIG).write_text(
+    (out_dir / hf_layout.LLM_CONFIG).write_text(
         json.dumps(llm_config_json(config, bos, eos, dtype), indent=2) + "\n"
     )
-    (out_dir / hf.VIT_CONFIG).write_text(json.dumps(vit_config_json(config), indent=2) + "\n")
+    (out_dir / hf_layout.VIT_CONFIG).write_text(json.dumps(vit_config_json(config), indent=2) + "\n")
     write_weights(out_dir, toy_tensors(config, seed), dtype, weights_name, num_shards)
     return out_dir
 

@@ -159,7 +159,7 @@ class Evaluator:
         from flax import nnx
 
         from opsd_jax.evaluation import evaluate as evaluation
-        from opsd_jax.io.hf import load_hf
+        from opsd_jax.io.hf_load import load_hf
 
         self.evaluation = evaluation
         model, _, self.tokenizer = load_hf(

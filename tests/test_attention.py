@@ -9,7 +9,6 @@ import pytest
 
 from models.attention import attention
 
-
 # --------------------------------------------------------------------------------------------
 # Helpers
 

@@ -91,7 +91,7 @@ def test_is_correct(prediction, reference, correct):
 def toy(tmp_path_factory):
     """The toy data (2 held-out rows per task) and the toy model, written once for the module."""
     from opsd_jax.data.sources import DataConfig
-    from opsd_jax.io.hf import load_hf
+    from opsd_jax.io.hf_load import load_hf
 
     root = tmp_path_factory.mktemp("eval_toy")
     data = make_toy_data.write_toy_data(str(root / "data"), num_train=4, num_test=2)

@@ -23,7 +23,7 @@ from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
 from opsd_jax.data.image_transform import patchify, vit_position_ids
 from opsd_jax.data.packing import Image, Text, pack_samples
-from opsd_jax.io import hf
+from opsd_jax.io import hf_export, hf_layout, hf_load
 from opsd_jax.io.safetensors_io import WeightDirectory, index_name
 from opsd_jax.parallel import mesh as mesh_lib
 from scripts import convert_hf, make_toy_model
@@ -52,7 +52,7 @@ def toy_fp32_sharded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded_bf16(toy_bf16):
-    return hf.load_hf(toy_bf16, config_changes=FP32)
+    return hf_load.load_hf(toy_bf16, config_changes=FP32)
 
 
 def test_toy_configs_read_back_as_the_tiny_preset(toy_bf16):
@@ -68,11 +68,11 @@ def test_toy_configs_read_back_as_the_tiny_preset(toy_bf16):
 )  # fmt: skip
 def test_hf_to_ours_to_hf_is_bit_identical(toy, gen_expert, dtype, request, tmp_path):
     source = request.getfixturevalue(toy)
-    model, config, _ = hf.load_hf(source, dtype=dtype, build_gen_expert=gen_expert)
+    model, config, _ = hf_load.load_hf(source, dtype=dtype, build_gen_expert=gen_expert)
     assert config.llm.build_gen_expert == gen_expert
     assert (model.language_model.layers.gen is not None) == gen_expert
     assert model.language_model.embed_tokens[...].dtype == dtype  # fp32 master copy by default
-    out = hf.save_hf(model, tmp_path / "exported", source)
+    out = hf_export.save_hf(model, tmp_path / "exported", source)
 
     before, after = WeightDirectory(source), WeightDirectory(out)
     assert after.keys() == before.keys() and len(before.keys()) == 111
@@ -174,7 +174,7 @@ def _reference_model(config: BagelConfig, tensors: dict) -> Bagel:
         put(getattr(model.connector, name).kernel, tensors[f"connector.{name}.weight"].T)
         put(getattr(model.connector, name).bias, tensors[f"connector.{name}.bias"])
     put(model.vit_pos_embed, tensors["vit_pos_embed.pos_embed"])
-    unset = [p for p, v in hf.flat_params(model).items() if isinstance(v, jax.ShapeDtypeStruct)]
+    unset = [p for p, v in hf_export.flat_params(model).items() if isinstance(v, jax.ShapeDtypeStruct)]
     assert not unset, unset
     return model
 
@@ -209,10 +209,10 @@ def test_converted_model_logits_equal_a_model_built_from_the_same_arrays(toy_bf1
 
 def test_loading_under_an_8_device_mesh_gives_sharded_params(toy_fp32_sharded, loaded_bf16):
     mesh = mesh_lib.make_mesh(num_replicate=2)  # data 2 x fsdp 4
-    model, config, _ = hf.load_hf(toy_fp32_sharded, mesh=mesh, build_gen_expert=True)
+    model, config, _ = hf_load.load_hf(toy_fp32_sharded, mesh=mesh, build_gen_expert=True)
     _, abstract = mesh_lib.abstract_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
-    targets = hf.flat_params(abstract)
-    params = hf.flat_params(model)
+    targets = hf_export.flat_params(abstract)
+    params = hf_export.flat_params(model)
     assert params.keys() == targets.keys()
     for path, value in params.items():
         assert value.sharding == targets[path].sharding, path
@@ -222,8 +222,8 @@ def test_loading_under_an_8_device_mesh_gives_sharded_params(toy_fp32_sharded, l
     embed = params["language_model.embed_tokens"]
     assert embed.sharding.shard_shape(embed.shape) == (1024, 64 // 4)
     # Same values as a single-device load of the same directory.
-    single, _, _ = hf.load_hf(toy_fp32_sharded, build_gen_expert=True)
-    for path, value in hf.flat_params(single).items():
+    single, _, _ = hf_load.load_hf(toy_fp32_sharded, build_gen_expert=True)
+    for path, value in hf_export.flat_params(single).items():
         np.testing.assert_array_equal(np.asarray(params[path]), np.asarray(value), err_msg=path)
 
 
@@ -233,9 +233,9 @@ def test_read_params_false_leaves_the_params_abstract_and_reads_the_fixed_table(
     """What a resumed run loads: the params stay ShapeDtypeStructs in their target shardings
     (no memory, the checkpoint restores them); the non-trained table is read as usual."""
     mesh = mesh_lib.make_mesh(num_replicate=2)
-    model, _, _ = hf.load_hf(toy_fp32_sharded, mesh=mesh, read_params=False)
+    model, _, _ = hf_load.load_hf(toy_fp32_sharded, mesh=mesh, read_params=False)
     params, rest = nnx.split_state(nnx.state(model), nnx.Param, ...)
-    full, _, _ = hf.load_hf(toy_fp32_sharded, mesh=mesh)
+    full, _, _ = hf_load.load_hf(toy_fp32_sharded, mesh=mesh)
     full_params, full_rest = nnx.split_state(nnx.state(full), nnx.Param, ...)
     for value, loaded in zip(jax.tree.leaves(params), jax.tree.leaves(full_params)):
         assert isinstance(value, jax.ShapeDtypeStruct) and value.shape == loaded.shape
@@ -294,10 +294,10 @@ def test_broken_checkpoints_raise_one_clear_error_and_write_nothing(kind, toy_bf
     broken = tmp_path / "broken"
     shutil.copytree(toy_bf16, broken)
     message = _break(broken, kind)
-    with pytest.raises(hf.HFCheckpointError, match=message):
-        hf.load_hf(broken, tokenizer=False)
+    with pytest.raises(hf_layout.HFCheckpointError, match=message):
+        hf_load.load_hf(broken, tokenizer=False)
     out = tmp_path / "converted"
-    with pytest.raises(hf.HFCheckpointError, match=message):
+    with pytest.raises(hf_layout.HFCheckpointError, match=message):
         convert_hf.main(["hf-to-jax", "--hf_dir", str(broken), "--out", str(out)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 
@@ -308,12 +308,12 @@ def test_export_against_a_mismatched_source_writes_nothing(loaded_bf16, toy_bf16
     shutil.copytree(toy_bf16, source)
     _break(source, "wrong shape")
     with pytest.raises(
-        hf.HFCheckpointError, match=r"connector\.fc1\.weight: ours gives \[64, 32\]"
+        hf_layout.HFCheckpointError, match=r"connector\.fc1\.weight: ours gives \[64, 32\]"
     ):
-        hf.save_hf(model, tmp_path / "out", source)
+        hf_export.save_hf(model, tmp_path / "out", source)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
     with pytest.raises(FileExistsError):
-        hf.save_hf(model, source, toy_bf16)
+        hf_export.save_hf(model, source, toy_bf16)
 
 
 def test_a_checkpoint_without_the_fixed_table_gets_the_computed_one(toy_bf16, tmp_path):
@@ -322,9 +322,9 @@ def test_a_checkpoint_without_the_fixed_table_gets_the_computed_one(toy_bf16, tm
     tensors = {k: v.float().numpy() for k, v in load_file(source / "ema.safetensors").items()}
     del tensors["vit_pos_embed.pos_embed"]  # upstream's training loader drops it
     make_toy_model.write_weights(source, tensors, "bf16", "ema", 1)
-    model, config, _ = hf.load_hf(source, tokenizer=False)
+    model, config, _ = hf_load.load_hf(source, tokenizer=False)
     np.testing.assert_array_equal(np.asarray(model.vit_pos_embed[...]), sincos_2d_table(70, 64))
-    out = hf.save_hf(model, tmp_path / "out", source)  # exported without the key, like the source
+    out = hf_export.save_hf(model, tmp_path / "out", source)  # exported without the key, like the source
     assert "vit_pos_embed.pos_embed" not in WeightDirectory(out).keys()
 
 
@@ -335,7 +335,9 @@ def test_convert_script_round_trip(toy_fp32_sharded, tmp_path, capsys):
         ["jax-to-hf", "--ckpt", str(ckpt), "--source", str(toy_fp32_sharded), "--out", str(back)]
     )
     printed = capsys.readouterr().out
-    assert "111 tensors (73 from our params, 38 copied" in printed
+    # 72 trained parameters; the fixed ViT position table is not one, so it is copied like the
+    # generation-only keys.
+    assert "111 tensors (72 from our params, 39 copied" in printed
     umask = os.umask(0o022)
     os.umask(umask)
     assert stat.S_IMODE(back.stat().st_mode) == 0o777 & ~umask  # as mkdir makes it, not 0700
@@ -354,7 +356,7 @@ def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
         tokenizer_vocab_size=300,
         special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
     )
-    model, grown, tokenizer = hf.load_hf(source)
+    model, grown, tokenizer = hf_load.load_hf(source)
     assert tokenizer.num_added == 2 and tokenizer.vocab_length == 302
     assert (tokenizer.start_of_image, tokenizer.end_of_image) == (300, 301)
     assert grown.llm.vocab_size == 384  # rounded up to a multiple of 128
@@ -366,11 +368,11 @@ def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
     )
     assert np.asarray(model.language_model.lm_head[...]).shape == (64, 384)
 
-    out = hf.save_hf(model, tmp_path / "out", source)
+    out = hf_export.save_hf(model, tmp_path / "out", source)
     assert json.loads((out / "llm_config.json").read_text())["vocab_size"] == 384
     after = WeightDirectory(out)
     assert after.info("language_model.lm_head.weight").shape == (384, 64)
-    reloaded, config, _ = hf.load_hf(out)
+    reloaded, config, _ = hf_load.load_hf(out)
     assert config.llm.vocab_size == 384
     np.testing.assert_array_equal(
         np.asarray(reloaded.language_model.embed_tokens[...]),
@@ -379,7 +381,7 @@ def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
 
 
 def _spec_7b_keys() -> dict[str, tuple[int, ...]]:
-    """bagel_spec.md §8.2, written out independently of opsd_jax/io/hf.py's table."""
+    """bagel_spec.md §8.2, written out independently of opsd_jax/io/hf_layout.py's table."""
     d, kv, f, vocab, head = 3584, 512, 18944, 152064, 128
     vd, vf = 1152, 4304
     keys = {}
@@ -432,7 +434,7 @@ def test_mapping_table_reproduces_the_7b_key_list():
     # bagel_spec.md §8.1 quotes 14,607,317,472 = this + 57,344: its LM subtotals carry 1024
     # extra values per expert layer that its own key list does not have. The key list wins.
     assert sum(math.prod(s) for s in spec.values()) == 14_607_260_128
-    derived = hf.hf_key_shapes(BagelConfig.bagel_7b())
+    derived = hf_layout.hf_key_shapes(BagelConfig.bagel_7b())
     assert sorted(derived) == sorted(spec)
     assert {k: v for k, v in derived.items() if spec[k] != v} == {}
 
@@ -440,31 +442,33 @@ def test_mapping_table_reproduces_the_7b_key_list():
     header = {key: (shape, "BF16") for key, shape in spec.items()}
     for gen_expert, loaded, skipped in ((True, 1223 - 9, 9), (False, 1223 - 393 - 9, 393 + 9)):
         config = BagelConfig.bagel_7b(llm=dict(build_gen_expert=gen_expert))
-        targets = {path: s.shape for path, s in hf.abstract_params(config).items()}
-        plan = hf.plan_load(header, targets, config)
+        targets = {path: s.shape for path, s in hf_layout.abstract_params(config).items()}
+        plan = hf_load.plan_load(header, targets, config)
         assert sum(len(layers) for layers in plan.sources.values()) == loaded
         assert len(plan.skipped) == skipped and plan.defaulted == ()
     # A 27-layer ViT (the json count) would be caught: its last layer is unexpected.
     header["vit_model.vision_model.encoder.layers.26.mlp.fc2.bias"] = ((1152,), "BF16")
-    with pytest.raises(hf.HFCheckpointError, match=r"layers\.26\.mlp\.fc2\.bias \(layer 26"):
-        hf.plan_load(header, targets, config)
+    with pytest.raises(hf_layout.HFCheckpointError, match=r"layers\.26\.mlp\.fc2\.bias \(layer 26"):
+        hf_load.plan_load(header, targets, config)
 
 
-def test_export_from_a_training_style_orbax_checkpoint(loaded_bf16, toy_bf16, tmp_path, caplog):
-    import orbax.checkpoint as ocp
+def test_export_from_a_training_checkpoint(loaded_bf16, toy_bf16, tmp_path, caplog):
+    from opsd_jax.io.checkpoint import Checkpointer
+    from opsd_jax.training.train_step import TrainState
 
-    # A trainer saving nnx.State directly (leaves end in `.value`) under <dir>/<step>/<item>.
-    checkpointer = ocp.StandardCheckpointer()
-    item = tmp_path / "checkpoints" / "7" / "ema_params"
-    checkpointer.save(item, nnx.state(loaded_bf16[0]))
-    checkpointer.wait_until_finished()
-    # A CheckpointManager (our trainer's) keeps the checkpoint-level metadata in the step folder.
-    (item / "_CHECKPOINT_METADATA").rename(item.parent / "_CHECKPOINT_METADATA")
+    # The trainer's own checkpoint: a step directory under <dir>/<step>/ with the teacher copy.
+    params = nnx.state(loaded_bf16[0], nnx.Param)
+    state = TrainState(step=jnp.int32(7), params=params, opt_state={"count": jnp.int32(7)},
+                       teacher_params=params, rng=None, bad_steps=jnp.int32(0))  # fmt: skip
+    with Checkpointer(tmp_path / "checkpoints", save_every=1, async_save=False) as checkpointer:
+        checkpointer.save(7, state, data_state=None, config={"teacher_mode": "ema"})
     mesh = mesh_lib.make_mesh()
     with caplog.at_level(logging.INFO):
-        params = hf.restore_params(tmp_path / "checkpoints", toy_bf16, mesh, item="ema_params")
+        params = hf_export.restore_for_export(
+            tmp_path / "checkpoints", toy_bf16, mesh, which="ema_params"
+        )
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     embed = params["language_model.embed_tokens"]
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
-    out = hf.save_hf(params, tmp_path / "exported", toy_bf16)
+    out = hf_export.save_hf(params, tmp_path / "exported", toy_bf16)
     assert (out / "ema.safetensors").read_bytes() == (toy_bf16 / "ema.safetensors").read_bytes()

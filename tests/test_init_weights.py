@@ -11,7 +11,7 @@ from flax import nnx
 
 from configs import tiny
 from models.configs import BagelConfig
-from opsd_jax.io import hf, init_weights
+from opsd_jax.io import hf_layout, hf_load, init_weights
 from opsd_jax.io.checkpoint import Checkpointer
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
@@ -40,7 +40,7 @@ def file_params(two_files):
     """{stem: params} loaded straight from each file."""
     out = {}
     for stem in ("model", "ema"):
-        model, _, _ = hf.load_hf(two_files, config_changes=RUNTIME, weights=stem)
+        model, _, _ = hf_load.load_hf(two_files, config_changes=RUNTIME, weights=stem)
         out[stem] = nnx.state(model, nnx.Param)
     return out
 
@@ -113,18 +113,18 @@ def test_a_full_resume_reads_one_file_only(two_files, mesh, file_params):
 def test_file_choice_with_one_file_and_errors(two_files, tmp_path):
     only_ema = tmp_path / "only_ema"
     make_toy_model.write_toy_model(only_ema, dtype="fp32", weights_name="ema")
-    assert hf.initial_weights(only_ema) == hf.InitialWeights("ema", "ema", "ema")
+    assert hf_load.initial_weights(only_ema) == hf_load.InitialWeights("ema", "ema", "ema")
     only_model = tmp_path / "only_model"
     make_toy_model.write_toy_model(only_model, dtype="fp32", weights_name="model")
-    assert hf.initial_weights(only_model) == hf.InitialWeights("model", "model", "model")
-    assert hf.initial_weights(two_files, finetune_from_ema=True) == hf.InitialWeights(
+    assert hf_load.initial_weights(only_model) == hf_load.InitialWeights("model", "model", "model")
+    assert hf_load.initial_weights(two_files, finetune_from_ema=True) == hf_load.InitialWeights(
         "ema", "ema", "model")  # fmt: skip
-    with pytest.raises(hf.HFCheckpointError, match="finetune_from_ema=True .*ema.safetensors"):
-        hf.initial_weights(only_model, finetune_from_ema=True)
-    with pytest.raises(hf.HFCheckpointError, match="weights='model'"):
-        hf.initial_weights(two_files, "model", finetune_from_ema=True)
-    with pytest.raises(hf.HFCheckpointError, match="no weights found"):
-        hf.initial_weights(tmp_path, "auto")
+    with pytest.raises(hf_layout.HFCheckpointError, match="finetune_from_ema=True .*ema.safetensors"):
+        hf_load.initial_weights(only_model, finetune_from_ema=True)
+    with pytest.raises(hf_layout.HFCheckpointError, match="weights='model'"):
+        hf_load.initial_weights(two_files, "model", finetune_from_ema=True)
+    with pytest.raises(hf_layout.HFCheckpointError, match="no weights found"):
+        hf_load.initial_weights(tmp_path, "auto")
 
 
 def test_resume_model_only(two_files, mesh, file_params, tmp_path):

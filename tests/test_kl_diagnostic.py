@@ -15,7 +15,7 @@ from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.data.pipeline import Sample
 from opsd_jax.evaluation import kl_diagnostic
-from opsd_jax.io.hf import load_hf
+from opsd_jax.io.hf_load import load_hf
 from scripts import make_toy_model
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch_qwen3
 from flax import nnx
 
-import torch_qwen3
 from models.configs import BagelConfig
 from models.qwen2_mot import Qwen2MoT
 

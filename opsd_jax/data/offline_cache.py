@@ -559,10 +559,10 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     total, rate, ETA) is logged at most every `log_every_s` seconds, and at the end."""
     import jax
 
-    from opsd_jax.parallel import distributed
-    from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.data.pipeline import prepare_sample
     from opsd_jax.data.sources import Skipped, decode_row
+    from opsd_jax.parallel import distributed
+    from opsd_jax.parallel import mesh as mesh_lib
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, MANIFEST)

@@ -47,11 +47,11 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
-from opsd_jax.sampling import decode_copy
-from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.sampling import sampler as sampler_lib
 from opsd_jax.data.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
 from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import decode_copy
+from opsd_jax.sampling import sampler as sampler_lib
 
 CONTEXTS = ("student", "teacher")
 
@@ -613,7 +613,7 @@ def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
     from flax import nnx
 
     from opsd_jax.io.checkpoint import restore_model_params
-    from opsd_jax.io.hf import load_hf
+    from opsd_jax.io.hf_load import load_hf
 
     run_config = None
     step_dir = None

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
-from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.evaluation.evaluate import place_rows
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.evaluation.evaluate import place_rows
+from opsd_jax.parallel import mesh as mesh_lib
 
 
 def reference_completion(sample) -> str:

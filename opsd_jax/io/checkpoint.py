@@ -4,7 +4,7 @@ Layout (DESIGN.md, Checkpoints): one orbax `CheckpointManager` over `<directory>
 step holding these items:
 
 * `params`     — the student parameters, as a nested dict of arrays (the layout
-                 `nnx.to_pure_dict` gives, so `hf.restore_params` / `convert_hf.py` read it too);
+                 `nnx.to_pure_dict` gives, so `restore_model_params` / `convert_hf.py` read it too);
 * `ema_params` — the teacher parameters when the TrainState has them ('ema' or 'fixed'; the item
                  keeps this name whatever the mode, and `meta` records the mode);
 * `opt_state`  — the optax state, as a nested dict of its arrays (masked / empty parts of
@@ -528,26 +528,45 @@ def _own_data_state(saved: Mapping, step_dir: epath.Path) -> dict | None:
 # --------------------------------------------------------------------------- params only
 
 
-def restore_model_params(path: str | os.PathLike, abstract_params, *, which: str = PARAMS):
-    """Just the `which` item ('params' or 'ema_params') of a checkpoint, onto the shardings of
-    `abstract_params` and in its tree structure (e.g. an nnx.State of Params).
-
-    `path` is a step directory, a checkpoints root (its latest complete step is used), or any
-    directory holding a `which` item of the same layout. For resume_model_only /
-    finetune_from_ema, where the optimizer and data state start afresh.
-    """
+def _params_item_dir(path: str | os.PathLike, which: str) -> epath.Path:
+    """The `which` item directory of a step, of a root's latest complete step, or of a
+    params-only export (`save_model_params`)."""
     if which not in (PARAMS, EMA_PARAMS):
         raise ValueError(f"which={which!r}; allowed: {(PARAMS, EMA_PARAMS)}")
     source = _path(path)
     if (source / which).is_dir() and not _looks_like_step(source):
-        item_dir = source / which  # not a training step (e.g. a params-only export)
-    else:
-        root, step = _locate(source, None)
-        step_dir = root / str(step)
-        item_dir = step_dir / which
-        if not item_dir.is_dir():
-            present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-            raise FileNotFoundError(f"{step_dir} has no {which!r} item; it holds {present}")
+        return source / which  # not a training step (e.g. a params-only export)
+    root, step = _locate(source, None)
+    step_dir = root / str(step)
+    if not (step_dir / which).is_dir():
+        present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
+        raise FileNotFoundError(f"{step_dir} has no {which!r} item; it holds {present}")
+    return step_dir / which
+
+
+def saved_param_shapes(path: str | os.PathLike, *, which: str = PARAMS) -> dict[str, tuple]:
+    """{dotted parameter path: shape} of a params item, read from its metadata (no arrays), so
+    a caller can build the model that fits it (gen expert or not, a grown vocabulary)."""
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        tree = handler.metadata(_params_item_dir(path, which)).tree
+    finally:
+        handler.close()
+    return {
+        ".".join(_key_name(k) for k in names): tuple(meta.shape)
+        for names, meta in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def restore_model_params(path: str | os.PathLike, abstract_params, *, which: str = PARAMS):
+    """Just the `which` item ('params' or 'ema_params') of a checkpoint, onto the shardings of
+    `abstract_params` and in its tree structure (e.g. an nnx.State of Params).
+
+    `path` is a step directory, a checkpoints root (its latest complete step is used), or a
+    params-only export. For resume_model_only / finetune_from_ema, where the optimizer and data
+    state start afresh, and for exporting trained params to HF.
+    """
+    item_dir = _params_item_dir(path, which)
     flat = _restore_targets(abstract_params, which, _default_sharding(abstract_params))
     _check_saved(item_dir, flat, which)
     handler = ocp.StandardCheckpointHandler()
@@ -556,6 +575,20 @@ def restore_model_params(path: str | os.PathLike, abstract_params, *, which: str
     finally:
         handler.close()
     return _rebuild(abstract_params, restored)
+
+
+def save_model_params(params, directory: str | os.PathLike, *, which: str = PARAMS) -> epath.Path:
+    """`params` (an nnx.State of Params, or a nested dict of arrays) as a params-only export
+    `<directory>/<which>`, in the layout of a training step's item: `restore_model_params` and
+    `saved_param_shapes` read both alike."""
+    item_dir = _path(directory) / which
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+        checkpointer.save(item_dir, _nest(_flat_arrays(params)))
+        checkpointer.wait_until_finished()
+    finally:
+        checkpointer.close()
+    return item_dir
 
 
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:

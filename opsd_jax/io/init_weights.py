@@ -4,7 +4,7 @@ The rules are the PyTorch Visual-OPSD launcher's (scripts/visual_opsd/train_visu
 FSDPCheckpoint.try_load_ckpt in train/fsdp_utils.py), so a recipe moved from there starts from
 the same weights:
 
-* from the HF directory `model_path` (`weights='auto'`, see `hf.initial_weights`): the student
+* from the HF directory `model_path` (`weights='auto'`, see `hf_load.initial_weights`): the student
   from `model.safetensors`, the EMA teacher from `ema.safetensors` when both exist, the fixed
   teacher from `model.safetensors`; one file present starts every copy;
 * `finetune_from_ema`: the student starts from the EMA weights too (the HF `ema.safetensors`, or
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from opsd_jax.io import hf
+from opsd_jax.io import hf_load
 from opsd_jax.io.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
 from opsd_jax.io.tokenizer import BagelTokenizer
 
@@ -44,9 +44,9 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     """The model, tokenizer and starting weights a training `config` asks for, on `mesh`."""
     model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
     from_ema = config.finetune_from_ema and not full_resume
-    files = hf.initial_weights(config.model_path, config.weights,
+    files = hf_load.initial_weights(config.model_path, config.weights,
                                finetune_from_ema=from_ema and not model_only)  # fmt: skip
-    model, model_config, tokenizer = hf.load_hf(
+    model, model_config, tokenizer = hf_load.load_hf(
         config.model_path, mesh=mesh, config_changes=config_changes, weights=files.student)  # fmt: skip
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
@@ -55,7 +55,7 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     def hf_params(stem):
         if stem == files.student:
             return params
-        _, state = hf.load_weights(config.model_path, model_config, weights=stem, mesh=mesh)
+        _, state = hf_load.load_weights(config.model_path, model_config, weights=stem, mesh=mesh)
         return nnx.state(nnx.merge(graphdef, state), nnx.Param)
 
     teacher_source = None

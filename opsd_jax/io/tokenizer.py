@@ -5,7 +5,7 @@ BAGEL frames every text segment as `<|im_start|> text <|im_end|>` and every imag
 four tokens exist, adding any that are missing, and resizes the embeddings if it added some. The
 shipped Qwen2.5 tokenizer already has all four, so nothing is added there; a smaller tokenizer
 (the toy model's, a user's own) may lack some. This module adds them and reports how many it
-added. Resizing the embedding table is the model loader's job (opsd_jax/io/hf.py), because only it
+added. Resizing the embedding table is the model loader's job (opsd_jax/io/hf_load.py), because only it
 holds the table.
 
 The ids come back under BAGEL's names (`bos_token_id` = `<|im_start|>`, not the config's

@@ -44,10 +44,10 @@ from flax.core import spmd
 
 from models.pack import Pack
 from models.sharding import constrain
-from opsd_jax.training import losses
-from opsd_jax.sampling.decode_copy import DecodeCopy
-from opsd_jax.parallel.distributed import rows_array, to_host
 from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.parallel.distributed import rows_array, to_host
+from opsd_jax.sampling.decode_copy import DecodeCopy
+from opsd_jax.training import losses
 
 IMAGE_SKIP_TEXT = "<image_start>"
 

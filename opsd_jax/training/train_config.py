@@ -15,10 +15,10 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax.io import hf
-from opsd_jax.training import losses, train_step
-from opsd_jax.parallel import mesh
 from opsd_jax.data import offline_cache
+from opsd_jax.io import hf_load
+from opsd_jax.parallel import mesh
+from opsd_jax.training import losses, train_step
 
 MODES = ("opsd", "sft", "offline")
 
@@ -34,7 +34,7 @@ _CHOICES = {
     "attention_backend": attention.BACKENDS,
     "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
-    "weights": hf.WEIGHT_CHOICES,
+    "weights": hf_load.WEIGHT_CHOICES,
     "kd_student_norm": losses.STUDENT_NORMS,
     "offline_logprob_dtype": offline_cache.LOGPROB_DTYPES,
     "wandb_mode": ("offline", "online", "disabled"),
