@@ -33,6 +33,7 @@ from opsd_jax.data.opsd_packs import (
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.data.sources import DataConfig
 from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.evaluation import run_settings
 from opsd_jax.io import init_weights
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
 from opsd_jax.io.hf_load import load_hf
@@ -248,7 +249,7 @@ def main(argv):
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
     data = make_iterator(data_config, "train", process_block=local_per_micro)
-    options = evaluation.prompt_options_from_config(config)  # the same wording everywhere
+    options = run_settings.prompt_options_from_config(config)  # the same wording everywhere
     encode = tokenizer.encode
 
     # ---- train state ----------------------------------------------------------------------------
@@ -470,7 +471,7 @@ def main(argv):
                 max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
                 mesh=mesh, sampler_layout=config.sampler_layout,
                 prompt_buckets=config.sample_prompt_buckets,
-                cache_dtype=evaluation.cache_dtype_for(config.compute_dtype),
+                cache_dtype=run_settings.cache_dtype_for(config.compute_dtype),
             )  # fmt: skip
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
@@ -540,10 +541,9 @@ def main(argv):
                                                 buckets=config.sample_prompt_buckets)  # fmt: skip
                 # One prompt per row. Rows go on the mesh when they divide over it (always with
                 # several processes: validate() checks), else the sampler takes host arrays.
-                first_row = 0
-                if num_processes > 1 or prompt_pack.num_rows % (data_size * fsdp_size) == 0:
-                    prompt_pack = on_mesh(prompt_pack)
-                    first_row = distributed.local_row_offset(prompt_pack.tokens)
+                prompt_pack = on_mesh(prompt_pack)
+                first_row = (distributed.local_row_offset(prompt_pack.tokens)
+                             if isinstance(prompt_pack.tokens, jax.Array) else 0)  # fmt: skip
                 row_ids = distributed.all_processes(local_to_global).reshape(-1)
                 shape = distributed.pack_sizes(prompt_pack)[:2]
                 if shape not in prompt_shapes:

@@ -38,7 +38,7 @@ from opsd_jax.data import offline_cache  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
-from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
@@ -85,7 +85,7 @@ def main():
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model_config)
-    options = evaluation.prompt_options_from_config(config)
+    options = run_settings.prompt_options_from_config(config)
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
     # ---- the cache --------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from opsd_jax.data import pack_shapes  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
-from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.checkpoint import abstract_like  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import distributed  # noqa: E402
@@ -59,7 +59,7 @@ def main():
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)
     data = make_iterator(data_config, "train")
-    options = evaluation.prompt_options_from_config(config)
+    options = run_settings.prompt_options_from_config(config)
     optimizer = train_step.make_optimizer(config)
     rng = jax.random.key(0)
     abstract = train_step.abstract_state(abstract_like(params), optimizer, config.teacher_mode, rng)

@@ -31,7 +31,7 @@ import train  # noqa: E402  (its --config flag, its config checks and the toy as
 from models import attention  # noqa: E402
 from opsd_jax.data import offline_cache  # noqa: E402
 from opsd_jax.data.sources import DataConfig  # noqa: E402
-from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
+from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io import init_weights  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.training import train_config  # noqa: E402
@@ -70,7 +70,7 @@ def main(argv) -> None:
         dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
              seed=config.global_seed)
     ).for_model(start.model_config)  # fmt: skip
-    options = evaluation.prompt_options_from_config(config)
+    options = run_settings.prompt_options_from_config(config)
     data = dict(datasets=[dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
                           for d in data_config.datasets],
                 heldout_fraction=data_config.heldout_fraction)  # fmt: skip

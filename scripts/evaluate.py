@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opsd_jax.data.sources import SPLITS
 from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.evaluation import run_settings
+from opsd_jax.io import checkpoint
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,13 +119,36 @@ def image_transform_arg(text: str | None):
     }
 
 
+def load_config_file(path) -> dict:
+    """A `configs/<name>.py` file's `get_config()` as a plain dict."""
+    from opsd_jax.training.train_config import load_config_file as load
+
+    config = load(path)
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def step_dir_of(path) -> str:
+    """`--checkpoint`'s step directory (checkpoint.step_dir_of), its errors naming the flag."""
+    try:
+        return checkpoint.step_dir_of(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--checkpoint {path}: {e}") from None
+
+
+def run_dir_of(path) -> str:
+    """The training run a checkpoint belongs to: the folder holding its `checkpoints/` (or, for
+    a checkpoint directory named otherwise, that directory itself)."""
+    root = os.path.dirname(step_dir_of(path))
+    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
+
+
 def load_config(args):
     """(the --config file's config or None, the config in use: that file's, else the one saved
     with --checkpoint, else None), as plain dicts."""
-    file_config = evaluation.load_config_file(args.config) if args.config else None
+    file_config = load_config_file(args.config) if args.config else None
     run_config = None
     if args.checkpoint:
-        run_config = evaluation.checkpoint_config(evaluation.checkpoint_step_dir(args.checkpoint))
+        run_config = checkpoint.saved_config(step_dir_of(args.checkpoint))
     return file_config, file_config if file_config is not None else run_config
 
 
@@ -133,11 +158,11 @@ def load_model(args, file_config, config, log=print):
 
     model_dir = args.model_dir
     if model_dir is None and file_config is not None and not args.checkpoint:
-        model_dir = evaluation.model_dir_from_config(file_config)
+        model_dir = run_settings.model_dir_from_config(file_config)
     # One compute dtype for the model and the sampler's cache: the flag, else the run's.
     args.compute_dtype = args.compute_dtype or (config or {}).get("compute_dtype") or "bfloat16"
     mesh = make_mesh()
-    model, tokenizer, _ = evaluation.load_model(
+    model, tokenizer, _ = run_settings.load_model(
         model_dir, args.checkpoint, which=args.params, compute_dtype=args.compute_dtype,
         mesh=mesh, weights=args.weights, log=log,
     )  # fmt: skip
@@ -152,13 +177,13 @@ def setup(args, log=print):
         raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
     file_config, config = load_config(args)
     # Data first: a wrong path fails before the (possibly long) model load.
-    data_config = evaluation.data_config_from(config, args.data,
+    data_config = run_settings.data_config_from(config, args.data,
                                               image_transform_arg(args.image_size))  # fmt: skip
     model, tokenizer, mesh = load_model(args, file_config, config, log=log)
     # The images' patches and position ids follow the model's ViT (patch size, position grid).
     samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
                                            args.num_samples, log=log)  # fmt: skip
-    options = evaluation.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
+    options = run_settings.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh
 
 
@@ -182,7 +207,7 @@ def main(argv=None) -> None:
         model, samples, tokenizer, options=options, context=args.context,
         batch_size=args.batch_size, mesh=mesh,
         sampler_layout=(config or {}).get("sampler_layout", "replicated"),
-        cache_dtype=evaluation.cache_dtype_for(args.compute_dtype), log=print,
+        cache_dtype=run_settings.cache_dtype_for(args.compute_dtype), log=print,
         **sampling_settings(args, config),
     )  # fmt: skip
     result.summary["settings"].update(
@@ -192,7 +217,7 @@ def main(argv=None) -> None:
     name = args.context + ("_noise_vt" if args.noise_vt else "")
     out = args.out
     if out is None:
-        out = (os.path.join(evaluation.run_dir_of(args.checkpoint), "eval") if args.checkpoint
+        out = (os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint
                else "results/eval")  # fmt: skip
     paths = evaluation.save_results(result, out, name)
     print()

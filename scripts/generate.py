@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from opsd_jax.evaluation import answers, run_settings  # noqa: E402
 from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
 from opsd_jax.training.metrics import escape_controls  # noqa: E402
 from scripts.evaluate import (  # noqa: E402
@@ -66,13 +67,13 @@ def main(argv=None) -> None:
                  or (config.get("data") or {}).get("image_transform"))  # fmt: skip
     text, completions = evaluation.answer(
         model, tokenizer, image, args.question,
-        options=evaluation.prompt_options_from_config(config), image_transform=transform,
-        mesh=mesh, cache_dtype=evaluation.cache_dtype_for(args.compute_dtype),
+        options=run_settings.prompt_options_from_config(config), image_transform=transform,
+        mesh=mesh, cache_dtype=run_settings.cache_dtype_for(args.compute_dtype),
         **sampling_settings(args, config),
     )  # fmt: skip
     print(escape_controls(text, keep="\n\t"), flush=True)
     ended = "ended" if completions.finished[0] else "ran out of tokens"
-    log(f"answer: {evaluation.extract_answer(text)!r}; {int(completions.lengths[0])} tokens, "
+    log(f"answer: {answers.extract_answer(text)!r}; {int(completions.lengths[0])} tokens, "
         f"{int(completions.rounds[0])} round(s), {ended}")  # fmt: skip
 
 

@@ -159,6 +159,7 @@ class Evaluator:
         from flax import nnx
 
         from opsd_jax.evaluation import evaluate as evaluation
+        from opsd_jax.evaluation import run_settings
         from opsd_jax.io.hf_load import load_hf
 
         self.evaluation = evaluation
@@ -169,7 +170,7 @@ class Evaluator:
         self.abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
         )
-        data_config = evaluation.data_config_from(run_config).for_model(model.config)
+        data_config = run_settings.data_config_from(run_config).for_model(model.config)
         self.samples = evaluation.load_eval_samples(data_config, "eval", log=log)
         if eval_samples:
             self.samples = self.samples[:eval_samples]
@@ -186,7 +187,7 @@ class Evaluator:
 
         params = restore_model_params(step_dir, self.abstract, which="params")
         model = nnx.merge(self.graphdef, params, self.rest)
-        options = self.evaluation.prompt_options_from_config(run_config, noise_vt=noise_vt)
+        options = self.run_settings.prompt_options_from_config(run_config, noise_vt=noise_vt)
         result = self.evaluation.evaluate(
             model,
             self.samples,
@@ -419,9 +420,9 @@ def main(argv=None) -> dict:
         run.wait()
 
     # ---- evaluation ----------------------------------------------------------------------------
-    from opsd_jax.evaluation import evaluate as evaluation
+    from opsd_jax.io import checkpoint
 
-    sft_config = evaluation.checkpoint_config(sft_last)
+    sft_config = checkpoint.saved_config(sft_last)
     evaluator = Evaluator(os.path.join(toy_dir, "model"), sft_config, mode["eval_samples"])
     log(f"evaluating on {len(evaluator.samples)} held-out samples")
     generations = os.path.join(out, "eval")  # per-sample generations of the final models
@@ -442,7 +443,7 @@ def main(argv=None) -> dict:
     arms = {}
     for arm in stage2_arms:
         checkpoints = step_dirs(arm_dirs[arm])
-        config = evaluation.checkpoint_config(checkpoints[max(checkpoints)])
+        config = checkpoint.saved_config(checkpoints[max(checkpoints)])
         curve = [(0, stage1["student"])]
         last = checkpoints[max(checkpoints)]
         for step, step_dir in checkpoints.items():

@@ -10,6 +10,7 @@ import pytest
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
 from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.data.pipeline import Sample
+from opsd_jax.evaluation import answers
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.sampling.sampler import Completions
 from scripts import make_toy_data, make_toy_model
@@ -34,7 +35,7 @@ from scripts import make_toy_data, make_toy_model
     ],
 )
 def test_extract_answer(text, expected):
-    assert evaluation.extract_answer(text) == expected
+    assert answers.extract_answer(text) == expected
 
 
 @pytest.mark.parametrize(
@@ -61,7 +62,7 @@ def test_extract_answer(text, expected):
     ],
 )
 def test_normalize_answer(raw, expected):
-    assert evaluation.normalize_answer(raw) == expected
+    assert answers.normalize_answer(raw) == expected
 
 
 @pytest.mark.parametrize(
@@ -81,7 +82,7 @@ def test_normalize_answer(raw, expected):
     ],
 )
 def test_is_correct(prediction, reference, correct):
-    assert evaluation.is_correct(prediction, reference) is correct
+    assert answers.is_correct(prediction, reference) is correct
 
 
 # ---------------------------------------------------------------------------------- fixtures
@@ -239,21 +240,23 @@ def test_evaluate_runs_on_the_toy_model_and_writes_files(toy, tmp_path):
 
 
 def test_checkpoint_step_dir(tmp_path):
+    from scripts import evaluate as evaluate_cli
+
     for step, complete in ((3, True), (7, True), (9, False)):
         (tmp_path / "checkpoints" / str(step)).mkdir(parents=True)
         if complete:
             (tmp_path / "checkpoints" / str(step) / "commit_success.txt").write_text("ok")
-    assert evaluation.checkpoint_step_dir(tmp_path).endswith("checkpoints/7")
-    assert evaluation.checkpoint_step_dir(tmp_path / "checkpoints" / "3").endswith("/3")
+    assert evaluate_cli.step_dir_of(tmp_path).endswith("checkpoints/7")
+    assert evaluate_cli.step_dir_of(tmp_path / "checkpoints" / "3").endswith("/3")
     only_incomplete = tmp_path / "other"
     (only_incomplete / "checkpoints" / "5").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-        evaluation.checkpoint_step_dir(only_incomplete)
+        evaluate_cli.step_dir_of(only_incomplete)
     with pytest.raises(FileNotFoundError, match="--checkpoint"):
-        evaluation.checkpoint_step_dir(tmp_path / "nope")
+        evaluate_cli.step_dir_of(tmp_path / "nope")
     # The run a checkpoint belongs to, from any of the three ways to name it.
     for given in (tmp_path, tmp_path / "checkpoints", tmp_path / "checkpoints" / "3"):
-        assert evaluation.run_dir_of(given) == str(tmp_path)
+        assert evaluate_cli.run_dir_of(given) == str(tmp_path)
 
 
 def test_cli_writes_under_the_run_by_default(tmp_path, monkeypatch, capsys):

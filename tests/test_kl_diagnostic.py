@@ -13,7 +13,7 @@ from flax import nnx
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
 from opsd_jax.data.packing import SpecialTokens
-from opsd_jax.data.pipeline import Sample
+from opsd_jax.data.pipeline import Sample, reference_completion
 from opsd_jax.evaluation import kl_diagnostic
 from opsd_jax.io.hf_load import load_hf
 from scripts import make_toy_model
@@ -81,10 +81,10 @@ def test_kl_from_logits_matches_numpy():
 
 def test_reference_completion_format():
     with_text, without_text = samples(2)[1], samples(2)[0]
-    assert kl_diagnostic.reference_completion(with_text) == (
+    assert reference_completion(with_text) == (
         "<think>it is 1</think><answer>1</answer>")  # fmt: skip
     # No text-only thought: the sample's thoughts stand in for it.
-    assert kl_diagnostic.reference_completion(without_text) == (
+    assert reference_completion(without_text) == (
         "<think>first then</think><answer>0</answer>")  # fmt: skip
 
 
@@ -95,7 +95,7 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
     no_vt = [dataclasses.replace(s, vt_images=[]) for s in data]
     same = kl_diagnostic.kl_diagnostic(model, no_vt, tokenizer, options=bare, batch_size=3)
-    expected_tokens = [len(tokenizer.encode(kl_diagnostic.reference_completion(s))) + 1
+    expected_tokens = [len(tokenizer.encode(reference_completion(s))) + 1
                        for s in data]  # fmt: skip
     assert [r["num_tokens"] for r in same.records] == expected_tokens
     assert [r["pid"] for r in same.records] == ["p0", "p1", "p2"]
@@ -121,7 +121,7 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
 def test_chunked_entry_kl_equals_full_logits(model):
     tokenizer = CharTokenizer()
     data = samples(3)
-    completions = [tokenizer.encode(kl_diagnostic.reference_completion(s)) for s in data]
+    completions = [tokenizer.encode(reference_completion(s)) for s in data]
     bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
     packs = build_training_packs(data, completions, tokenizer.encode, bare, SPECIAL,
                                  num_rows=3, max_forward_tokens=10240)  # fmt: skip

@@ -13,7 +13,8 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.opsd_packs import PromptOptions
-from opsd_jax.data.sft_packs import build_sft_packs, choose_vt, target_text
+from opsd_jax.data.pipeline import reference_completion
+from opsd_jax.data.sft_packs import build_sft_packs, choose_vt
 from opsd_jax.training import train_config, train_step
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
@@ -27,7 +28,7 @@ def sample(pid, question="q", answer="A", thought="t", problem=(1, 2)):
 
 
 SAMPLES = [sample("a"), sample("b", "qq", "B", "two"), sample("c", "qqq", "C", None)]
-# Written out by hand, not through target_text: the ThinkMorph output format with the text-only
+# Written out by hand, not through reference_completion: the ThinkMorph output format with the text-only
 # thought (opsd_loss_spec.md §c.2); without one, the text thoughts joined.
 EXPECTED = [
     "<think>t</think><answer>A</answer>",
@@ -37,9 +38,9 @@ EXPECTED = [
 
 
 def test_target_text_is_the_thinkmorph_text_only_format():
-    assert [target_text(s) for s in SAMPLES] == EXPECTED
+    assert [reference_completion(s) for s in SAMPLES] == EXPECTED
     bare = types.SimpleNamespace(answer="7", thoughts=[], full_text_only_thought="")
-    assert target_text(bare) == "<answer>7</answer>"
+    assert reference_completion(bare) == "<answer>7</answer>"
 
 
 @pytest.mark.parametrize("use_vt", [[False, False, False], [True, False, True]])

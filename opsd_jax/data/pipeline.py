@@ -62,6 +62,15 @@ class Sample:
     full_text_only_thought: str | None
 
 
+def reference_completion(sample: Sample) -> str:
+    """The reference solution as the model should write it, in ThinkMorph's output tags: the
+    text-only thought if the sample has one (else its thoughts joined), then the answer. SFT
+    trains on it; the K_gen diagnostic scores it."""
+    thought = sample.full_text_only_thought or " ".join(t.strip() for t in sample.thoughts if t)
+    answer = f"<answer>{sample.answer}</answer>"
+    return f"<think>{thought}</think>{answer}" if thought.strip() else answer
+
+
 def prepare_sample(raw: RawSample, config: DataConfig) -> Sample | Skipped:
     """Run the ViT transform on every image of a decoded row (a failure skips the row), with
     the model's patch size and position grid."""

@@ -43,15 +43,7 @@ from opsd_jax.data.opsd_packs import (
 )
 from opsd_jax.data.pack_shapes import PackShape, choose_bucket
 from opsd_jax.data.packing import SpecialTokens, Text, sample_length
-
-
-def target_text(sample) -> str:
-    """The reference completion as the model should write it (text-only thought, then answer)."""
-    thought = sample.full_text_only_thought
-    if not thought:
-        thought = " ".join(t for t in sample.thoughts if t)
-    answer = f"<answer>{sample.answer}</answer>"
-    return f"<think>{thought}</think>{answer}" if thought else answer
+from opsd_jax.data.pipeline import reference_completion
 
 
 def choose_vt(num: int, fraction: float, seed: int, step: int) -> list[bool]:
@@ -93,7 +85,7 @@ def build_sft_packs(
     items, kept, targets, with_vt = [], [], [], []
     for index, (sample, vt) in enumerate(zip(samples, use_vt)):
         context = (teacher_context_items if vt else prompt_items)(sample, encode, options)
-        target = encode(target_text(sample))
+        target = encode(reference_completion(sample))
         sample_items = context + [Text(target, loss=True)]
         if sample_length(sample_items) > max_forward_tokens:
             continue

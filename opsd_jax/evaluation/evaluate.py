@@ -1,8 +1,9 @@
 """Exact-match evaluation of a BAGEL-family model on held-out Visual-OPSD samples.
 
 What: sample one completion per problem with our batched sampler, pull the final answer out of
-it, compare it with the reference, and report exact-match accuracy per dataset and overall, the
-mean completion length and the share of completions that wrote an `<answer>` tag. Two contexts:
+it (answers.py), compare it with the reference, and report exact-match accuracy per dataset and
+overall, the mean completion length and the share of completions that wrote an `<answer>` tag.
+Two contexts:
 
 * `student`: the prompt the policy sees at training and test time, [system?, problem image,
   question] (`opsd_packs.build_prompt_pack`);
@@ -15,30 +16,14 @@ or a training checkpoint) and from the training loop every `eval_every` steps on
 student (`evaluate(model, samples, tokenizer, ...)`), so both report the same numbers.
 `answer(model, tokenizer, image, question)` puts one image and question through the same
 prompt and sampler (scripts/generate.py).
-
-Answer extraction (`extract_answer`), in order:
-1. the content of the last complete `<answer>...</answer>`;
-2. a completion cut off inside its answer: the text after the last unclosed `<answer>`;
-3. no tag: the text after the last "answer is" / "answer:" (any case, "final" allowed before it),
-   up to the end of that line, the next tag, or the end of the sentence;
-4. otherwise None (counted as wrong).
-
-Normalisation (`normalize_answer`): Unicode NFKC, lower case, whitespace collapsed, `\\boxed{}` /
-`\\text{}` unwrapped, surrounding quotes / `*` / `$` and trailing punctuation removed; option
-letters written "(B)", "[B]", "B)", "B.", "option B" become "b"; numbers compare by value
-("3.0" == "3" == "03", "1,000" == "1000"). `is_correct` also accepts "(B) the blue square" for
-the reference "B": a leading option marker followed by text, when the reference is a letter.
 """
-
 from __future__ import annotations
 
 import collections
 import dataclasses
 import json
 import os
-import re
 import time
-import unicodedata
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -49,84 +34,13 @@ from flax import nnx
 from models.pack import Pack
 from opsd_jax.data.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
 from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.evaluation.answers import extract_answer, has_answer_tag, is_correct
+from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy
 from opsd_jax.sampling import sampler as sampler_lib
 
 CONTEXTS = ("student", "teacher")
-
-# ----------------------------------------------------------------------------------------------
-# Answers
-# ----------------------------------------------------------------------------------------------
-
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
-_OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
-_ANSWER_PHRASE = re.compile(r"(?:final\s+)?answer\s*(?:is\b|:)\s*", re.IGNORECASE)
-# The end of a phrase answer: a line break, the next tag, or a sentence end (". " or "." at the
-# end), so "the answer is 3.5 m." keeps "3.5 m" and "the answer is B. Because ..." keeps "B".
-_PHRASE_END = re.compile(r"\n|<|[.!?](?=\s|$)")
-_WRAPPERS = re.compile(r"\\(?:boxed|text|textbf|mathrm)\{([^{}]*)\}")
-_OPTION = re.compile(r"(?:(?:option|choice)\s*)?[(\[]?([a-z])[)\]]?")
-_LEADING_OPTION = re.compile(r"(?:(?:option|choice)\s*)?[(\[]?([a-z])[)\].:](?:\s|$)")
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer written in a completion (see the module docstring for the rules)."""
-    tagged = _ANSWER_TAG.findall(text)
-    if tagged:
-        return tagged[-1].strip()
-    opened = list(_OPEN_TAG.finditer(text))
-    if opened:
-        rest = text[opened[-1].end() :].strip()
-        return rest or None
-    phrases = list(_ANSWER_PHRASE.finditer(text))
-    if phrases:
-        rest = text[phrases[-1].end() :]
-        end = _PHRASE_END.search(rest)
-        rest = (rest[: end.start()] if end else rest).strip()
-        return rest or None
-    return None
-
-
-def normalize_answer(answer: str) -> str:
-    """A canonical form for exact-match comparison (see the module docstring)."""
-    s = unicodedata.normalize("NFKC", answer).strip().lower()
-    previous = None
-    while previous != s:  # nested wrappers: \boxed{\text{b}}
-        previous, s = s, _WRAPPERS.sub(r"\1", s)
-    s = re.sub(r"\s+", " ", s)
-    previous = None
-    while previous != s:  # quotes, markdown bold, math dollars and trailing punctuation, any order
-        previous = s
-        s = s.strip(" '\"`*$").rstrip(".,;:!?。")
-    option = _OPTION.fullmatch(s)
-    if option:
-        return option.group(1)
-    if _THOUSANDS.fullmatch(s):
-        s = s.replace(",", "")
-    if _NUMBER.fullmatch(s):
-        value = float(s)
-        if value.is_integer() and abs(value) < 1e15:
-            return str(int(value))  # also turns "-0" into "0"
-        return repr(value)
-    return s
-
-
-def is_correct(prediction: str | None, reference: str) -> bool:
-    """Exact match after normalisation; a missing prediction is wrong."""
-    if prediction is None:
-        return False
-    predicted, expected = normalize_answer(prediction), normalize_answer(reference)
-    if predicted == expected:
-        return True
-    if len(expected) == 1 and expected.isalpha():
-        # Multiple choice: "(b) the blue square" answers "B".
-        leading = _LEADING_OPTION.match(predicted)
-        return bool(leading) and leading.group(1) == expected
-    return False
-
 
 # ----------------------------------------------------------------------------------------------
 # Prompts
@@ -143,25 +57,6 @@ def build_context_prompt_pack(samples, encode, options: PromptOptions, special: 
         return build_teacher_prompt_pack(samples, encode, options, special, num_rows, buckets)
     raise ValueError(f"context={context!r}: allowed values are {', '.join(map(repr, CONTEXTS))}")
 
-
-def place_rows(pack: Pack, mesh: jax.sharding.Mesh | None) -> Pack:
-    """Shard a pack's rows over the mesh's batch axes when they divide; else leave it on host.
-
-    Every process must pass the same pack (evaluation reads the whole held-out set on every
-    host), so each device's shard is cut from the full host copy.
-    """
-    if mesh is None:
-        return pack
-    batch_devices = int(np.prod([mesh.shape[a] for a in mesh_lib.BATCH_AXES]))
-    if pack.num_rows % batch_devices:
-        return pack  # replicated: correct, just not split over devices
-
-    def put(x):
-        x = np.asarray(x)
-        sharding = mesh_lib.batch_sharding(mesh, x.ndim)
-        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-    return jax.tree.map(put, pack)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -306,7 +201,7 @@ def evaluate(
                 "correct": is_correct(extracted, sample.answer),
                 "completion_length": int(completions.lengths[row]),
                 "finished": bool(completions.finished[row]),
-                "has_answer_tag": bool(_ANSWER_TAG.search(text)),
+                "has_answer_tag": has_answer_tag(text),
             })  # fmt: skip
         if log is not None:
             done = len(records)
@@ -345,7 +240,8 @@ def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOption
     if mesh is None:
         return sample_fn(model, prompt_pack, rng, **sampling)
     with mesh_lib.use_mesh(mesh):
-        return sample_fn(model, place_rows(prompt_pack, mesh), rng, **sampling)
+        return sample_fn(model, distributed.put_rows(prompt_pack, mesh, rows_are_global=True), rng,
+                         **sampling)
 
 
 def answer(model, tokenizer, image, question: str, *, options: PromptOptions | None = None,
@@ -467,181 +363,3 @@ def save_results(result: EvalResult, out_dir: str | os.PathLike, name: str = "ev
     write_summary_json(result.summary, paths["summary"])
     write_markdown_table(result.summary, paths["table"])
     return paths
-
-
-# ----------------------------------------------------------------------------------------------
-# Loading runs, configs and models (shared by scripts/evaluate.py and scripts/kl_diagnostic.py)
-# ----------------------------------------------------------------------------------------------
-
-
-def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """A `configs/<name>.py` file's `get_config()` as a plain dict."""
-    from opsd_jax.training.train_config import load_config_file as load
-
-    config = load(path)
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
-def checkpoint_step_dir(path: str | os.PathLike) -> str:
-    """The step directory of a training checkpoint: `path` itself if it is one, else the latest
-    complete step (with orbax's commit marker) of `path` or of `path/checkpoints`."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--checkpoint {path}: no such directory")
-    if os.path.basename(path).isdigit():
-        return path
-    for root in (path, os.path.join(path, "checkpoints")):
-        if not os.path.isdir(root):
-            continue
-        steps = [int(n) for n in os.listdir(root)
-                 if n.isdigit() and os.path.isfile(os.path.join(root, n, "commit_success.txt"))]  # fmt: skip
-        if steps:
-            return os.path.join(root, str(max(steps)))
-    raise FileNotFoundError(f"--checkpoint {path}: no complete checkpoint step in it "
-                            "(or in its checkpoints/ folder)")  # fmt: skip
-
-
-def run_dir_of(checkpoint: str | os.PathLike) -> str:
-    """The training run a checkpoint belongs to: the folder holding its `checkpoints/` (or, for
-    a checkpoint directory named otherwise, that directory itself)."""
-    root = os.path.dirname(checkpoint_step_dir(checkpoint))
-    return os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root
-
-
-def checkpoint_config(step_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """The training config saved with a checkpoint step (its JSON `config` item), if any."""
-    item = os.path.join(step_dir, "config", "metadata")
-    if not os.path.isfile(item):
-        return None
-    with open(item, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def prompt_options_from_config(config: Mapping[str, Any], noise_vt: bool | None = None):
-    """PromptOptions from a training config (the names of configs/common.py); empty texts keep
-    our default wording, as in the trainer."""
-    defaults = PromptOptions()
-    get = lambda key, default: config.get(key, default)
-    return PromptOptions(
-        use_system_prompt=get("use_system_prompt", defaults.use_system_prompt),
-        system_prompt=get("system_prompt", "") or defaults.system_prompt,
-        use_reference_intro=get("use_reference_intro", defaults.use_reference_intro),
-        reference_intro=get("reference_intro", "") or defaults.reference_intro,
-        use_transition_prompt=get("use_transition_prompt", defaults.use_transition_prompt),
-        transition_prompt=get("transition_prompt", "") or defaults.transition_prompt,
-        instruction_suffix=get("instruction_suffix", defaults.instruction_suffix),
-        privileged_thoughts=get("privileged_thoughts", defaults.privileged_thoughts),
-        privileged_answer=get("privileged_answer", defaults.privileged_answer),
-        noise_vt=get("noise_vt", defaults.noise_vt) if noise_vt is None else noise_vt,
-        max_reference_rounds=get("max_reference_rounds", defaults.max_reference_rounds),
-        noise_seed=get("global_seed", defaults.noise_seed),
-    )  # fmt: skip
-
-
-def data_config_from(config: Mapping[str, Any] | None, datasets: Sequence[str] = (),
-                     image_transform: Any = None):  # fmt: skip
-    """A DataConfig from a training config's `data` section and/or `name=path` dataset strings.
-
-    `datasets` (e.g. from the command line) replace the config's datasets. Relative config paths
-    are read under `data_root`; a toy config whose paths are empty uses
-    `<results_dir>/toy/data/<name>` (where the trainer writes the toy set).
-    """
-    from opsd_jax.data.sources import DataConfig
-
-    data = dict((config or {}).get("data") or {})
-    if datasets:
-        specs = []
-        for text in datasets:
-            name, sep, path = text.partition("=")
-            if not sep:  # a bare path: the folder name is the dataset name
-                name, path = os.path.basename(os.path.normpath(text)), text
-            if not os.path.exists(path):
-                raise FileNotFoundError(f"--data {text}: path {path!r} does not exist")
-            specs.append({"name": name, "path": path})
-        data["datasets"] = specs
-    elif config is not None:
-        specs = []
-        for spec in data.get("datasets") or []:
-            spec = dict(spec)
-            path = spec.get("path", "")
-            if not path and config.get("toy_data"):
-                path = os.path.join(config.get("results_dir", ""), "toy", "data", spec["name"])
-            elif path and config.get("data_root") and not os.path.isabs(path):
-                path = os.path.join(config["data_root"], path)
-            if not os.path.exists(path):
-                raise FileNotFoundError(
-                    f"dataset {spec.get('name')!r}: path {path!r} does not exist (train once with "
-                    "this config to write the toy data, or give --data name=path)")  # fmt: skip
-            specs.append(dict(spec, path=path))
-        data["datasets"] = specs
-    if not data.get("datasets"):
-        raise ValueError("no datasets: give --config (with data.datasets) or --data name=path")
-    if image_transform is not None:
-        data["image_transform"] = image_transform
-    if config is not None:
-        data["max_reference_rounds"] = config.get("max_reference_rounds",
-                                                  data.get("max_reference_rounds", 8))  # fmt: skip
-        data["seed"] = config.get("global_seed", 0)
-    return DataConfig.from_dict(data)
-
-
-def model_dir_from_config(config: Mapping[str, Any]) -> str | None:
-    """A config's `model_path`; for a toy config without one, where the trainer writes the toy
-    model (`<results_dir>/toy/model`)."""
-    if config.get("model_path"):
-        return config["model_path"]
-    if config.get("toy_data"):
-        return os.path.join(config.get("results_dir", ""), "toy", "model")
-    return None
-
-
-def cache_dtype_for(compute_dtype: str | None) -> str:
-    """The sampler's KV-cache dtype: float32 for float32 compute (exact), else bfloat16."""
-    return "float32" if compute_dtype == "float32" else "bfloat16"
-
-
-def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
-               which: str = "params", compute_dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None, weights: str | None = None,
-               log: Callable[[str], None] | None = None):  # fmt: skip
-    """(model, tokenizer, run config or None) from an HF directory and/or a training checkpoint.
-
-    With `checkpoint`, the architecture and tokenizer come from `model_dir` or, when that is
-    None, from the `model_path` in the checkpoint's saved config; the `which` item
-    ('params' | 'ema_params') is then restored into it.
-    """
-    from flax import nnx
-
-    from opsd_jax.io.checkpoint import restore_model_params
-    from opsd_jax.io.hf_load import load_hf
-
-    run_config = None
-    step_dir = None
-    if checkpoint:
-        step_dir = checkpoint_step_dir(checkpoint)
-        run_config = checkpoint_config(step_dir)
-        if model_dir is None:
-            model_dir = model_dir_from_config(run_config or {})
-            if model_dir is None:
-                raise ValueError(f"--checkpoint {checkpoint}: its config names no model_path; "
-                                 "give --model_dir (the HF directory the run started from)")  # fmt: skip
-    if model_dir is None:
-        raise ValueError("give --model_dir (an HF directory) or --checkpoint (a training run)")
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
-    if compute_dtype is None:
-        compute_dtype = (run_config or {}).get("compute_dtype", "bfloat16")
-    start = time.perf_counter()
-    model, _, tokenizer = load_hf(model_dir, mesh=mesh, weights=weights,
-                                  config_changes={"llm": {"compute_dtype": compute_dtype}})  # fmt: skip
-    if step_dir is not None:
-        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
-        params = restore_model_params(step_dir, abstract, which=which)
-        model = nnx.merge(graphdef, params, rest)
-    if log is not None:
-        source = f"{which} of {step_dir} on " if step_dir else ""
-        log(f"model: {source}{model_dir} ({compute_dtype}), {tokenizer.vocab_length} tokenizer "
-            f"ids, loaded in {time.perf_counter() - start:.1f}s")  # fmt: skip
-    return model, tokenizer, run_config

@@ -33,16 +33,9 @@ from flax import nnx
 
 from models.pack import Pack
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
-from opsd_jax.evaluation.evaluate import place_rows
+from opsd_jax.data.pipeline import reference_completion
+from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
-
-
-def reference_completion(sample) -> str:
-    """The reference solution as a completion: the text-only thought if the sample has one (else
-    its thoughts joined), then the answer, in ThinkMorph's output tags."""
-    thought = sample.full_text_only_thought or " ".join(t.strip() for t in sample.thoughts)
-    answer = f"<answer>{sample.answer}</answer>"
-    return f"<think>{thought}</think>{answer}" if thought.strip() else answer
 
 
 def kl_from_logits(teacher_logits: jax.Array, student_logits: jax.Array,
@@ -170,9 +163,9 @@ def kl_diagnostic(
             kl = entry_kl(model, packs.student, packs.teacher, tokenizer.vocab_length, chunk_size)
         else:
             with mesh_lib.use_mesh(mesh):
-                kl = entry_kl(model, place_rows(packs.student, mesh),
-                              place_rows(packs.teacher, mesh), tokenizer.vocab_length,
-                              chunk_size)  # fmt: skip
+                student, teacher = (distributed.put_rows(p, mesh, rows_are_global=True)
+                                    for p in (packs.student, packs.teacher))
+                kl = entry_kl(model, student, teacher, tokenizer.vocab_length, chunk_size)
         mask = np.asarray(packs.student.loss_mask)
         owner = np.asarray(packs.student.loss_sample)  # index into packs.kept
         dropped += sum(1 for i in range(real) if i not in packs.kept)

@@ -591,6 +591,31 @@ def save_model_params(params, directory: str | os.PathLike, *, which: str = PARA
     return item_dir
 
 
+def step_dir_of(path: str | os.PathLike) -> str:
+    """The complete step directory a user means by `path`: a step directory itself, else the
+    latest complete step of `path` or of its `checkpoints/` folder (a run directory)."""
+    source = _path(path)
+    if not source.is_dir():
+        raise FileNotFoundError(f"checkpoint {source}: no such directory")
+    run_checkpoints = source / "checkpoints"
+    if not _looks_like_step(source) and not _step_dirs(source)[0] and run_checkpoints.is_dir():
+        source = run_checkpoints
+    root, step = _locate(source, None)
+    return os.fspath(root / str(step))
+
+
+def saved_config(path: str | os.PathLike) -> dict | None:
+    """The training config saved with a checkpoint step (or a root's latest complete step)."""
+    root, step = _locate(path, None)
+    if not (root / str(step) / CONFIG).is_dir():
+        return None
+    handler = ocp.JsonCheckpointHandler()
+    try:
+        return handler.restore(root / str(step) / CONFIG)
+    finally:
+        handler.close()
+
+
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:
     """The teacher_mode a checkpoint (a step directory or a checkpoints root: its latest complete
     step) was saved with, from its meta item; None when it is not known."""

@@ -115,25 +115,50 @@ def rows_array(values: np.ndarray, like: jax.Array) -> jax.Array:
 
 # ---- process-local Packs -> one global Pack -------------------------------------------------
 
-def put_rows(pack: Pack, mesh, *, sample_offset: int = 0) -> Pack:
-    """This process's Pack rows -> the global Pack on the mesh (rows over data x fsdp).
+def rows_divide(num_rows: int, mesh) -> bool:
+    """Whether `num_rows` split evenly over the mesh's batch axes (data x fsdp)."""
+    return num_rows % int(np.prod([mesh.shape[a] for a in mesh_lib.BATCH_AXES])) == 0
 
-    Every process calls it with its own rows (same row count); shapes are agreed across
-    processes and padded; `loss_sample` is shifted by `sample_offset` (this process's first
-    sample in the global micro-batch).
+
+def put_rows(pack: Pack, mesh, *, sample_offset: int = 0, rows_are_global: bool = False) -> Pack:
+    """A Pack's rows onto the mesh, split over its batch axes (data x fsdp).
+
+    By default each process passes its own rows (the same count on every process): shapes are
+    agreed across processes and padded, and `loss_sample` is shifted by `sample_offset` (this
+    process's first sample in the global micro-batch). With `rows_are_global` every process
+    passes the same full pack (evaluation reads the whole held-out set on every host), and each
+    device's shard is cut from it.
+
+    With one process (or global rows) and a row count the batch axes do not divide, the pack
+    stays on the host: a jitted consumer then replicates it, which is correct, just not split.
+    With several processes the trainer's validation guarantees rows that divide.
     """
-    if jax.process_count() > 1:
-        row_length, patches, loss = all_processes(pack_sizes(pack)).max(axis=0).tolist()
-        pack = pad_pack(pack, row_length, patches, loss)
+    if mesh is None:
+        return pack
     if sample_offset and pack.loss_sample is not None:
         pack = pack.replace(loss_sample=pack.loss_sample + sample_offset)
+    if rows_are_global or jax.process_count() == 1:
+        if not rows_divide(pack.num_rows, mesh):
+            return pack
 
-    def put(x):
+        def put(x):
+            if x is None:
+                return None
+            x = np.asarray(x)
+            sharding = mesh_lib.batch_sharding(mesh, x.ndim)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+        return jax.tree.map(put, pack)
+
+    row_length, patches, loss = all_processes(pack_sizes(pack)).max(axis=0).tolist()
+    pack = pad_pack(pack, row_length, patches, loss)
+
+    def put_local(x):
         if x is None:
             return None
         return jax.make_array_from_process_local_data(mesh_lib.batch_sharding(mesh, x.ndim), x)
 
-    return jax.tree.map(put, pack)
+    return jax.tree.map(put_local, pack)
 
 
 def local_row_offset(array: jax.Array) -> int:
