@@ -102,14 +102,15 @@ def prepare_toy_assets(config) -> None:
 
 
 def _write_toy_assets(config) -> None:
-    from scripts import make_toy_data, make_toy_model  # only tiny configs need them
+    from opsd_jax.toy import data as toy_data  # only tiny configs need them
+    from opsd_jax.toy import model as toy_model  # only tiny configs need them
 
     root = os.path.join(config.results_dir, "toy")
     data_dir = os.path.join(root, "data")
-    tasks = make_toy_data.tasks_for([spec["name"] for spec in config.data.datasets])
+    tasks = toy_data.tasks_for([spec["name"] for spec in config.data.datasets])
     if not all(os.path.isdir(os.path.join(data_dir, task)) for task in tasks):
         print(f"writing the toy data set to {data_dir}")
-        make_toy_data.write_toy_data(data_dir, seed=config.global_seed, tasks=tasks)
+        toy_data.write_toy_data(data_dir, seed=config.global_seed, tasks=tasks)
     with config.unlocked():
         config.data.datasets = [
             dict(spec, path=os.path.join(data_dir, spec["name"])) for spec in config.data.datasets
@@ -118,9 +119,9 @@ def _write_toy_assets(config) -> None:
         model_dir = os.path.join(root, "model")
         if not os.path.isfile(os.path.join(model_dir, "llm_config.json")):
             print(f"writing the toy model (BAGEL layout) to {model_dir}")
-            corpus = make_toy_data.toy_corpus_text(seed=config.global_seed,
+            corpus = toy_data.toy_corpus_text(seed=config.global_seed,
                                                    tasks=tasks).splitlines()  # fmt: skip
-            make_toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
+            toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
         with config.unlocked():
             config.model_path = model_dir
 

@@ -16,11 +16,11 @@ def get_config() -> ml_collections.ConfigDict:
     config = common.base_config()
 
     # --- model: an HF directory in BAGEL's layout; the toy one is made if absent ---------------
-    config.model_path = ""  # empty: <results_dir>/toy_model, written by scripts/make_toy_model.py
+    config.model_path = ""  # empty: <results_dir>/toy_model, written by opsd_jax/toy/model.py
     config.compute_dtype = "float32"  # CPU: bf16 matmuls are slow there
     config.remat = "none"
 
-    # --- data: the toy task, written by scripts/make_toy_data.py if absent ----------------------
+    # --- data: the toy task, written by opsd_jax/toy/data.py if absent -------------------------
     config.toy_data = True
     config.data.datasets = [
         dict(name="toy_maze", path="", weight=1.0, num_used_data=-1),

@@ -4,7 +4,7 @@
 
 Goal: a model that answers well *with* the VT image in context and clearly worse without it, the
 starting point Visual-OPSD needs (scripts/toy_experiment.py runs all stages). The task
-(scripts/make_toy_data.py, `toy_majority`): which of four colours has the most dots; the VT
+(opsd_jax/toy/tasks.py, `toy_majority`): which of four colours has the most dots; the VT
 image paints the winning colour's cells, so with it the answer is nearly the image's mean colour.
 
 Context mix, `sft_vt_fraction` = 0.75: with only the VT context (1.0) the model never learns to

@@ -7,7 +7,7 @@ The claim under test: a model that reasons better when it sees the visual-though
 (teacher context) transfers part of that ability to itself without it (student context) by
 on-policy self-distillation, and replacing the VT image by noise removes the effect.
 
-1. Stage 1, configs/toy_sft.py: SFT from random init on `toy_majority` (scripts/make_toy_data.py),
+1. Stage 1, configs/toy_sft.py: SFT from random init on `toy_majority` (opsd_jax/toy/tasks.py),
    three quarters of the samples with the VT image in context, so the model reads VT images
    well and the bare problem image less well.
 2. Stage 2, configs/toy_opsd.py: Visual-OPSD from the stage-1 weights with the EMA teacher
@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts import make_toy_data
+from opsd_jax.toy import data as toy_data
 
 TASK = "toy_majority"
 ARMS = ("opsd", "control")  # stage-2 arms; --offline adds "offline"
@@ -375,7 +375,7 @@ def main(argv=None) -> dict:
     data_dir = os.path.join(toy_dir, "data")
     if not os.path.isdir(os.path.join(data_dir, TASK)):
         log(f"writing {TASK} data (seed {args.seed}) to {data_dir}")
-        make_toy_data.write_toy_data(
+        toy_data.write_toy_data(
             data_dir,
             seed=args.seed,
             num_train=mode["num_train"],

@@ -6,7 +6,6 @@ the two on-disk layouts must mean the same thing. Images use ImageTransform(112,
 patches) to keep the tests fast.
 """
 
-import importlib.util
 import io
 import json
 import os
@@ -29,21 +28,13 @@ from opsd_jax.data.sources import (
     open_source,
     pid_fraction,
 )
+from opsd_jax.toy import data as toy
+from scripts import make_toy_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ImageTransform(112, 56, 14)
 
 
-def _load_toy_module():
-    spec = importlib.util.spec_from_file_location(
-        "make_toy_data", os.path.join(ROOT, "scripts", "make_toy_data.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-toy = _load_toy_module()
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +297,7 @@ def _tree_bytes(root):
 
 def test_toy_generator_is_deterministic(tmp_path):
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
-        toy.main(["--out", str(tmp_path / name), "--seed", str(seed), "--num_train", "6",
+        make_toy_data.main(["--out", str(tmp_path / name), "--seed", str(seed), "--num_train", "6",
                   "--num_test", "2", "--jsonl", "--corpus_out", str(tmp_path / f"{name}.txt")])  # fmt: skip
     a, b, c = (_tree_bytes(tmp_path / n) for n in "abc")
     assert a == b and len(a) > 4

@@ -13,7 +13,8 @@ from opsd_jax.data.pipeline import Sample
 from opsd_jax.evaluation import answers
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.sampling.sampler import Completions
-from scripts import make_toy_data, make_toy_model
+from opsd_jax.toy import data as toy_data
+from opsd_jax.toy import model as toy_model
 
 # ---------------------------------------------------------------------------------- answers
 
@@ -95,9 +96,9 @@ def toy(tmp_path_factory):
     from opsd_jax.io.hf_load import load_hf
 
     root = tmp_path_factory.mktemp("eval_toy")
-    data = make_toy_data.write_toy_data(str(root / "data"), num_train=4, num_test=2)
-    corpus = make_toy_data.toy_corpus_text(num_train=4, num_test=2).splitlines()
-    model_dir = make_toy_model.write_toy_model(root / "model", corpus=corpus)
+    data = toy_data.write_toy_data(str(root / "data"), num_train=4, num_test=2)
+    corpus = toy_data.toy_corpus_text(num_train=4, num_test=2).splitlines()
+    model_dir = toy_model.write_toy_model(root / "model", corpus=corpus)
     model, _, tokenizer = load_hf(model_dir,
                                   config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip
     data_config = DataConfig.from_dict({

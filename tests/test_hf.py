@@ -1,6 +1,6 @@
 """HF checkpoint directories <-> our params: round trips, numerics, sharding, errors, 7B keys.
 
-The toy directories come from scripts/make_toy_model.py (BAGEL's exact layout at tiny size).
+The toy directories come from opsd_jax/toy/model.py (BAGEL's exact layout at tiny size).
 The reference model in the numerics test is filled by hand from the official `safetensors`
 reader, so it checks the mapping table against an independent spelling of the same layout.
 """
@@ -26,7 +26,8 @@ from opsd_jax.data.packing import Image, Text, pack_samples
 from opsd_jax.io import hf_export, hf_layout, hf_load
 from opsd_jax.io.safetensors_io import WeightDirectory, index_name
 from opsd_jax.parallel import mesh as mesh_lib
-from scripts import convert_hf, make_toy_model
+from opsd_jax.toy import model as toy_model
+from scripts import convert_hf
 
 # fp32 compute and the dense reference attention without remat: the quickest compile on CPU.
 FP32 = {"llm": {"compute_dtype": "float32", "attention_backend": "reference", "remat": "none"}}
@@ -35,13 +36,13 @@ FP32 = {"llm": {"compute_dtype": "float32", "attention_backend": "reference", "r
 @pytest.fixture(scope="module")
 def toy_bf16(tmp_path_factory):
     """BAGEL-like: one bf16 ema.safetensors."""
-    return make_toy_model.write_toy_model(tmp_path_factory.mktemp("toy") / "bf16")
+    return toy_model.write_toy_model(tmp_path_factory.mktemp("toy") / "bf16")
 
 
 @pytest.fixture(scope="module")
 def toy_fp32_sharded(tmp_path_factory):
     """ThinkMorph / trainer-like: fp32 model.safetensors in 3 shards + index json."""
-    return make_toy_model.write_toy_model(
+    return toy_model.write_toy_model(
         tmp_path_factory.mktemp("toy") / "fp32",
         dtype="fp32",
         num_shards=3,
@@ -266,7 +267,7 @@ def _break(directory, kind):
         tensors["language_model.model.layers.1.mlp.extra_proj.weight"] = np.zeros((2, 2))
     if kind in ("wrong shape", "all at once"):
         tensors["connector.fc1.weight"] = np.zeros((64, 31))
-    make_toy_model.write_weights(directory, tensors, "bf16", "ema", 1)
+    toy_model.write_weights(directory, tensors, "bf16", "ema", 1)
     return {
         "missing key": r"missing keys \(1\):\n.*layers\.1\.mlp\.up_proj\.weight "
         r"expected \[128, 64\]",
@@ -321,7 +322,7 @@ def test_a_checkpoint_without_the_fixed_table_gets_the_computed_one(toy_bf16, tm
     shutil.copytree(toy_bf16, source)
     tensors = {k: v.float().numpy() for k, v in load_file(source / "ema.safetensors").items()}
     del tensors["vit_pos_embed.pos_embed"]  # upstream's training loader drops it
-    make_toy_model.write_weights(source, tensors, "bf16", "ema", 1)
+    toy_model.write_weights(source, tensors, "bf16", "ema", 1)
     model, config, _ = hf_load.load_hf(source, tokenizer=False)
     np.testing.assert_array_equal(np.asarray(model.vit_pos_embed[...]), sincos_2d_table(70, 64))
     out = hf_export.save_hf(model, tmp_path / "out", source)  # exported without the key, like the source
@@ -350,7 +351,7 @@ def test_convert_script_round_trip(toy_fp32_sharded, tmp_path, capsys):
 def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
     # A 300-row model whose tokenizer fills all 300 ids and lacks the two vision markers.
     config = BagelConfig.tiny(llm=dict(vocab_size=300))
-    source = make_toy_model.write_toy_model(
+    source = toy_model.write_toy_model(
         tmp_path / "small",
         config=config,
         tokenizer_vocab_size=300,

@@ -14,8 +14,8 @@ from models.configs import BagelConfig
 from opsd_jax.io import hf_layout, hf_load, init_weights
 from opsd_jax.io.checkpoint import Checkpointer
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
-from scripts import make_toy_model
 
 RUNTIME = {"llm": {"compute_dtype": "float32", "attention_backend": "reference", "remat": "none"}}
 
@@ -24,9 +24,9 @@ RUNTIME = {"llm": {"compute_dtype": "float32", "attention_backend": "reference",
 def two_files(tmp_path_factory):
     """model.safetensors (seed 0) and ema.safetensors (seed 1) in one directory."""
     out = tmp_path_factory.mktemp("both")
-    make_toy_model.write_toy_model(out, dtype="fp32", weights_name="model", seed=0)
-    tensors = make_toy_model.toy_tensors(BagelConfig.tiny(), seed=1)
-    make_toy_model.write_weights(out, tensors, "fp32", "ema", num_shards=1)
+    toy_model.write_toy_model(out, dtype="fp32", weights_name="model", seed=0)
+    tensors = toy_model.toy_tensors(BagelConfig.tiny(), seed=1)
+    toy_model.write_weights(out, tensors, "fp32", "ema", num_shards=1)
     return out
 
 
@@ -112,10 +112,10 @@ def test_a_full_resume_reads_one_file_only(two_files, mesh, file_params):
 
 def test_file_choice_with_one_file_and_errors(two_files, tmp_path):
     only_ema = tmp_path / "only_ema"
-    make_toy_model.write_toy_model(only_ema, dtype="fp32", weights_name="ema")
+    toy_model.write_toy_model(only_ema, dtype="fp32", weights_name="ema")
     assert hf_load.initial_weights(only_ema) == hf_load.InitialWeights("ema", "ema", "ema")
     only_model = tmp_path / "only_model"
-    make_toy_model.write_toy_model(only_model, dtype="fp32", weights_name="model")
+    toy_model.write_toy_model(only_model, dtype="fp32", weights_name="model")
     assert hf_load.initial_weights(only_model) == hf_load.InitialWeights("model", "model", "model")
     assert hf_load.initial_weights(two_files, finetune_from_ema=True) == hf_load.InitialWeights(
         "ema", "ema", "model")  # fmt: skip

@@ -16,7 +16,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.data.pipeline import Sample, reference_completion
 from opsd_jax.evaluation import kl_diagnostic
 from opsd_jax.io.hf_load import load_hf
-from scripts import make_toy_model
+from opsd_jax.toy import model as toy_model
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 VOCAB_LIMIT = 1004  # rows 1004.. of the tiny embedding table are padding
@@ -38,7 +38,7 @@ class CharTokenizer:
 def model(tmp_path_factory):
     """BagelConfig.tiny() with the toy checkpoint's random weights (loading them is much faster
     than Bagel's op-by-op initialisation on CPU); its tokenizer is not used."""
-    model_dir = make_toy_model.write_toy_model(tmp_path_factory.mktemp("kl_model"), dtype="fp32",
+    model_dir = toy_model.write_toy_model(tmp_path_factory.mktemp("kl_model"), dtype="fp32",
                                                corpus=["a b c"], tokenizer_vocab_size=300)  # fmt: skip
     model, config, _ = load_hf(model_dir, tokenizer=False,
                                config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip

@@ -126,13 +126,14 @@ def _max_difference(a, b):
 
 
 def test_two_processes_train_like_one_process_and_restore(tmp_path):
-    from scripts import make_toy_data, make_toy_model
+    from opsd_jax.toy import data as toy_data
+    from opsd_jax.toy import model as toy_model
 
     single, multi = tmp_path / "single", tmp_path / "multi"
     # One toy model for both runs (each run writes its own identical toy data).
     model_path = tmp_path / "model"
-    corpus = make_toy_data.toy_corpus_text(seed=0).splitlines()
-    make_toy_model.write_toy_model(str(model_path), seed=0, corpus=corpus)
+    corpus = toy_data.toy_corpus_text(seed=0).splitlines()
+    toy_model.write_toy_model(str(model_path), seed=0, corpus=corpus)
 
     # The one-process reference runs while the first two-process launch does (2 cores).
     reference = subprocess.Popen(

@@ -90,13 +90,13 @@ def _fake_step(params, teacher, text):
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
     from opsd_jax.data.sources import DataConfig
-    from scripts import make_toy_data
+    from opsd_jax.toy import data as toy_data
 
     root = tmp_path_factory.mktemp("toy")
-    rows = make_toy_data.make_rows("toy_count", "train", 14, seed=0)
-    make_toy_data.write_parquet(rows, str(root / "count" / "data" / "train-0.parquet"))
-    rows = make_toy_data.make_rows("toy_maze", "train", 9, seed=0)
-    make_toy_data.write_parquet(rows, str(root / "maze" / "data" / "train-0.parquet"))
+    rows = toy_data.make_rows("toy_count", "train", 14, seed=0)
+    toy_data.write_parquet(rows, str(root / "count" / "data" / "train-0.parquet"))
+    rows = toy_data.make_rows("toy_maze", "train", 9, seed=0)
+    toy_data.write_parquet(rows, str(root / "maze" / "data" / "train-0.parquet"))
     config = DataConfig.from_dict(dict(
         datasets=[dict(name="count", path=str(root / "count")),
                   dict(name="maze", path=str(root / "maze"))],

@@ -11,14 +11,15 @@ from conftest import subprocess_env
 
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.io.tokenizer import BAGEL_SPECIAL_TOKENS, add_special_tokens, load_tokenizer
+from opsd_jax.toy import model as toy_model
 from scripts import make_toy_model
 
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tokenizer")
-    tokenizer = make_toy_model.write_tokenizer(
-        directory, make_toy_model.builtin_corpus(), vocab_size=1000, model_max_length=4096
+    tokenizer = toy_model.write_tokenizer(
+        directory, toy_model.builtin_corpus(), vocab_size=1000, model_max_length=4096
     )
     return directory, tokenizer
 
@@ -65,7 +66,7 @@ def test_special_ids_follow_bagels_rule_and_convert_to_packer_tokens(toy_dir):
 
 
 def test_missing_markers_are_added_after_the_existing_ids(tmp_path):
-    make_toy_model.write_tokenizer(
+    toy_model.write_tokenizer(
         tmp_path,
         ["a small corpus of words 123"],
         vocab_size=300,
@@ -91,8 +92,8 @@ def test_missing_markers_are_added_after_the_existing_ids(tmp_path):
 
 def test_toy_tokenizer_is_deterministic_and_trains_on_a_given_corpus(toy_dir, tmp_path):
     directory, _ = toy_dir
-    make_toy_model.write_tokenizer(
-        tmp_path, make_toy_model.builtin_corpus(), vocab_size=1000, model_max_length=4096
+    toy_model.write_tokenizer(
+        tmp_path, toy_model.builtin_corpus(), vocab_size=1000, model_max_length=4096
     )
     for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json"):
         assert (tmp_path / name).read_bytes() == (directory / name).read_bytes(), name

@@ -39,7 +39,7 @@ def run_train(*overrides, timeout=600, log_compiles=False, env=None):
 
 def write_corrupted_toy_data(data_dir, seed=0):
     """The toy data set with ~10% broken training rows of every kind the pipeline knows."""
-    from scripts import make_toy_data as toy
+    from opsd_jax.toy import data as toy
 
     toy.write_toy_data(str(data_dir), seed=seed)
     for task in toy.TASKS:

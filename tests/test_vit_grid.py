@@ -17,7 +17,7 @@ from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
 from opsd_jax.data.pipeline import prepare_sample
 from opsd_jax.data.sources import DataConfig, DatasetSpec, RawSample
 from opsd_jax.io import hf_load
-from scripts import make_toy_model
+from opsd_jax.toy import model as toy_model
 
 GRID8 = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none",
                                   attention_backend="reference"),
@@ -35,7 +35,7 @@ def data_config(**changes):
 
 
 def test_the_grid_is_the_checkpoints(tmp_path):
-    directory = make_toy_model.write_toy_model(tmp_path / "grid8", dtype="fp32", config=GRID8)
+    directory = toy_model.write_toy_model(tmp_path / "grid8", dtype="fp32", config=GRID8)
     model, config, _ = hf_load.load_hf(directory)
     assert config.vit_max_num_patch_per_side == 8
     assert BagelConfig.tiny().vit_max_num_patch_per_side == 70
