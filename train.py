@@ -4,13 +4,16 @@ One readable sequence (big_vision style):
 config check -> distributed init -> mesh -> model + tokenizer -> data -> train state -> resume
 -> loop [sample completions -> student/teacher packs -> grad steps -> update -> log -> save]
 -> final checkpoint.
+
+Why one long `main()` (over the ~400 lines a module should keep to): it *is* that sequence, each
+stage a few calls into opsd_jax, so a reader follows a run top to bottom without jumping; the
+stages share the mesh, config and state, which helpers would only pass around.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 import time
 from typing import NoReturn
@@ -40,8 +43,10 @@ from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler
+from opsd_jax.toy import assets as toy_assets
 from opsd_jax.training import train_config, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
+from opsd_jax.training.stop_request import StopRequest
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
 flags.mark_flags_as_required(["config"])
@@ -86,87 +91,6 @@ def parse_flags(argv: list[str]) -> list[str]:
         config_error(e)
 
 
-# ---- toy assets (tiny configs) ---------------------------------------------------------------
-
-
-def prepare_toy_assets(config) -> None:
-    """Write the toy data and the toy model under results_dir the first time (then reuse).
-
-    With several processes the main one writes first; a process on a host that does not share
-    the folder then writes its own (identical: the scripts are deterministic) copy."""
-    if not distributed.is_main():
-        distributed.barrier("toy assets")
-    _write_toy_assets(config)
-    if distributed.is_main():
-        distributed.barrier("toy assets")
-
-
-def _write_toy_assets(config) -> None:
-    from opsd_jax.toy import data as toy_data  # only tiny configs need them
-    from opsd_jax.toy import model as toy_model  # only tiny configs need them
-
-    root = os.path.join(config.results_dir, "toy")
-    data_dir = os.path.join(root, "data")
-    tasks = toy_data.tasks_for([spec["name"] for spec in config.data.datasets])
-    if not all(os.path.isdir(os.path.join(data_dir, task)) for task in tasks):
-        print(f"writing the toy data set to {data_dir}")
-        toy_data.write_toy_data(data_dir, seed=config.global_seed, tasks=tasks)
-    with config.unlocked():
-        config.data.datasets = [
-            dict(spec, path=os.path.join(data_dir, spec["name"])) for spec in config.data.datasets
-        ]
-    if not config.model_path:
-        model_dir = os.path.join(root, "model")
-        if not os.path.isfile(os.path.join(model_dir, "llm_config.json")):
-            print(f"writing the toy model (BAGEL layout) to {model_dir}")
-            corpus = toy_data.toy_corpus_text(seed=config.global_seed,
-                                                   tasks=tasks).splitlines()  # fmt: skip
-            toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
-        with config.unlocked():
-            config.model_path = model_dir
-
-
-def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSettings:
-    """The loss knobs; `vocab_limit` is the tokenizer length (the sampler's limit too)."""
-    return train_step.LossSettings(
-        jsd_weight=config.jsd_weight,
-        ce_weight=config.ce_weight,
-        jsd_loss_kind=config.jsd_loss_kind,
-        jsd_beta=config.jsd_beta,
-        jsd_temperature=config.jsd_temperature,
-        jsd_top_k=config.jsd_top_k,
-        jsd_token_clip=config.jsd_token_clip,
-        jsd_clip_mode=config.jsd_clip_mode,
-        reduction=config.loss_reduction,
-        num_samples=config.samples_per_micro_batch,
-        vocab_limit=vocab_limit,
-        kd_weight=config.kd_weight,
-        kd_temperature=config.kd_temperature,
-        kd_use_vt_weights=config.kd_use_vt_weights,
-        kd_student_norm=config.kd_student_norm,
-    )
-
-
-class StopRequest:
-    """SIGTERM / SIGINT (preemption, Ctrl-C) -> stop after the current step, save, exit 0.
-
-    A second SIGINT falls back to Python's KeyboardInterrupt, for a user who really means it."""
-
-    def __init__(self):
-        self.signal_name = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
-
-    def requested(self) -> bool:
-        """True when any process was signalled (all processes must stop at the same step)."""
-        return bool(distributed.all_processes(self.signal_name is not None).any())
-
-
 def say(*args) -> None:
     """Console output from the main process only."""
     if distributed.is_main():
@@ -195,7 +119,7 @@ def main(argv):
     if num_processes > 1:
         say(f"{num_processes} processes, {jax.local_device_count()} devices each")
     if config.toy_data:
-        prepare_toy_assets(config)
+        toy_assets.prepare_toy_assets(config)
 
     # ---- mesh ----------------------------------------------------------------------------------
     data_size, fsdp_size, tensor_size = train_config.mesh_shape(config, jax.device_count())
@@ -291,7 +215,7 @@ def main(argv):
 
     # ---- the compiled train step ---------------------------------------------------------------
     sft, offline = config.mode == "sft", config.mode == "offline"
-    settings = loss_settings(config, vocab_limit=tokenizer.vocab_length)
+    settings = train_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = None
     if offline:  # the cached teacher, refused if made for another model
         try:
@@ -461,9 +385,9 @@ def main(argv):
         say(f"evaluation every {config.eval_every} steps on {len(eval_samples)} held-out "
             f"samples, context(s) {', '.join(eval_contexts)}")  # fmt: skip
 
-    def run_evaluation(step) -> dict:
+    def run_evaluation(step, params) -> dict:
         scalars = {}
-        student = nnx.merge(graphdef, state.params, rest)
+        student = nnx.merge(graphdef, params, rest)
         for context in eval_contexts:
             result = evaluation.evaluate(
                 student, eval_samples, tokenizer, options=options, context=context,
@@ -496,9 +420,10 @@ def main(argv):
         say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
     last_good_step = start_step
 
-    def finish(done: dict) -> None:
+    def finish(done: dict, state) -> None:
         """Log a dispatched step once the next one runs (the host never waits on the step it
-        just dispatched); stop the run after too many non-finite steps in a row."""
+        just dispatched); stop the run after too many non-finite steps in a row. `state` is the
+        latest dispatched one, saved if the run stops here."""
         nonlocal last_good_step
         step = done["step"]
         metrics = {k: float(distributed.to_host(v)) for k, v in done["metrics"].items()}
@@ -586,25 +511,25 @@ def main(argv):
                     data_state=data.get_state(),
                     completion=None if completions is None else completions.row(0))  # fmt: skip
         if pending is not None:
-            finish(pending)
+            finish(pending, state)
         pending = done
         if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
             with logger.phase("eval"):
-                scalars.update(run_evaluation(step + 1))
+                scalars.update(run_evaluation(step + 1, state.params))
         stopping = stop.requested()
         if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
             checkpointer.save(step + 1, state, data_state=done["data_state"],
                               config=config.to_dict(), force=True)  # fmt: skip
         if stopping:
             checkpointer.wait_until_finished()
-            finish(pending)
+            finish(pending, state)
             pending = None
             say(f"stopped by {stop.signal_name or 'a signal to another process'} after step "
                 f"{step + 1}: checkpoint saved in {checkpoint_dir}; run the same command to resume")
             stopped_at = step + 1
             break
     if pending is not None:
-        finish(pending)
+        finish(pending, state)
 
     # ---- finish -----------------------------------------------------------------------------------
     checkpointer.wait_until_finished()

@@ -32,7 +32,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import train  # noqa: E402
 from configs import offline_tiny  # noqa: E402
 from opsd_jax.data import offline_cache  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
@@ -42,7 +41,11 @@ from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
-from opsd_jax.training import train_step  # noqa: E402
+from opsd_jax.toy import assets as toy_assets  # noqa: E402
+from opsd_jax.training import (
+    train_config,  # noqa: E402
+    train_step,  # noqa: E402
+)
 
 VOCAB_7B = 152_064
 TOP_K_7B = 256
@@ -79,7 +82,7 @@ def main():
     with config.unlocked():
         config.results_dir = args.results_dir
         config.offline_cache_dir = os.path.join(args.results_dir, "teacher_cache")
-    train.prepare_toy_assets(config)
+    toy_assets.prepare_toy_assets(config)
     model, model_config, tokenizer = load_hf(config.model_path, config_changes={"llm": dict(
         compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
     special, encode = tokenizer.special_tokens(), tokenizer.encode
@@ -109,7 +112,7 @@ def main():
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (each arm donates its own)
     online_state = train_step.init_state(copy(), optimizer, "ema", jax.random.key(0))
     offline_state = train_step.init_state(copy(), optimizer, "self", jax.random.key(0))
-    settings = train.loss_settings(config, tokenizer.vocab_length)
+    settings = train_config.loss_settings(config, tokenizer.vocab_length)
     online_grad = train_step.make_grad_step(graphdef, rest, settings, "ema")
     offline_grad = train_step.make_offline_grad_step(graphdef, rest, settings)
     online_update = train_step.make_apply_update(optimizer, "ema", config.ema_decay)

@@ -91,7 +91,6 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
 
-    import train
     from configs import thinkmorph_7b
     from models.bagel import Bagel
     from models.configs import BagelConfig
@@ -100,7 +99,7 @@ def main():
     from opsd_jax.parallel import hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, sampler
-    from opsd_jax.training import train_step
+    from opsd_jax.training import train_config, train_step
 
     recipe = thinkmorph_7b.get_config()
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
@@ -182,7 +181,7 @@ def main():
                     loss_mask=array((samples, entries), jnp.bool_),
                     loss_sample=array((samples, entries), jnp.int32))  # fmt: skip
 
-    grad_step = train_step.make_grad_step(graphdef, rest, train.loss_settings(recipe), "ema")
+    grad_step = train_step.make_grad_step(graphdef, rest, train_config.loss_settings(recipe), "ema")
 
     def compile_grad(teacher_len, student_len):
         student = pack(student_len, args.student_patches, args.loss_entries)

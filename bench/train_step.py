@@ -26,7 +26,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import train  # noqa: E402
 from configs import tiny  # noqa: E402
 from opsd_jax.data import pack_shapes  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
@@ -38,7 +37,11 @@ from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import distributed  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
-from opsd_jax.training import train_step  # noqa: E402
+from opsd_jax.toy import assets as toy_assets  # noqa: E402
+from opsd_jax.training import (
+    train_config,  # noqa: E402
+    train_step,  # noqa: E402
+)
 
 
 def main():
@@ -51,7 +54,7 @@ def main():
     config = tiny.get_config()
     with config.unlocked():
         config.results_dir = args.results_dir
-    train.prepare_toy_assets(config)
+    toy_assets.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
         compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
@@ -68,7 +71,7 @@ def main():
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     rows = config.rows_per_micro_batch
     step_fn = train_step.make_train_step(
-        train_step.make_opsd_loss(graphdef, rest, train.loss_settings(config),
+        train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
                                   config.teacher_mode),
         optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
         schedule=train_step.learning_rate_schedule(config),

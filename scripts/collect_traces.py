@@ -34,6 +34,7 @@ from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io import init_weights  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
+from opsd_jax.toy import assets as toy_assets  # noqa: E402
 from opsd_jax.training import train_config  # noqa: E402
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
@@ -54,7 +55,7 @@ def main(argv) -> None:
     except train_config.ConfigError as e:
         train.config_error(e)
     if config.toy_data:
-        train._write_toy_assets(config)
+        toy_assets.write_toy_assets(config)
 
     mesh = mesh_lib.make_mesh(*train_config.mesh_shape(config, len(devices)), devices=devices)
     runtime = dict(compute_dtype=config.compute_dtype, remat=config.remat,

@@ -252,3 +252,24 @@ def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
                             f"must be a multiple of data x fsdp = {data * fsdp} with several "
                             "processes (the sampler's prompt rows are sharded over them)")  # fmt: skip
     return problems
+
+
+def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSettings:
+    """The loss knobs; `vocab_limit` is the tokenizer length (the sampler's limit too)."""
+    return train_step.LossSettings(
+        jsd_weight=config.jsd_weight,
+        ce_weight=config.ce_weight,
+        jsd_loss_kind=config.jsd_loss_kind,
+        jsd_beta=config.jsd_beta,
+        jsd_temperature=config.jsd_temperature,
+        jsd_top_k=config.jsd_top_k,
+        jsd_token_clip=config.jsd_token_clip,
+        jsd_clip_mode=config.jsd_clip_mode,
+        reduction=config.loss_reduction,
+        num_samples=config.samples_per_micro_batch,
+        vocab_limit=vocab_limit,
+        kd_weight=config.kd_weight,
+        kd_temperature=config.kd_temperature,
+        kd_use_vt_weights=config.kd_use_vt_weights,
+        kd_student_norm=config.kd_student_norm,
+    )
