@@ -5,7 +5,7 @@ What: runs the tiny config once without interruption, then runs it again but kil
 `auto_resume` after each kill, and finally checks that the last checkpoint's params are
 bit-identical to the uninterrupted run's. Kills are of two kinds, in random order:
 - 'save': right after the k-th step line (k = 1 or 2), as soon as that step's asynchronous
-  checkpoint save has a half-written `<step>.orbax-checkpoint-tmp*` folder on disk;
+  checkpoint save has a half-written `<step>/` folder (no commit marker yet) on disk;
 - 'startup': at a random moment between launch and the first step line (imports, restore,
   compilation).
 Every relaunch must resume from the newest *complete* step on disk, never a half-written one.
@@ -36,8 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# The drill reads the disk itself rather than through opsd_jax/io/checkpoint.py, so that it
+# referees the code under test independently.
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last (see opsd_jax/io/checkpoint.py)
-TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 @dataclasses.dataclass
@@ -75,9 +76,8 @@ def _save_state(checkpoint_dir: str, step: int) -> str:
     """'writing', 'complete' or 'not started' for one step's checkpoint."""
     if os.path.exists(os.path.join(checkpoint_dir, str(step), COMMIT_MARKER)):
         return "complete"
-    if os.path.isdir(checkpoint_dir) and any(
-        n.startswith(f"{step}{TMP_MARKER}") for n in os.listdir(checkpoint_dir)
-    ):
+    # orbax's commit-file protocol writes `<step>/` in place and puts the marker in it last.
+    if os.path.isdir(os.path.join(checkpoint_dir, str(step))):
         return "writing"
     return "not started"
 

@@ -20,11 +20,11 @@ only on parameter paths, and restore rebuilds exactly the tree structure of the 
 (nnx.State with Params, optax namedtuples, MaskedNode / EmptyState), so a checkpoint never
 carries Python class details.
 
-Completeness: orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>`
-once every item is written, after putting a `commit_success.txt` marker in it (on object stores,
-where renames are not atomic, the marker alone marks completion). A step counts as complete here
-only if its directory is named by the bare step number *and* holds that marker, so neither a
-half-written save nor a partially copied directory is ever restored.
+Completeness is orbax's: the managers here run its commit-file protocol
+(`AtomicityMode.COMMIT_FILE`), so orbax writes a step in place and puts `commit_success.txt` in it
+last, and its step listing (`all_steps` / `latest_step`) counts only steps holding that marker, on
+a local disk and an object store alike. Neither a half-written save nor a partially copied step
+directory is ever restored, and a restarted run's manager removes the half-written ones.
 
 Restore places every array straight into the sharding its target (a TrainState of
 `jax.ShapeDtypeStruct`s carrying concrete `NamedSharding`s) names, so a run may resume on a
@@ -59,7 +59,7 @@ META = "meta"
 DATA = "data"
 CONFIG = "config"
 # orbax 0.12.8's marker of a finished step (orbax/checkpoint/_src/path/atomicity_types.py).
-COMMIT_MARKER = "commit_success.txt"
+COMMIT_MARKER = "commit_success.txt"  # for messages; orbax itself decides completeness
 TMP_MARKER = ".orbax-checkpoint-tmp"
 FORMAT_VERSION = 1
 
@@ -77,23 +77,32 @@ def _path(directory: str | os.PathLike) -> epath.Path:
     return epath.Path(text if "://" in text else os.path.abspath(text))
 
 
-def _is_complete(step_dir: epath.Path) -> bool:
-    return step_dir.name.isdigit() and (step_dir / COMMIT_MARKER).exists()
+# orbax's commit-file protocol for every manager here, reading or writing (module docstring).
+ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+
+
+def _complete_steps(root: epath.Path) -> list[int]:
+    """The complete steps under `root`, ascending, as orbax lists them (none if no directory)."""
+    if not root.is_dir():
+        return []
+    options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                           atomicity_options=ATOMICITY)  # fmt: skip
+    with ocp.CheckpointManager(root, options=options) as manager:
+        return sorted(manager.all_steps())
+
+
+def _incomplete_names(root: epath.Path, complete: list[int]) -> list[str]:
+    """Step-like directories orbax does not list as complete (for messages only)."""
+    if not root.is_dir():
+        return []
+    return sorted(entry.name for entry in root.iterdir() if entry.is_dir() and (
+        (entry.name.isdigit() and int(entry.name) not in complete) or TMP_MARKER in entry.name))
 
 
 def _step_dirs(root: epath.Path) -> tuple[list[int], list[str]]:
     """(complete steps ascending, names of incomplete step directories) under `root`."""
-    if not root.is_dir():
-        return [], []
-    complete, incomplete = [], []
-    for entry in root.iterdir():
-        if not entry.is_dir():
-            continue
-        if _is_complete(entry):
-            complete.append(int(entry.name))
-        elif entry.name.isdigit() or TMP_MARKER in entry.name:
-            incomplete.append(entry.name)
-    return sorted(complete), sorted(incomplete)
+    complete = _complete_steps(root)
+    return complete, _incomplete_names(root, complete)
 
 
 def _no_checkpoint_error(root: epath.Path) -> FileNotFoundError:
@@ -351,18 +360,18 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = _path(directory)
         self.save_every = int(save_every)
+        _, incomplete = _step_dirs(self.directory)
+        if incomplete:
+            log.warning("%s: incomplete checkpoints (an interrupted save), never restored and "
+                        "removed now: %s", self.directory, incomplete)  # fmt: skip
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
+            atomicity_options=ATOMICITY,
             # Half-written steps of a crashed run would otherwise linger forever.
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
-        _, incomplete = _step_dirs(self.directory)
-        if incomplete:
-            log.warning(
-                "%s: incomplete checkpoints, never restored: %s", self.directory, incomplete
-            )
 
     def should_save(self, step: int) -> bool:
         """Whether `step` is a periodic save step (save_every <= 0: never)."""
@@ -416,12 +425,13 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         """The newest complete step on disk (in-flight and half-written saves do not count)."""
-        complete, _ = _step_dirs(self.directory)
+        complete = self.all_steps()
         return complete[-1] if complete else None
 
     def all_steps(self) -> list[int]:
-        """Complete steps on disk, ascending."""
-        return _step_dirs(self.directory)[0]
+        """Complete steps on disk, ascending. Listed by a read-only orbax manager: the writing
+        one's list also holds the step it is saving right now."""
+        return _complete_steps(self.directory)
 
     def restore(
         self,
@@ -462,7 +472,8 @@ class Checkpointer:
             self._manager.reload()  # steps written by another process since we started
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         else:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False,
+                                                   atomicity_options=ATOMICITY)  # fmt: skip
             with ocp.CheckpointManager(root, options=options) as manager:
                 restored = manager.restore(step, args=ocp.args.Composite(**items))
 
