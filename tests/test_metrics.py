@@ -212,10 +212,10 @@ def test_log_text_and_config(tmp_path, clock, capsys):
     rows = _read_jsonl(tmp_path / "text.jsonl")
     assert rows[0]["step"] == 3 and rows[0]["text"] == "The answer is 42."
     acc = _accumulator(tmp_path)
-    events = acc.Tensors("completion")
+    events = acc.Tensors("completion/text_summary")
     assert events[0].step == 3
     assert events[0].tensor_proto.string_val == [b"The answer is 42."]
-    assert json.loads(acc.Tensors("config")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
+    assert json.loads(acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
 
 
 def _log_four_steps_and_a_completion(clock):
@@ -263,7 +263,7 @@ def test_control_characters_in_text_are_escaped_in_every_sink(tmp_path, clock, c
     raw = (tmp_path / "text.jsonl").read_text(encoding="utf-8")
     assert not controls.search(raw) and raw.count("\n") == 1
     assert json.loads(raw)["text"] == text  # the exact text, in JSON escapes
-    logged = _accumulator(tmp_path).Tensors("completion")[0].tensor_proto.string_val[0]
+    logged = _accumulator(tmp_path).Tensors("completion/text_summary")[0].tensor_proto.string_val[0]
     assert logged.decode() == ("red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f csi\\x9b2J\n"
                                "next\tline é")  # fmt: skip
 

@@ -22,7 +22,7 @@ carries Python class details.
 
 Completeness is orbax's: the managers here run its commit-file protocol
 (`AtomicityMode.COMMIT_FILE`), so orbax writes a step in place and puts `commit_success.txt` in it
-last, and its step listing (`all_steps` / `latest_step`) counts only steps holding that marker, on
+last, and orbax's finalization check under that protocol decides which step directories count, on
 a local disk and an object store alike. Neither a half-written save nor a partially copied step
 directory is ever restored, and a restarted run's manager removes the half-written ones.
 
@@ -79,16 +79,19 @@ def _path(directory: str | os.PathLike) -> epath.Path:
 
 # orbax's commit-file protocol for every manager here, reading or writing (module docstring).
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
+# For listing and reading another run's steps (save_interval_steps=0: a read-only manager
+# saves nothing, and orbax warns when it has to say so itself).
+_READ_ONLY = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+                                          atomicity_options=ATOMICITY)  # fmt: skip
 
 
 def _complete_steps(root: epath.Path) -> list[int]:
-    """The complete steps under `root`, ascending, as orbax lists them (none if no directory)."""
+    """The complete steps under `root`, ascending: the step directories orbax's commit-file
+    protocol calls finalized (none if there is no directory)."""
     if not root.is_dir():
         return []
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                           atomicity_options=ATOMICITY)  # fmt: skip
-    with ocp.CheckpointManager(root, options=options) as manager:
-        return sorted(manager.all_steps())
+    return sorted(int(entry.name) for entry in root.iterdir() if entry.name.isdigit()
+                  and ocp.path.step.is_path_finalized(entry, atomicity_options=ATOMICITY))
 
 
 def _incomplete_names(root: epath.Path, complete: list[int]) -> list[str]:
@@ -429,8 +432,8 @@ class Checkpointer:
         return complete[-1] if complete else None
 
     def all_steps(self) -> list[int]:
-        """Complete steps on disk, ascending. Listed by a read-only orbax manager: the writing
-        one's list also holds the step it is saving right now."""
+        """Complete steps on disk, ascending. Read from the disk: the manager's own list also
+        holds the step it is saving right now."""
         return _complete_steps(self.directory)
 
     def restore(
@@ -472,9 +475,7 @@ class Checkpointer:
             self._manager.reload()  # steps written by another process since we started
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         else:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False,
-                                                   atomicity_options=ATOMICITY)  # fmt: skip
-            with ocp.CheckpointManager(root, options=options) as manager:
+            with ocp.CheckpointManager(root, options=_READ_ONLY) as manager:
                 restored = manager.restore(step, args=ocp.args.Composite(**items))
 
         meta = restored[META]

@@ -15,9 +15,9 @@ Why it is shaped this way:
   Converting one to a float blocks until the step finishes, which would serialise the host
   against the device on every step. So raw values are only stored per step, and converted with
   a single `jax.device_get` when a line is due.
-* TensorFlow is not a dependency. Events are written with the TF-free `EventFileWriter` and the
-  protos that ship in the `tensorboard` package, which `EventAccumulator` (and the TensorBoard
-  UI) read like any other event file.
+* TensorFlow is not a dependency. Events are written by tensorboardX's `SummaryWriter` (scalars
+  as `simple_value`s, text for the text dashboard under `<tag>/text_summary`), which
+  `EventAccumulator` and the TensorBoard UI read like any other event file.
 * Only the main process (`jax.process_index() == 0` by default) logs anything, so multi-host
   runs do not write N copies. Values passed in must then be readable from the main process
   (host numbers or fully replicated/addressable arrays, as a jitted step's scalar outputs are).
@@ -186,10 +186,10 @@ class MetricsLogger:
 
         if logdir is not None:
             # Imported here so that importing this module stays cheap and TB-free.
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            from tensorboardX import SummaryWriter
 
             os.makedirs(logdir, exist_ok=True)
-            self._writer = EventFileWriter(logdir)
+            self._writer = SummaryWriter(logdir)
             # Append: a resumed run continues the same files instead of truncating history.
             self._jsonl = open(  # noqa: SIM115 - lives until close()
                 os.path.join(logdir, "metrics.jsonl"), "a", encoding="utf-8"
@@ -203,7 +203,7 @@ class MetricsLogger:
         if wandb is not None:
             self._init_wandb(wandb, config)
         if config is not None and self._writer is not None:
-            self._write_text_event(int(start_step), "config", json.dumps(config, indent=2))
+            self._writer.add_text("config", json.dumps(config, indent=2), int(start_step))
             self._writer.flush()
         # Construction (file creation, W&B start-up) should not count as training time.
         self._window_start = _now()
@@ -295,7 +295,7 @@ class MetricsLogger:
             return
         self._print(f"[step {step}] {tag}: {escape_controls(text)}")
         if self._writer is not None:
-            self._write_text_event(int(step), tag, escape_controls(text, keep="\n\t"))
+            self._writer.add_text(tag, escape_controls(text, keep="\n\t"), int(step))
             self._writer.flush()
         if self.logdir is not None:
             if self._text_jsonl is None:
@@ -413,36 +413,8 @@ class MetricsLogger:
     def _write_scalars(self, step: int, record: dict[str, float]) -> None:
         if self._writer is None:
             return
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        summary = summary_pb2.Summary(
-            value=[summary_pb2.Summary.Value(tag=k, simple_value=v) for k, v in record.items()]
-        )
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=step, summary=summary))
+        wall_time = time.time()
+        for key, value in record.items():
+            self._writer.add_scalar(key, value, step, walltime=wall_time)
         # Flushing once per logged line is cheap and keeps TensorBoard live during training.
         self._writer.flush()
-
-    def _write_text_event(self, step: int, tag: str, text: str) -> None:
-        from tensorboard.compat.proto import (
-            event_pb2,
-            summary_pb2,
-            tensor_pb2,
-            tensor_shape_pb2,
-            types_pb2,
-        )
-        from tensorboard.plugins.text import metadata
-
-        # A scalar DT_STRING tensor tagged with the text plugin's metadata is what the
-        # TensorBoard text dashboard reads; built by hand because tf.summary is unavailable.
-        tensor = tensor_pb2.TensorProto(
-            dtype=types_pb2.DT_STRING,
-            tensor_shape=tensor_shape_pb2.TensorShapeProto(),
-            string_val=[text.encode("utf-8")],
-        )
-        value = summary_pb2.Summary.Value(
-            tag=tag, tensor=tensor, metadata=metadata.create_summary_metadata(tag, "")
-        )
-        event = event_pb2.Event(
-            wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])
-        )
-        self._writer.add_event(event)
