@@ -27,6 +27,7 @@ from ml_collections import config_flags
 
 from models import attention
 from opsd_jax.data import offline_cache, pack_shapes, sft_packs
+from opsd_jax.data.data_config import DataConfig
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
@@ -34,7 +35,6 @@ from opsd_jax.data.opsd_packs import (
     shaped_pack,
 )
 from opsd_jax.data.pipeline import make_iterator
-from opsd_jax.data.sources import DataConfig
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
 from opsd_jax.io import init_weights

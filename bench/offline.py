@@ -34,9 +34,9 @@ from flax import nnx  # noqa: E402
 
 from configs import offline_tiny  # noqa: E402
 from opsd_jax.data import offline_cache  # noqa: E402
+from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
-from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402

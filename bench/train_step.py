@@ -28,9 +28,9 @@ from flax import nnx  # noqa: E402
 
 from configs import tiny  # noqa: E402
 from opsd_jax.data import pack_shapes  # noqa: E402
+from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
-from opsd_jax.data.sources import DataConfig  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.checkpoint import abstract_like  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402

@@ -30,7 +30,7 @@ from absl import app, flags  # noqa: E402
 import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
 from models import attention  # noqa: E402
 from opsd_jax.data import offline_cache  # noqa: E402
-from opsd_jax.data.sources import DataConfig  # noqa: E402
+from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io import init_weights  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402

@@ -15,11 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from opsd_jax.data.data_config import DataConfig, DatasetSpec
 from opsd_jax.data.image_transform import ImageTransform
 from opsd_jax.data.pipeline import DataIterator, build_dataset, make_iterator
 from opsd_jax.data.sources import (
-    DataConfig,
-    DatasetSpec,
     RawSample,
     Skipped,
     decode_row,

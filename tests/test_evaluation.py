@@ -92,7 +92,7 @@ def test_is_correct(prediction, reference, correct):
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """The toy data (2 held-out rows per task) and the toy model, written once for the module."""
-    from opsd_jax.data.sources import DataConfig
+    from opsd_jax.data.data_config import DataConfig
     from opsd_jax.io.hf_load import load_hf
 
     root = tmp_path_factory.mktemp("eval_toy")

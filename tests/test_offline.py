@@ -89,7 +89,7 @@ def _fake_step(params, teacher, text):
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
-    from opsd_jax.data.sources import DataConfig
+    from opsd_jax.data.data_config import DataConfig
     from opsd_jax.toy import data as toy_data
 
     root = tmp_path_factory.mktemp("toy")

@@ -13,9 +13,10 @@ from PIL import Image
 
 from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
+from opsd_jax.data.data_config import DataConfig, DatasetSpec
 from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
 from opsd_jax.data.pipeline import prepare_sample
-from opsd_jax.data.sources import DataConfig, DatasetSpec, RawSample
+from opsd_jax.data.sources import RawSample
 from opsd_jax.io import hf_load
 from opsd_jax.toy import model as toy_model
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import grain
 
+from opsd_jax.data.data_config import DataConfig
 from opsd_jax.data.image_transform import VitImageInputs, prepare_vit_image
 from opsd_jax.data.sources import (
     BAD_IMAGE,
     DECODE_ERROR,
     SKIP_REASONS,
-    DataConfig,
     RawSample,
     Skipped,
     decode_row,

@@ -253,9 +253,9 @@ def answer(model, tokenizer, image, question: str, *, options: PromptOptions | N
     test time ([system?, image, question]): the text (special tokens kept, as in evaluation
     records) and the sampler's output. `image_transform`: an ImageTransform, a preset name or a
     dict of its fields (default: BAGEL's chat transform, 980 / 378)."""
+    from opsd_jax.data.data_config import image_transform_from
     from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
     from opsd_jax.data.pipeline import Sample
-    from opsd_jax.data.sources import image_transform_from
 
     transform = ImageTransform.vit_chat() if image_transform is None else image_transform
     # Patches and position ids for this model's ViT (its patch size and position grid).
@@ -277,7 +277,7 @@ def load_eval_samples(data_config, split: str = "eval", max_per_dataset: int | N
                       log: Callable[[str], None] | None = None) -> list:  # fmt: skip
     """Every usable sample of `split` (default: the held-out split), dataset after dataset.
 
-    data_config: an `opsd_jax.data.sources.DataConfig`. `max_per_dataset` caps the rows read
+    data_config: an `opsd_jax.data.data_config.DataConfig`. `max_per_dataset` caps the rows read
     from each dataset (the first ones in file order; rows the pipeline skips as bad are not
     replaced). Every process reads all of them (evaluation is not sharded by host).
     """

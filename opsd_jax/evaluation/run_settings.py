@@ -48,7 +48,7 @@ def data_config_from(config: Mapping[str, Any] | None, datasets: Sequence[str] =
     are read under `data_root`; a toy config whose paths are empty uses
     `<results_dir>/toy/data/<name>` (where the trainer writes the toy set).
     """
-    from opsd_jax.data.sources import DataConfig
+    from opsd_jax.data.data_config import DataConfig
 
     data = dict((config or {}).get("data") or {})
     if datasets:
