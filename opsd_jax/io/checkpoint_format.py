@@ -18,6 +18,11 @@ step holding these items:
 * `data`       — JSON: the data-iterator state of every process (absent when there is none);
 * `config`     — JSON: the training config.
 
+Why the `data` item is one JSON of every process's state rather than grain's own orbax handler
+(one file per process): the iterator state is grain's (`DatasetIterator.get_state`) plus our skip
+counters and a pipeline fingerprint, and holding all processes' states in one item lets a resume
+on another process count notice it and restart the data instead of failing on missing files.
+
 Why nested dicts instead of the nnx / optax objects themselves: the on-disk format then depends
 only on parameter paths, and restore rebuilds exactly the tree structure of the caller's target
 (nnx.State with Params, optax namedtuples, MaskedNode / EmptyState), so a checkpoint never
