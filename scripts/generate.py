@@ -69,6 +69,7 @@ def main(argv=None) -> None:
         model, tokenizer, image, args.question,
         options=run_settings.prompt_options_from_config(config), image_transform=transform,
         mesh=mesh, cache_dtype=run_settings.cache_dtype_for(args.compute_dtype),
+        sampler_layout=config.get("sampler_layout", "replicated"),
         **sampling_settings(args, config),
     )  # fmt: skip
     print(escape_controls(text, keep="\n\t"), flush=True)

@@ -175,11 +175,7 @@ def evaluate(
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(samples) // batch_size)
-    sampled = model
-    if mesh is not None and model is not None:
-        graphdef, state = nnx.split(model)
-        sampled = decode_copy.make_decode_copy(graphdef, state, layout=sampler_layout, mesh=mesh,
-                                               dtype=model.language_model.compute_dtype)  # fmt: skip
+    sampled = _decode_model(model, mesh, sampler_layout)
     for batch_index in range(num_batches):
         first = batch_index * batch_size
         batch = list(samples[first : first + batch_size])
@@ -218,6 +214,16 @@ def evaluate(
     return EvalResult(records, summarize(records, settings))
 
 
+def _decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
+    """What the sampler runs on: on a mesh, a compute-dtype copy of the model in the decode
+    layout (no per-token weight gathers; free it with `.delete()`), else the model itself."""
+    if mesh is None or model is None:
+        return model
+    graphdef, state = nnx.split(model)
+    return decode_copy.make_decode_copy(graphdef, state, layout=sampler_layout, mesh=mesh,
+                                        dtype=model.language_model.compute_dtype)  # fmt: skip
+
+
 def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOptions, context: str,
                    max_new_tokens: int, do_sample: bool, temperature: float, max_image_skips: int,
                    rng: jax.Array, row_ids, mesh: jax.sharding.Mesh | None = None,
@@ -247,12 +253,13 @@ def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOption
 def answer(model, tokenizer, image, question: str, *, options: PromptOptions | None = None,
            image_transform=None, max_new_tokens: int = 1024, do_sample: bool = False,
            temperature: float = 1.0, max_image_skips: int = 0, seed: int = 0,
-           mesh: jax.sharding.Mesh | None = None,
-           cache_dtype: str = "bfloat16") -> tuple[str, sampler_lib.Completions]:  # fmt: skip
+           mesh: jax.sharding.Mesh | None = None, cache_dtype: str = "bfloat16",
+           sampler_layout: str = "replicated") -> tuple[str, sampler_lib.Completions]:  # fmt: skip
     """A completion for one PIL image and a question, as the student sees them at training and
     test time ([system?, image, question]): the text (special tokens kept, as in evaluation
     records) and the sampler's output. `image_transform`: an ImageTransform, a preset name or a
-    dict of its fields (default: BAGEL's chat transform, 980 / 378)."""
+    dict of its fields (default: BAGEL's chat transform, 980 / 378). On a mesh it samples from a
+    decode copy in `sampler_layout`, as `evaluate` does."""
     from opsd_jax.data.data_config import image_transform_from
     from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
     from opsd_jax.data.pipeline import Sample
@@ -264,12 +271,15 @@ def answer(model, tokenizer, image, question: str, *, options: PromptOptions | N
                             max_patches_per_side=model.config.vit_max_num_patch_per_side)  # fmt: skip
     sample = Sample(pid="prompt", dataset="", question=question, answer="", problem_image=vit,
                     vt_images=[], thoughts=[], full_text_only_thought=None)  # fmt: skip
+    sampled = _decode_model(model, mesh, sampler_layout)
     completions = sample_prompts(
-        model, [sample], tokenizer, options=PromptOptions() if options is None else options,
+        sampled, [sample], tokenizer, options=PromptOptions() if options is None else options,
         context="student", max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, max_image_skips=max_image_skips, rng=jax.random.key(seed),
         row_ids=[0], mesh=mesh, cache_dtype=cache_dtype,
     )  # fmt: skip
+    if sampled is not model:
+        sampled.delete()
     return tokenizer.decode(completions.row(0)), completions
 
 
