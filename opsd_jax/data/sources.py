@@ -26,6 +26,10 @@ Splits: files with "train" in their name are train files (if no file has, all ar
 files whose `pid` hashes below `heldout_fraction` (sha1, so identical on every machine and run) are
 held out. `split="train"` = train files minus held-out rows; `split="eval"` = held-out rows plus all
 rows of the other files (e.g. a `test-*.parquet`); `split="all"` = everything.
+
+One module of a little over 400 lines: finding a data set's files, splitting it and decoding its
+rows are the one job of reading a data set, and the constants (column names, skip reasons) are
+shared by all three.
 """
 
 from __future__ import annotations
