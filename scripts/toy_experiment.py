@@ -162,7 +162,7 @@ class Evaluator:
         from opsd_jax.evaluation import run_settings
         from opsd_jax.io.hf_load import load_hf
 
-        self.evaluation = evaluation
+        self.evaluation, self.run_settings = evaluation, run_settings
         model, _, self.tokenizer = load_hf(
             model_dir, config_changes={"llm": {"compute_dtype": "float32"}}
         )
