@@ -5,8 +5,10 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import jax
@@ -376,6 +378,49 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
     later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
              if "Compiling " in line]  # fmt: skip
     assert later == [], later
+
+
+def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_run, tmp_path):
+    """A real crash: scripts/collect_traces.py is SIGKILLed once its progress file lists a
+    shard (2 samples per shard, so 8 of them), then run again with the same command. Every
+    sample is then cached exactly once, and equal to the uninterrupted collection's."""
+    root, _, _ = offline_run
+    cache = tmp_path / "cache"
+    args = ["scripts/collect_traces.py", *offline_args(root, cache),  # the fixture's toy assets
+            "--config.offline_shard_samples=2"]  # fmt: skip
+    progress = cache / "progress-p0.json"
+
+    def listed():  # the progress file is replaced atomically: never read half-written
+        return ([k for shard in json.loads(progress.read_text())["shards"] for k in shard["keys"]]
+                if progress.exists() else [])  # fmt: skip
+
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=subprocess_env(1),
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            while process.poll() is None and not listed():
+                time.sleep(0.01)
+            process.send_signal(signal.SIGKILL)
+        finally:
+            process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    before = listed()
+    assert 0 < len(before) < 16, before  # killed mid-run, not before the first shard or after
+    out = run_script(*args)
+    assert re.search(rf"done: {16 - len(before)} samples written, {len(before)} were cached "
+                     r"before, skipped none", out), out  # fmt: skip
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+    shards = json.loads(progress.read_text())["shards"]
+    assert {s["file"] for s in shards} == {f for f in os.listdir(cache) if f.endswith(".parquet")}
+    keys = [k for shard in shards for k in shard["keys"]]
+    reference = offline_cache.CacheReader(str(root / "cache"))  # the uninterrupted collection
+    assert len(keys) == len(set(keys)) == 16 and set(keys) == set(reference.keys())
+    resumed = offline_cache.CacheReader(str(cache))
+    for key in keys:
+        got, want = resumed.lookup(key), reference.lookup(key)
+        for field in ("target_ids", "top_ids", "top_logprobs", "vt_weights"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
+                                          err_msg=f"{key} {field}")  # fmt: skip
 
 
 def test_offline_config_values_are_checked(tmp_path):
