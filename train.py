@@ -19,7 +19,6 @@ import time
 from typing import NoReturn
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
@@ -247,23 +246,23 @@ def main(argv):
         for j in range(accum * local_per_micro)
     ])  # fmt: skip
     shapes = pack_shapes.pack_shapes(config)  # pack name -> its shape in each length bucket
-    pack_names = ("sft",) if sft else ("student", "teacher")
+    pack_names = (config.mode,) if sft or offline else ("student", "teacher")
     # Every length bucket compiled ahead of time, before step 1: nothing compiles in the loop.
     compiled_steps = []
-    # Offline packs keep their own bucketed shapes for now (offline_step below): they compile
-    # per shape, as the step did before fixed shapes.
-    for bucket in range(0 if offline else config.pack_length_buckets):
-        batch = tuple(
-            distributed.abstract_micro_batches(
-                shaped_pack([], shapes[name][bucket], local_rows, special, [], fixed=True),
-                accum, mesh)
-            for name in pack_names
-        )  # fmt: skip
+    for bucket in range(config.pack_length_buckets):
+        parts = [shaped_pack([], shapes[name][bucket], local_rows, special, [], fixed=True)
+                 for name in pack_names]  # fmt: skip
+        if offline:  # the cached teacher at each loss entry: fixed [rows, entries, top-k] too
+            entries = shapes["offline"][bucket].loss_entries
+            parts.append(offline_cache.empty_cache(local_rows, entries, cache_reader.top_k))
+        batch = tuple(distributed.abstract_micro_batches(part, accum, mesh) for part in parts)
         t0 = time.perf_counter()
         with mesh_lib.use_mesh(mesh):
             compiled_steps.append(step_fn.lower(abstract_state, batch).compile())
         sizes = ", ".join(f"{name} {s.row_length} tokens / {s.patches} patches"
                           for name, s in ((n, shapes[n][bucket]) for n in pack_names))  # fmt: skip
+        if offline:
+            sizes += f", cached teacher top-{cache_reader.top_k}"
         say(f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
             f"({sizes}), {shapes[pack_names[0]][bucket].loss_entries} loss entries per row: "
             f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
@@ -321,10 +320,23 @@ def main(argv):
         sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
         return (packs.pack,), first_bucket + packs.bucket, int((packs.pack.segment_ids > 0).sum())
 
+    def offline_micro(step, micro, samples, completions, sums, first_bucket):
+        """One offline micro-batch: the text-only pack + the cached teacher at its entries."""
+        del step, completions  # nothing is sampled
+        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
+        batch = offline_cache.offline_batch(
+            chunk, cache_reader, encode, options, special, num_rows=local_rows,
+            max_forward_tokens=config.max_forward_tokens, shapes=shapes["offline"][first_bucket:],
+        )  # fmt: skip
+        add_mean(sums, "pack/offline_padding", batch.padding_fraction)
+        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
+        return ((batch.pack, batch.cache), first_bucket + batch.bucket,
+                int((batch.pack.segment_ids > 0).sum()))  # fmt: skip
+
     def pack_step(step, samples, completions):
         """Every micro-batch of a step packed in one length bucket (the step's arrays are
         stacked), all processes alike; -> (bucket, micro-batches on the mesh, sums, tokens)."""
-        micro_step = sft_micro if sft else opsd_micro
+        micro_step = {"sft": sft_micro, "offline": offline_micro}.get(config.mode, opsd_micro)
 
         def pack_all(first_bucket):
             sums = {}
@@ -340,42 +352,8 @@ def main(argv):
         tokens = sum(t for _, _, t in out)
         batch = tuple(distributed.put_micro_batches([p[i] for p in micro_packs], mesh,
                                                     sample_offset=sample_offset)
-                      for i in range(len(pack_names)))  # fmt: skip
+                      for i in range(len(micro_packs[0])))  # fmt: skip
         return bucket, batch, sums, tokens
-
-    offline_grad_step = train_step.make_offline_grad_step(graphdef, rest, settings)
-    offline_update = train_step.make_apply_update(optimizer, config.teacher_mode,
-                                                  config.ema_decay, frozen)  # fmt: skip
-    add_grads = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), donate_argnums=(0,))
-    schedule = train_step.learning_rate_schedule(config)
-
-    def offline_step(step, samples):
-        """Offline mode: each micro-batch's text-only pack + the cached teacher at its entries
-        -> grads, summed, then one update; -> (state, metrics, scalars, tokens)."""
-        del step  # nothing is sampled
-        sums, grads, tokens, means = {}, None, 0, {}
-        for micro in range(accum):
-            chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-            with logger.phase("pack"):
-                batch = offline_cache.offline_batch(
-                    chunk, cache_reader, encode, options, special, num_rows=local_rows,
-                    max_forward_tokens=config.max_forward_tokens,
-                )  # fmt: skip
-                add_mean(sums, "pack/offline_padding", batch.padding_fraction)
-                sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
-            with logger.phase("step"), mesh_lib.use_mesh(mesh):
-                pack = on_mesh(batch.pack)
-                micro_grads, metrics = offline_grad_step(
-                    state.params, pack, offline_cache.put_cache_rows(batch.cache, pack, mesh))
-                micro_grads = train_step.split_params(micro_grads, frozen)[0]
-                grads = micro_grads if grads is None else add_grads(grads, micro_grads)
-            for key, value in metrics.items():
-                means[key] = means.get(key, 0.0) + value / accum
-            tokens += int((batch.pack.segment_ids > 0).sum())
-        with logger.phase("step"), mesh_lib.use_mesh(mesh):
-            lr = train_step.applied_learning_rate(state.opt_state, schedule)
-            new_state, update_metrics = offline_update(state, grads, accum, means["loss"])
-        return new_state, {**means, **update_metrics, "lr": lr}, sums, tokens
 
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
@@ -407,7 +385,7 @@ def main(argv):
 
     # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
     prompt_shapes = set()  # (row length, patches) the sampler has compiled for
-    if not sft:
+    if config.mode == "opsd":  # SFT and offline sample nothing
         decode_mesh = mesh_lib.decode_mesh(mesh, config.sampler_layout)  # checks the layout fits
         say(f"sampler: '{config.sampler_layout}' decode copy ({config.compute_dtype}) on "
             f"{dict(decode_mesh.shape)}; {accum * per_micro} prompt rows, lengths bucketed to "
@@ -494,13 +472,10 @@ def main(argv):
                 )  # fmt: skip
                 student.delete()
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
-        if offline:
-            state, metrics, scalars, tokens = offline_step(step, samples)
-        else:
-            with logger.phase("pack"):
-                bucket, batch, scalars, tokens = pack_step(step, samples, own_completions)
-            with logger.phase("step"):
-                state, metrics = compiled_steps[bucket](state, batch)  # dispatched, not awaited
+        with logger.phase("pack"):  # offline: the cache read too
+            bucket, batch, scalars, tokens = pack_step(step, samples, own_completions)
+        with logger.phase("step"):
+            state, metrics = compiled_steps[bucket](state, batch)  # dispatched, not awaited
         scalars.update(data.metrics())
         if completions is not None:
             scalars["completion_length"] = float(completions.lengths.mean())

@@ -4,8 +4,10 @@ One run, the toy model and toy data (configs/offline_tiny.py), one device:
 
 * collects the teacher cache of the toy rows (offline_cache.collect, as scripts/collect_traces.py);
 * times, on the same samples every step, the on-policy step (sample completions -> student and
-  teacher packs -> grad step with the EMA teacher's forward -> update) and the offline step
-  (text-only pack + cache read -> grad step -> update), after a warm-up that compiles both;
+  teacher packs -> the compiled train step with the EMA teacher's forward) and the offline step
+  (text-only pack + cache read -> the compiled train step), both as train.py runs them: packs
+  at the config's fixed shapes (opsd_jax/data/pack_shapes.py) into `train_step.make_train_step`
+  (one donated jit: gradient, update, EMA), after a warm-up that compiles both;
 * prints their ratio, and the cache bytes per sample: measured on the toy cache, and for a 7B
   shape (top-256 of a 152,064-id vocabulary, `--tokens_7b` target tokens) by writing one
   synthetic sample through the same shard writer (random ids: an upper bound for compression).
@@ -33,19 +35,17 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import offline_tiny  # noqa: E402
-from opsd_jax.data import offline_cache  # noqa: E402
+from opsd_jax.data import offline_cache, pack_shapes  # noqa: E402
 from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io.hf_load import load_hf  # noqa: E402
+from opsd_jax.parallel import distributed  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
 from opsd_jax.toy import assets as toy_assets  # noqa: E402
-from opsd_jax.training import (
-    train_config,  # noqa: E402
-    train_step,  # noqa: E402
-)
+from opsd_jax.training import train_config, train_step  # noqa: E402
 
 VOCAB_7B = 152_064
 TOP_K_7B = 256
@@ -108,20 +108,37 @@ def main():
     reader = offline_cache.CacheReader(config.offline_cache_dir)
 
     # ---- the two steps on the same samples ---------------------------------------------------------
+    # The on-policy arm: the same config in mode 'opsd' with the EMA teacher, its student rows
+    # and loss entries derived for two `--max_new_tokens` completions per row (no cuts).
+    online_config = config.copy_and_resolve_references()
+    with online_config.unlocked():
+        online_config.mode, online_config.teacher_mode = "opsd", "ema"
+        online_config.sample_max_new_tokens = args.max_new_tokens
+        online_config.pack_student_row_tokens = online_config.pack_loss_entries = 0
     optimizer = train_step.make_optimizer(config)
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (each arm donates its own)
     online_state = train_step.init_state(copy(), optimizer, "ema", jax.random.key(0))
     offline_state = train_step.init_state(copy(), optimizer, "self", jax.random.key(0))
     settings = train_config.loss_settings(config, tokenizer.vocab_length)
-    online_grad = train_step.make_grad_step(graphdef, rest, settings, "ema")
-    offline_grad = train_step.make_offline_grad_step(graphdef, rest, settings)
-    online_update = train_step.make_apply_update(optimizer, "ema", config.ema_decay)
-    offline_update = train_step.make_apply_update(optimizer, "self", 0.0)
+    schedule = train_step.learning_rate_schedule(config)
+    online_step = train_step.make_train_step(
+        train_step.make_opsd_loss(graphdef, rest, settings, "ema"), optimizer,
+        teacher_mode="ema", ema_decay=config.ema_decay, schedule=schedule)  # fmt: skip
+    offline_step = train_step.make_train_step(
+        train_step.make_offline_loss(graphdef, rest, settings), optimizer, teacher_mode="self",
+        ema_decay=0.0, schedule=schedule)  # fmt: skip
+    online_shapes = pack_shapes.pack_shapes(online_config)
+    offline_shapes = pack_shapes.pack_shapes(config)["offline"]
     rows, per_step = config.rows_per_micro_batch, config.samples_per_micro_batch
+
+    def stacked(*parts):  # one micro-batch per step: [1, rows, ...] on the mesh
+        return tuple(distributed.put_micro_batches([part], mesh) for part in parts)
+
     data = make_iterator(data_config, "train")
-    samples = data.take(per_step)  # the same samples every step: same pack shapes, no recompiles
+    samples = data.take(per_step)  # the same samples every step
     times, tokens = {"on-policy": [], "offline": []}, {"on-policy": [], "offline": []}
-    split = {"on-policy": [], "offline": []}  # (sample, pack [+ cache read], grad + update)
+    split = {"on-policy": [], "offline": []}  # (sample, pack [+ cache read], train step)
+    lost = {"on-policy": 0, "offline": 0}  # samples cut or dropped by the fixed shapes
     for step in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         prompt = build_prompt_pack(samples, encode, options, special)
@@ -133,19 +150,22 @@ def main():
         ts = time.perf_counter()
         packs = build_training_packs(samples, [completions.row(i) for i in range(per_step)],
                                      encode, options, special, num_rows=rows,
-                                     max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+                                     max_forward_tokens=config.max_forward_tokens,
+                                     shapes=online_shapes)  # fmt: skip
+        batch = stacked(packs.student, packs.teacher)
         tp = time.perf_counter()
-        grads, _ = online_grad(online_state.params, online_state.teacher_params, packs.student,
-                               packs.teacher)  # fmt: skip
-        online_state, _ = online_update(online_state, grads, 1)
+        with mesh_lib.use_mesh(mesh):
+            online_state, _ = online_step(online_state, batch)
         jax.block_until_ready(online_state)
         t1 = time.perf_counter()
-        batch = offline_cache.offline_batch(samples, reader, encode, options, special,
-                                            num_rows=rows,
-                                            max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+        offline = offline_cache.offline_batch(samples, reader, encode, options, special,
+                                              num_rows=rows,
+                                              max_forward_tokens=config.max_forward_tokens,
+                                              shapes=offline_shapes)  # fmt: skip
+        batch = stacked(offline.pack, offline.cache)
         tq = time.perf_counter()
-        grads, _ = offline_grad(offline_state.params, batch.pack, batch.cache)
-        offline_state, _ = offline_update(offline_state, grads, 1)
+        with mesh_lib.use_mesh(mesh):
+            offline_state, _ = offline_step(offline_state, batch)
         jax.block_until_ready(offline_state)
         t2 = time.perf_counter()
         if step >= args.warmup:
@@ -154,7 +174,9 @@ def main():
             split["on-policy"].append((ts - t0, tp - ts, t1 - tp))
             split["offline"].append((0.0, tq - t1, t2 - tq))
             tokens["on-policy"].append(int(packs.student.loss_mask.sum()))
-            tokens["offline"].append(int(batch.pack.loss_mask.sum()))
+            tokens["offline"].append(int(offline.pack.loss_mask.sum()))
+        lost["on-policy"] += packs.num_truncated + packs.num_dropped
+        lost["offline"] += offline.num_dropped
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; toy model "
           f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters), {per_step} samples "
@@ -162,8 +184,8 @@ def main():
     for arm in times:
         print(f"  {arm:>9}: {np.mean(times[arm]) * 1e3:8.1f} ms/step, "
               f"{np.mean(tokens[arm]):.0f} trained tokens/step; sample / pack (+ cache read) / "
-              "grad + update " + " / ".join(f"{x * 1e3:.1f}" for x in np.mean(split[arm], 0))
-              + " ms")  # fmt: skip
+              "train step " + " / ".join(f"{x * 1e3:.1f}" for x in np.mean(split[arm], 0))
+              + f" ms; {lost[arm]} samples cut or dropped")  # fmt: skip
     ratio = np.mean(times["on-policy"]) / np.mean(times["offline"])
     print(f"  on-policy / offline step time: {ratio:.2f}x")
 

@@ -5,13 +5,16 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import assert_close_to_scale, assert_trees_close_to_scale, subprocess_env
 from flax import nnx
@@ -23,6 +26,7 @@ from opsd_jax.data import offline_cache
 from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import losses, train_step
+from opsd_jax.data.pack_shapes import PackShape
 
 OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
 
@@ -277,6 +281,29 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         lambda p: online_full(logits_of(p, pack), True)))(student_params)  # fmt: skip
     assert_close_to_scale(metrics["loss"], expected, rel=1e-6)
     assert_trees_close_to_scale(grads, expected_grads, rel=1e-6)
+    # train.py's path: the pack and the cache at fixed shapes (wider than the content, the
+    # samples in two rows), stacked as two equal micro-batches, through the one compiled step
+    # (scan accumulation, mean gradient). Its loss and gradient norm are the online ones.
+    shape = PackShape(row_length=512, patches=64, loss_entries=256)
+    fixed = offline_cache.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
+                                        encode, OPTIONS, SPECIAL, num_rows=2,
+                                        max_forward_tokens=256, shapes=[shape])  # fmt: skip
+    assert fixed.pack.tokens.shape == (2, 512) and fixed.cache["top_ids"].shape == (2, 256, k)
+    assert fixed.num_dropped == 0 and int(fixed.pack.loss_mask.sum()) == int(mask.sum())
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
+                            optax.adamw(optax.constant_schedule(0.0)))  # fmt: skip
+    compiled = train_step.make_train_step(
+        train_step.make_offline_loss(graphdef, rest, settings), optimizer, teacher_mode="self",
+        ema_decay=0.0, schedule=optax.constant_schedule(0.0))  # fmt: skip
+    state = train_step.init_state(jax.tree.map(jnp.copy, student_params), optimizer, "self",
+                                  jax.random.key(0))  # fmt: skip
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), (fixed.pack, fixed.cache),
+                           (fixed.pack, fixed.cache))  # fmt: skip
+    _, step_metrics = compiled(state, stacked)
+    assert_close_to_scale(step_metrics["loss"], expected, rel=1e-6)
+    expected_norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64))
+                                for g in jax.tree.leaves(expected_grads)))  # fmt: skip
+    assert_close_to_scale(step_metrics["grad_norm"], expected_norm, rel=1e-6)
     # A cache made for other targets (another tokenizer / prompt) is refused by name.
     other = [sample("a", answer="Z"), *samples[1:]]
     with pytest.raises(offline_cache.CacheError, match="'toy/a': the cached target"):
@@ -287,31 +314,118 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
 # ---- the two commands as a user runs them ------------------------------------------------------
 
 
-def test_collect_traces_then_train_offline(tmp_path):
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_script(*args, log_compiles=False):
+    env = subprocess_env(1)
+    if log_compiles:  # jax logs every compilation (stderr), merged in order with the console
+        env.update(JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    return result.stdout
+
+
+def offline_args(results_dir, cache_dir):
+    return ["--config", "configs/offline_tiny.py", f"--config.results_dir={results_dir}",
+            f"--config.offline_cache_dir={cache_dir}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def offline_run(tmp_path_factory):
+    """scripts/collect_traces.py, uninterrupted, then train.py mode 'offline' (2 steps) with
+    JAX_LOG_COMPILES=1, on the toy task (16 samples): (results dir, collector out, trainer out)."""
+    root = tmp_path_factory.mktemp("offline")
+    common = offline_args(root, root / "cache")
+    collected = run_script("scripts/collect_traces.py", *common)
+    trained = run_script("train.py", *common, "--config.total_steps=2", "--config.log_every=1",
+                         "--config.progress_bar=False", log_compiles=True)  # fmt: skip
+    return root, collected, trained
+
+
+def test_collect_traces_then_train_offline(offline_run):
     """scripts/collect_traces.py then train.py mode 'offline' on the toy task (16 samples)."""
-    root = pathlib.Path(__file__).resolve().parents[1]
-    common = ["--config", "configs/offline_tiny.py", f"--config.results_dir={tmp_path}",
-              f"--config.offline_cache_dir={tmp_path / 'cache'}"]  # fmt: skip
-
-    def run(*args):
-        result = subprocess.run([sys.executable, *args], cwd=root, env=subprocess_env(1),
-                                capture_output=True, text=True, timeout=600)  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout
-
-    out = run("scripts/collect_traces.py", *common)
+    root, out, trained = offline_run
     assert "[p0] 16/16 samples" in out and "ETA" in out
     assert re.search(r"done: 16 samples written, 0 were cached before, skipped none", out), out
     assert "16 samples, " in out.splitlines()[-1]  # the cache size per sample is reported
-    out = run("train.py", *common, "--config.total_steps=2", "--config.log_every=1",
-              "--config.progress_bar=False")  # fmt: skip
-    assert "offline teacher cache" in out and "done: 2 steps" in out
-    logged = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert "offline teacher cache" in trained and "done: 2 steps" in trained
+    logged = [json.loads(line) for line in open(root / "metrics.jsonl")]
     assert [m["step"] for m in logged] == [1, 2]
     for m in logged:
         assert m["kd"] > 0 and m["ce"] > 0 and m["vt_weight_mean"] > 0
         assert m["loss"] == pytest.approx(m["ce"] + 0.5 * m["kd"], rel=1e-5)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+        assert m["pack/dropped"] == 0  # every sample fits the fixed offline rows
+    assert sorted(os.listdir(root / "checkpoints")) == ["2"]
+
+
+def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline_run):
+    """Offline mode runs the same one compiled step as on-policy: compiled once, ahead of time,
+    at the config's fixed pack shapes (the cached teacher's [rows, entries, top-k] included),
+    announced before step 1; after step 1's line nothing compiles at all (no sampler here)."""
+    _, _, out = offline_run
+    lines = out.splitlines()
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/2"))
+    announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
+    assert len(announced) == 1 and announced[0] < first_step, out[-6000:]
+    assert re.match(r"compiling the train step for 1 x 2 rows x \(offline 1024 tokens / 256 "
+                    r"patches, cached teacher top-64\), 128 loss entries per row: [\d.]+ s",
+                    lines[announced[0]]), lines[announced[0]]  # fmt: skip
+    compiled = [line for line in lines if "Compiling jit(train_step)" in line]
+    assert len(compiled) == 1, compiled
+    # The compiled step's cache argument has the fixed shape [micro-batches, rows, entries, k].
+    assert "int32[1,2,128,64]" in compiled[0] and "float32[1,2,128,64]" in compiled[0]
+    later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
+             if "Compiling " in line]  # fmt: skip
+    assert later == [], later
+
+
+def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_run, tmp_path):
+    """A real crash: scripts/collect_traces.py is SIGKILLed once its progress file lists a
+    shard (4 shards of 4 samples), then run again with the same command. Every sample is then
+    cached exactly once, and bit-equal to the uninterrupted collection's."""
+    root, _, _ = offline_run
+    cache = tmp_path / "cache"
+    # One shard per forward batch (samples_per_micro_batch = 4): the rerun then batches the
+    # samples left as the uninterrupted run did. Batched otherwise, a sample's rows and pack
+    # sizes change, and with them the float rounding (the VT weights, KLs of ~1e-7, move by
+    # ~1e-7; see test_offline_loss_and_gradient_equal_the_online_ones).
+    args = ["scripts/collect_traces.py", *offline_args(root, cache),  # the fixture's toy assets
+            "--config.offline_shard_samples=4"]  # fmt: skip
+    progress = cache / "progress-p0.json"
+
+    def listed():  # the progress file is replaced atomically: never read half-written
+        return ([k for shard in json.loads(progress.read_text())["shards"] for k in shard["keys"]]
+                if progress.exists() else [])  # fmt: skip
+
+    with open(tmp_path / "killed.log", "w") as log:
+        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=subprocess_env(1),
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            while process.poll() is None and not listed():
+                time.sleep(0.01)
+            process.send_signal(signal.SIGKILL)
+        finally:
+            process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, (tmp_path / "killed.log").read_text()[-3000:]
+    before = listed()
+    assert 0 < len(before) < 16, before  # killed mid-run, not before the first shard or after
+    out = run_script(*args)
+    assert re.search(rf"done: {16 - len(before)} samples written, {len(before)} were cached "
+                     r"before, skipped none", out), out  # fmt: skip
+    assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
+    shards = json.loads(progress.read_text())["shards"]
+    assert {s["file"] for s in shards} == {f for f in os.listdir(cache) if f.endswith(".parquet")}
+    keys = [k for shard in shards for k in shard["keys"]]
+    reference = offline_cache.CacheReader(str(root / "cache"))  # the uninterrupted collection
+    assert len(keys) == len(set(keys)) == 16 and set(keys) == set(reference.keys())
+    resumed = offline_cache.CacheReader(str(cache))
+    for key in keys:
+        got, want = resumed.lookup(key), reference.lookup(key)
+        for field in ("target_ids", "top_ids", "top_logprobs", "vt_weights"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
+                                          err_msg=f"{key} {field}")  # fmt: skip
 
 
 def test_offline_config_values_are_checked(tmp_path):

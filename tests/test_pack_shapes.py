@@ -21,6 +21,15 @@ def test_derived_sizes_of_the_7b_recipe():
     assert student[0] == PackShape(6272, 4992, 1152)  # 4902 + 1026 + 256 -> 6184 -> 6272
 
 
+def test_the_offline_row_has_the_problem_image_only_and_reference_targets():
+    """Offline mode (configs/offline_7b.py): one pack, the text-only view. Its patches are one
+    problem image (no VT images), its loss entries bounded by the row like SFT's targets."""
+    from configs import offline_7b
+
+    (shape,) = pack_shapes(offline_7b.get_config())["offline"]
+    assert shape == PackShape(10240, 4992, 10240)  # 4900 patches -> 4992
+
+
 def test_explicit_sizes_win_and_buckets_scale_every_size():
     config = tiny.get_config()
     with config.unlocked():

@@ -61,7 +61,9 @@ from opsd_jax.data.opsd_packs import (
     patches_of,
     per_row_max,
     prompt_items,
+    shaped_pack,
 )
+from opsd_jax.data.pack_shapes import PackShape, choose_bucket
 from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, sample_length
 
 CACHE_FORMAT = "opsd-jax offline teacher cache 1"
@@ -115,17 +117,23 @@ class OfflinePacks:
     student: Pack  # the text-only view
     teacher: Pack | None  # the VT view (collection only), rows and loss entries as `student`
     kept: list[int]  # indices of the packed samples (pack sample id j = kept[j])
-    dropped: list[int]  # indices of samples over max_forward_tokens
+    dropped: list[int]  # indices of samples over max_forward_tokens or fitting in no row
     padding_fraction: float  # share of padding tokens in the student pack
+    bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
 def build_offline_packs(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
-                        *, num_rows: int, max_forward_tokens: int,
-                        with_teacher: bool) -> OfflinePacks:  # fmt: skip
+                        *, num_rows: int, max_forward_tokens: int, with_teacher: bool,
+                        shapes: list[PackShape] | None = None) -> OfflinePacks:  # fmt: skip
     """Text-only (and, `with_teacher`, VT-view) packs of `samples`, loss entries aligned.
 
     A sample whose longest packed view exceeds `max_forward_tokens` is dropped, not truncated
-    (as in SFT: a cut target would lose the answer)."""
+    (as in SFT: a cut target would lose the answer). `shapes` (training: the 'offline' shape of
+    each length bucket, pack_shapes.pack_shapes) fixes the text-only pack's sizes, so the train
+    step compiles once per bucket; a sample that fits in no row of the largest is dropped too.
+    Without shapes (collection, tests) the sizes are fitted to the content (powers of two)."""
+    if shapes is not None and with_teacher:
+        raise ValueError("fixed shapes are for the training (text-only) pack only")
     student_items, teacher_items, kept, dropped = [], [], [], []
     for index, sample in enumerate(samples):
         student = view_items(sample, encode, options, with_vt=False)
@@ -136,6 +144,18 @@ def build_offline_packs(samples, encode: Encode, options: PromptOptions, special
         kept.append(index)
         student_items.append(student)
         teacher_items.append(teacher)
+    if shapes is not None and kept:
+        needs = [[sample_length(i), patches_of(i), _loss_entries(i)] for i in student_items]
+        capacities = [np.array(dataclasses.astuple(s)) for s in shapes]
+        bucket_index, rows, _ = choose_bucket(needs, capacities, num_rows)  # no cuts: drops
+        dropped = sorted(dropped + [kept[i] for i, row in enumerate(rows) if row is None])
+        keep = [i for i, row in enumerate(rows) if row is not None]
+        kept, student_items = [kept[i] for i in keep], [student_items[i] for i in keep]
+        if kept:
+            pack = shaped_pack(student_items, shapes[bucket_index], num_rows, special,
+                               [rows[i] for i in keep], fixed=True)  # fmt: skip
+            padding = float(1.0 - (pack.segment_ids > 0).mean())
+            return OfflinePacks(pack, None, kept, dropped, padding, bucket_index)
     if not kept:
         return OfflinePacks(None, None, kept, dropped, 1.0)
     # The longer view decides the rows; both packs then list their entries in the same order.
@@ -438,33 +458,42 @@ class CacheReader:
 class OfflineBatch:
     pack: Pack  # the text-only view
     cache: dict  # top_logprobs [R, C, k] f32, top_ids [R, C, k] i32, vt_weights [R, C] f32
-    num_dropped: int  # samples skipped at collection or over max_forward_tokens
+    num_dropped: int  # samples skipped at collection, over max_forward_tokens or fitting no row
     padding_fraction: float
+    bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
+
+
+def empty_cache(num_rows: int, loss_entries: int, top_k: int) -> dict:
+    """Zero cache arrays for `num_rows` rows of `loss_entries` entries: what `offline_batch`
+    fills (entries without a target keep these zeros; the loss masks them out)."""
+    return dict(top_logprobs=np.zeros((num_rows, loss_entries, top_k), np.float32),
+                top_ids=np.zeros((num_rows, loss_entries, top_k), np.int32),
+                vt_weights=np.zeros((num_rows, loss_entries), np.float32))  # fmt: skip
 
 
 def offline_batch(samples, reader: CacheReader, encode: Encode, options: PromptOptions,
-                  special: SpecialTokens, *, num_rows: int,
-                  max_forward_tokens: int) -> OfflineBatch:  # fmt: skip
+                  special: SpecialTokens, *, num_rows: int, max_forward_tokens: int,
+                  shapes: list[PackShape] | None = None) -> OfflineBatch:  # fmt: skip
     """The student pack of `samples` and the cached teacher at each of its loss entries.
 
     Samples the collector skipped (too long for its max_forward_tokens) are dropped; a sample
     that is neither cached nor skipped, or whose cached target differs from this run's
-    (another tokenizer, prompt or data), is an error naming it."""
+    (another tokenizer, prompt or data), is an error naming it. `shapes` fixes the pack's
+    sizes (see `build_offline_packs`), and with them the cache arrays' [rows, entries, k]."""
     usable = [s for s in samples if cache_key(s) not in reader.skipped]
     for sample in usable:
         if cache_key(sample) not in reader:
             reader.lookup(cache_key(sample))  # raises the CacheError that names it
     packs = build_offline_packs(usable, encode, options, special, num_rows=num_rows,
-                                max_forward_tokens=max_forward_tokens, with_teacher=False)  # fmt: skip
+                                max_forward_tokens=max_forward_tokens, with_teacher=False,
+                                shapes=shapes)  # fmt: skip
     if not packs.kept:
         raise ValueError(f"no sample of the micro-batch is usable (max_forward_tokens="
                          f"{max_forward_tokens}, {len(samples) - len(usable)} skipped by the "
-                         "collector)")  # fmt: skip
-    pack, k = packs.student, reader.top_k
-    rows, width = pack.loss_mask.shape
-    cache = dict(top_logprobs=np.zeros((rows, width, k), np.float32),
-                 top_ids=np.zeros((rows, width, k), np.int32),
-                 vt_weights=np.zeros((rows, width), np.float32))  # fmt: skip
+                         "collector" + (f", fixed pack shape {shapes[-1]}" if shapes else "")
+                         + ")")  # fmt: skip
+    pack = packs.student
+    cache = empty_cache(*pack.loss_mask.shape, reader.top_k)
     for j, index in enumerate(packs.kept):
         key = cache_key(usable[index])
         cached = reader.lookup(key)
@@ -477,25 +506,8 @@ def offline_batch(samples, reader: CacheReader, encode: Encode, options: PromptO
         cache["top_logprobs"][row, cols] = cached.top_logprobs
         cache["top_ids"][row, cols] = cached.top_ids
         cache["vt_weights"][row, cols] = cached.vt_weights
-    return OfflineBatch(pack, cache, len(samples) - len(packs.kept), packs.padding_fraction)
-
-
-def put_cache_rows(cache: dict, pack_on_mesh: Pack, mesh) -> dict:
-    """This process's cache rows -> global arrays laid out like the pack's loss entries (padded
-    to the global loss width when several processes agree on a wider one)."""
-    import jax
-
-    from opsd_jax.parallel import mesh as mesh_lib
-
-    width = pack_on_mesh.loss_mask.shape[1]
-
-    def put(x):
-        pad = [(0, 0)] * x.ndim
-        pad[1] = (0, width - x.shape[1])
-        x = np.pad(x, pad)
-        return jax.make_array_from_process_local_data(mesh_lib.batch_sharding(mesh, x.ndim), x)
-
-    return {name: put(value) for name, value in cache.items()}
+    return OfflineBatch(pack, cache, len(samples) - len(packs.kept), packs.padding_fraction,
+                        packs.bucket)  # fmt: skip
 
 
 # ---- collection ----------------------------------------------------------------------------------

@@ -6,9 +6,12 @@ by default, `pack_length_buckets` of them at most. Samples are then fitted into 
 several per row where they fit (each keeps its own segment), so a fixed row is not a padded
 one-sample row.
 
-A shape per pack: the teacher's (OPSD) or the only one (SFT) comes from `pack_row_tokens`,
-`pack_row_patches`; the OPSD student's from `pack_student_row_tokens`,
+A shape per pack: the teacher's (OPSD) or the only one (SFT, offline) comes from
+`pack_row_tokens`, `pack_row_patches`; the OPSD student's from `pack_student_row_tokens`,
 `pack_student_row_patches`; both packs share `pack_loss_entries` (their loss entries align).
+The offline pack is the text-only view (opsd_jax/data/offline_cache.py): no teacher rows (the
+teacher is the cache, read at the pack's loss entries, so the cache arrays take the same fixed
+[rows, loss entries, top-k] shape).
 0 (the default) derives a value, rounded up to a multiple of `MULTIPLE`, with k =
 ceil(samples / rows) samples per row:
 
@@ -17,14 +20,14 @@ ceil(samples / rows) samples per row:
 * student row tokens: k x (one problem image + a `sample_max_new_tokens` completion +
   `PROMPT_TOKENS` of system prompt and question), at most the teacher's;
 * patches: k x the largest image the image transform makes (x (1 + max_reference_rounds) in a
-  teacher row), at most the row's tokens;
+  teacher or SFT row; the offline row has the problem image only), at most the row's tokens;
 * loss entries: k x (sample_max_new_tokens + 1) (the closing EOS is scored too) in OPSD; in SFT
-  the targets are the reference texts, bounded only by the row.
+  and offline the targets are the reference texts, bounded only by the row.
 
 With `pack_length_buckets = n > 1` bucket j (1..n) scales every size by j / n; a micro-batch
 takes the smallest bucket that holds all its samples uncut. A sample that fits in no row of
 the largest bucket has its completion cut to fit (OPSD, counted as truncated) or is dropped
-(SFT, or when its context alone does not fit; counted).
+(SFT, offline, or when its context alone does not fit; counted).
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ def image_patches(image_transform) -> int:
 
 
 def pack_shapes(config) -> dict[str, list[PackShape]]:
-    """{'teacher', 'student'} (OPSD) or {'sft'} -> the shape of each length bucket, ascending."""
+    """{'teacher', 'student'} (OPSD), {'sft'} or {'offline'} -> the shape of each length bucket,
+    ascending."""
     per_row = -(-config.samples_per_micro_batch // config.rows_per_micro_batch)
     image = image_patches(config.data.image_transform)
     completion = config.sample_max_new_tokens + 2  # <|im_start|> ... <|im_end|>
@@ -76,6 +80,9 @@ def pack_shapes(config) -> dict[str, list[PackShape]]:
                    min(tokens, per_row * image * (1 + config.max_reference_rounds)))  # fmt: skip
     if config.mode == "sft":
         full = {"sft": PackShape(tokens, patches, size("pack_loss_entries", tokens))}
+    elif config.mode == "offline":  # the text-only view: the problem image only, no VT images
+        full = {"offline": PackShape(tokens, size("pack_row_patches", min(tokens, per_row * image)),
+                                     size("pack_loss_entries", tokens))}
     else:
         loss = size("pack_loss_entries", per_row * (config.sample_max_new_tokens + 1))
         student = size("pack_student_row_tokens",

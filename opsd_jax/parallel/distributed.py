@@ -179,9 +179,10 @@ def micro_batch_sharding(mesh, ndim: int) -> jax.sharding.NamedSharding:
 def put_micro_batches(packs: list[Pack], mesh, *, sample_offset: int = 0) -> Pack:
     """This process's micro-batch Packs (one fixed shape) -> one global Pack on the mesh, every
     array stacked [micro-batch, rows, ...]; `loss_sample` shifted as in `put_rows`. The shapes
-    are fixed by the config, so processes need not agree on them first."""
+    are fixed by the config, so processes need not agree on them first. Any pytree of row-major
+    arrays goes the same way (the offline cache's dict of per-entry arrays)."""
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *packs)
-    if sample_offset and stacked.loss_sample is not None:
+    if sample_offset and isinstance(stacked, Pack) and stacked.loss_sample is not None:
         stacked = stacked.replace(loss_sample=stacked.loss_sample + sample_offset)
     return jax.tree.map(
         lambda x: jax.make_array_from_process_local_data(micro_batch_sharding(mesh, x.ndim), x),

@@ -8,7 +8,8 @@ One optimizer step (train.py drives it):
 3. `make_train_step`'s jitted, donated `train_step(state, micro_batches) -> (state, metrics)`
    runs the whole rest on device: a `lax.scan` over the micro-batches (student forward /
    backward, teacher forward under stop-gradient and full remat; loss
-   `ce_weight * CE + jsd_weight * (generalized JSD | tinker)`, or the SFT CE) summing the
+   `ce_weight * CE + jsd_weight * (generalized JSD | tinker)`, or the SFT CE, or offline
+   `ce_weight * CE + kd_weight * KL` against the cached teacher, no teacher forward) summing the
    gradients, then the mean gradient's norm, one AdamW step (grad-norm clip, warmup + cosine
    or constant LR), the EMA teacher update, and the non-finite skip. train.py compiles it ahead
    of time for each length bucket, so nothing compiles after step 1.
