@@ -58,6 +58,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.offline_top_k = 256  # ids kept per token by the collector
     c.offline_logprob_dtype = "float16"  # float16 | bfloat16 | float32 (cached log-probs)
     c.offline_shard_samples = 200  # samples per committed shard
+    # The cached target: 'text_only' = the reference completion (text-only thought, answer), as
+    # the PyTorch offline student trains on it, scored by the teacher in its OPSD context (VT
+    # images before the completion); 'interleaved' = ThinkMorph's output with the VT images
+    # between its thought blocks (the student then learns that format).
+    c.offline_target = "text_only"
 
     # --- Visual-OPSD: teacher and loss ----------------------------------------------------------
     c.teacher_mode = "ema"  # self | ema | fixed

@@ -28,9 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
         config.save_every = 3
         config.samples_per_micro_batch = 4
         config.rows_per_micro_batch = 2
-        # Two samples per row of 64-entry reference targets (tiny's 64 fit two 24-token
-        # on-policy completions).
-        config.pack_loss_entries = 128
+        # Two samples per row of up to 83-entry reference targets (the text-only thought and
+        # answer of toy_count; tiny's 64 fit two 24-token on-policy completions).
+        config.pack_loss_entries = 192
         config.gradient_accumulation_steps = 1
         config.results_dir = "results/offline_tiny"
     config.lock()

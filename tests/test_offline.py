@@ -1,6 +1,7 @@
 """Offline Visual-OPSD: the two views, the cache on disk (crash + resume, several processes,
 refusal of another model / tokenizer), and the offline loss against the online one."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -24,11 +25,15 @@ from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data import offline_cache
 from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.data.pack_shapes import PackShape
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import losses, train_step
-from opsd_jax.data.pack_shapes import PackShape
 
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+# The interleaved target (ThinkMorph's output split at the VT images); TEXT_ONLY: the reference
+# completion after the student prompt / the OPSD teacher context.
+OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d",
+                        offline_target="interleaved")  # fmt: skip
+TEXT_ONLY = dataclasses.replace(OPTIONS, offline_target="text_only")
 
 
 def sample(pid, thoughts=("t0", "t1"), vts=((1, 1),), answer="A", question="q"):
@@ -66,6 +71,32 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
     packs = offline_cache.build_offline_packs([s], encode, OPTIONS, SPECIAL, num_rows=1,
                                               max_forward_tokens=60, with_teacher=True)  # fmt: skip
     assert packs.kept == [] and packs.dropped == [0]
+
+
+def test_text_only_target_is_the_reference_completion_after_each_context():
+    from opsd_jax.data.opsd_packs import prompt_items, teacher_context_items
+    from opsd_jax.data.packing import Image, Text
+
+    s = sample("a", thoughts=("t0", "t1"))
+    s.full_text_only_thought = "all text"
+    # Written out by hand: the text-only thought and the answer in ThinkMorph's output tags.
+    target = encode("<think>all text</think><answer>A</answer>")
+    student = offline_cache.view_items(s, encode, TEXT_ONLY, with_vt=False)
+    teacher = offline_cache.view_items(s, encode, TEXT_ONLY, with_vt=True)
+    for view, context in ((student, prompt_items(s, encode, TEXT_ONLY)),
+                          (teacher, teacher_context_items(s, encode, TEXT_ONLY))):  # fmt: skip
+        assert len(view) == len(context) + 1
+        assert isinstance(view[-1], Text) and view[-1].loss and view[-1].ids == target
+        assert not any(isinstance(it, Text) and it.loss for it in view[:-1])
+    # The teacher sees the VT image (and the intro / transition texts) before the completion.
+    assert sum(isinstance(it, Image) for it in teacher) == 2
+    assert sum(isinstance(it, Image) for it in student) == 1
+    # A cache records its target: one made for the other target is refused, naming it.
+    assert offline_cache.prompt_settings(TEXT_ONLY)["target_format"] != (
+        offline_cache.prompt_settings(OPTIONS)["target_format"])
+    with pytest.raises(ValueError, match="offline_target='nope'"):
+        offline_cache.view_items(s, encode, dataclasses.replace(OPTIONS, offline_target="nope"),
+                                 with_vt=False)  # fmt: skip
 
 
 # ---- the cache on disk: crash between a shard's rename and its listing, resume, 2 processes ---
@@ -370,12 +401,12 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
     announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
     assert len(announced) == 1 and announced[0] < first_step, out[-6000:]
     assert re.match(r"compiling the train step for 1 x 2 rows x \(offline 1024 tokens / 256 "
-                    r"patches, cached teacher top-64\), 128 loss entries per row: [\d.]+ s",
+                    r"patches, cached teacher top-64\), 192 loss entries per row: [\d.]+ s",
                     lines[announced[0]]), lines[announced[0]]  # fmt: skip
     compiled = [line for line in lines if "Compiling jit(train_step)" in line]
     assert len(compiled) == 1, compiled
     # The compiled step's cache argument has the fixed shape [micro-batches, rows, entries, k].
-    assert "int32[1,2,128,64]" in compiled[0] and "float32[1,2,128,64]" in compiled[0]
+    assert "int32[1,2,192,64]" in compiled[0] and "float32[1,2,192,64]" in compiled[0]
     later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
              if "Compiling " in line]  # fmt: skip
     assert later == [], later

@@ -62,12 +62,16 @@ from opsd_jax.data.opsd_packs import (
     per_row_max,
     prompt_items,
     shaped_pack,
+    teacher_context_items,
 )
 from opsd_jax.data.pack_shapes import PackShape, choose_bucket
 from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, sample_length
+from opsd_jax.data.pipeline import reference_completion
 
 CACHE_FORMAT = "opsd-jax offline teacher cache 1"
-TARGET_FORMAT = "thinkmorph-interleaved-1"  # target_segments' layout (bump when it changes)
+# The target layouts (bump a version when its layout changes: a cache records it).
+TARGET_FORMATS = {"text_only": "reference-completion-1", "interleaved": "thinkmorph-interleaved-1"}
+OFFLINE_TARGETS = tuple(TARGET_FORMATS)
 MANIFEST = "manifest.json"
 LOGPROB_DTYPES = ("float16", "bfloat16", "float32")
 _NUMPY_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
@@ -97,7 +101,17 @@ def target_segments(sample, max_reference_rounds: int = 8) -> list[str]:
 
 
 def view_items(sample, encode: Encode, options: PromptOptions, *, with_vt: bool) -> list:
-    """The teacher view (with_vt) or the text-only view of `sample`, target blocks scored."""
+    """The teacher view (with_vt) or the text-only view of `sample`, target blocks scored.
+
+    `options.offline_target` 'text_only': the target is the reference completion (as SFT trains
+    on it), after the student prompt or, in the teacher view, the OPSD teacher's context with
+    its VT images; 'interleaved': ThinkMorph's output with the VT images between its blocks."""
+    if options.offline_target == "text_only":
+        context = (teacher_context_items if with_vt else prompt_items)(sample, encode, options)
+        return context + [Text(encode(reference_completion(sample)), loss=True)]
+    if options.offline_target != "interleaved":
+        raise ValueError(f"offline_target={options.offline_target!r}; allowed: "
+                         f"{', '.join(map(repr, OFFLINE_TARGETS))}")  # fmt: skip
     items = prompt_items(sample, encode, options)
     segments = target_segments(sample, options.max_reference_rounds)
     for k, text in enumerate(segments):
@@ -210,12 +224,19 @@ def model_fingerprint(model_config) -> dict:
 
 
 def prompt_settings(options: PromptOptions) -> dict:
-    """The prompt fields that shape the two views (intro / transition are not part of them)."""
+    """The prompt fields that shape the two views: with the 'text_only' target the teacher view
+    is the OPSD teacher's context, so every prompt option counts; with 'interleaved' the intro,
+    transition and ablation texts are not part of either view."""
+    if options.offline_target == "text_only":
+        fields = dataclasses.asdict(options)
+        if not options.noise_vt:
+            del fields["noise_seed"]  # only the noise images depend on it
+        return dict(fields, target_format=TARGET_FORMATS["text_only"])
     return dict(use_system_prompt=options.use_system_prompt,
                 system_prompt=options.system_prompt if options.use_system_prompt else "",
                 instruction_suffix=options.instruction_suffix,
                 max_reference_rounds=options.max_reference_rounds,
-                target_format=TARGET_FORMAT)  # fmt: skip
+                target_format=TARGET_FORMATS["interleaved"])  # fmt: skip
 
 
 def make_manifest(model_config, tokenizer, options: PromptOptions, *, top_k: int,

@@ -66,6 +66,10 @@ class PromptOptions:
     noise_vt: bool = False
     max_reference_rounds: int = 8
     noise_seed: int = 0
+    # Offline mode's cached target (offline_cache.py): 'text_only' = the reference completion
+    # (text-only thought, answer) after the student prompt / the teacher context, as SFT and
+    # OPSD see it; 'interleaved' = ThinkMorph's output split at the VT images.
+    offline_target: str = "text_only"
 
 
 Encode = Callable[[str], list[int]]

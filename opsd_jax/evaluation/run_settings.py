@@ -37,6 +37,7 @@ def prompt_options_from_config(config: Mapping[str, Any], noise_vt: bool | None 
         noise_vt=get("noise_vt", defaults.noise_vt) if noise_vt is None else noise_vt,
         max_reference_rounds=get("max_reference_rounds", defaults.max_reference_rounds),
         noise_seed=get("global_seed", defaults.noise_seed),
+        offline_target=get("offline_target", defaults.offline_target),
     )  # fmt: skip
 
 

@@ -37,6 +37,7 @@ _CHOICES = {
     "weights": hf_load.WEIGHT_CHOICES,
     "kd_student_norm": losses.STUDENT_NORMS,
     "offline_logprob_dtype": offline_cache.LOGPROB_DTYPES,
+    "offline_target": offline_cache.OFFLINE_TARGETS,
     "wandb_mode": ("offline", "online", "disabled"),
     "wandb_resume": ("allow", "must", "never", "auto"),
 }
