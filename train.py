@@ -25,7 +25,7 @@ from flax import nnx
 from ml_collections import config_flags
 
 from models import attention
-from opsd_jax.data import offline_cache, pack_shapes, sft_packs
+from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs
 from opsd_jax.data.data_config import DataConfig
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
@@ -254,7 +254,7 @@ def main(argv):
                  for name in pack_names]  # fmt: skip
         if offline:  # the cached teacher at each loss entry: fixed [rows, entries, top-k] too
             entries = shapes["offline"][bucket].loss_entries
-            parts.append(offline_cache.empty_cache(local_rows, entries, cache_reader.top_k))
+            parts.append(offline_views.empty_cache(local_rows, entries, cache_reader.top_k))
         batch = tuple(distributed.abstract_micro_batches(part, accum, mesh) for part in parts)
         t0 = time.perf_counter()
         with mesh_lib.use_mesh(mesh):
@@ -324,7 +324,7 @@ def main(argv):
         """One offline micro-batch: the text-only pack + the cached teacher at its entries."""
         del step, completions  # nothing is sampled
         chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-        batch = offline_cache.offline_batch(
+        batch = offline_views.offline_batch(
             chunk, cache_reader, encode, options, special, num_rows=local_rows,
             max_forward_tokens=config.max_forward_tokens, shapes=shapes["offline"][first_bucket:],
         )  # fmt: skip

@@ -2,7 +2,7 @@
 
 One run, the toy model and toy data (configs/offline_tiny.py), one device:
 
-* collects the teacher cache of the toy rows (offline_cache.collect, as scripts/collect_traces.py);
+* collects the teacher cache of the toy rows (offline_collect.collect, as scripts/collect_traces.py);
 * times, on the same samples every step, the on-policy step (sample completions -> student and
   teacher packs -> the compiled train step with the EMA teacher's forward) and the offline step
   (text-only pack + cache read -> the compiled train step), both as train.py runs them: packs
@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import offline_tiny  # noqa: E402
-from opsd_jax.data import offline_cache, pack_shapes  # noqa: E402
+from opsd_jax.data import offline_cache, offline_views, pack_shapes  # noqa: E402
 from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
@@ -45,7 +45,11 @@ from opsd_jax.parallel import distributed  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import sampler  # noqa: E402
 from opsd_jax.toy import assets as toy_assets  # noqa: E402
-from opsd_jax.training import train_config, train_step  # noqa: E402
+from opsd_jax.training import (  # noqa: E402
+    offline_collect,  # noqa: E402
+    train_config,
+    train_step,
+)
 
 VOCAB_7B = 152_064
 TOP_K_7B = 256
@@ -96,8 +100,8 @@ def main():
     manifest = offline_cache.make_manifest(
         model_config, tokenizer, options, top_k=config.offline_top_k,
         logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens)  # fmt: skip
-    summary = offline_cache.collect(
-        collect_step=offline_cache.make_collect_step(graphdef, rest, top_k=config.offline_top_k,
+    summary = offline_collect.collect(
+        collect_step=offline_collect.make_collect_step(graphdef, rest, top_k=config.offline_top_k,
                                                      vocab_limit=tokenizer.vocab_length),
         params=params, tokenizer=tokenizer, data_config=data_config, options=options, mesh=mesh,
         directory=config.offline_cache_dir, manifest=manifest,
@@ -158,7 +162,7 @@ def main():
             online_state, _ = online_step(online_state, batch)
         jax.block_until_ready(online_state)
         t1 = time.perf_counter()
-        offline = offline_cache.offline_batch(samples, reader, encode, options, special,
+        offline = offline_views.offline_batch(samples, reader, encode, options, special,
                                               num_rows=rows,
                                               max_forward_tokens=config.max_forward_tokens,
                                               shapes=offline_shapes)  # fmt: skip

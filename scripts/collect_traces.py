@@ -35,7 +35,10 @@ from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io import init_weights  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.toy import assets as toy_assets  # noqa: E402
-from opsd_jax.training import train_config  # noqa: E402
+from opsd_jax.training import (
+    offline_collect,  # noqa: E402
+    train_config,  # noqa: E402
+)
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")
@@ -80,10 +83,10 @@ def main(argv) -> None:
         logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens,
         data=data, model_path=config.model_path,
     )  # fmt: skip
-    step = offline_cache.make_collect_step(start.graphdef, start.rest, top_k=config.offline_top_k,
+    step = offline_collect.make_collect_step(start.graphdef, start.rest, top_k=config.offline_top_k,
                                            vocab_limit=tokenizer.vocab_length)  # fmt: skip
     try:
-        summary = offline_cache.collect(
+        summary = offline_collect.collect(
             collect_step=step, params=start.params, tokenizer=tokenizer, data_config=data_config,
             options=options, mesh=mesh, directory=config.offline_cache_dir, manifest=manifest,
             samples_per_batch=config.samples_per_micro_batch,

@@ -23,11 +23,11 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.data import offline_cache
+from opsd_jax.data import offline_cache, offline_views
 from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.data.pack_shapes import PackShape
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.training import losses, train_step
+from opsd_jax.training import losses, offline_collect, train_step
 
 # The interleaved target (ThinkMorph's output split at the VT images); TEXT_ONLY: the reference
 # completion after the student prompt / the OPSD teacher context.
@@ -48,16 +48,16 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
     s = sample("a")
     # Written out by hand: ThinkMorph's output split at the VT image (opsd_loss_spec.md §c.2).
     segments = ["<think>t0</think><image_start>", "<image_end><think>t1</think><answer>A</answer>"]
-    assert offline_cache.target_segments(s) == segments
-    assert offline_cache.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
-    packs = offline_cache.build_offline_packs([s, sample("b", vts=((1, 2),))], encode, OPTIONS,
+    assert offline_views.target_segments(s) == segments
+    assert offline_views.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
+    packs = offline_views.build_offline_packs([s, sample("b", vts=((1, 2),))], encode, OPTIONS,
                                               SPECIAL, num_rows=1, max_forward_tokens=256,
                                               with_teacher=True)  # fmt: skip
     target = encode(segments[0]) + [IME] + encode(segments[1]) + [IME]
     for j in range(2):
         rows = {}
         for name, pack in (("student", packs.student), ("teacher", packs.teacher)):
-            row, cols = offline_cache.sample_entries(pack, j)
+            row, cols = offline_views.sample_entries(pack, j)
             rows[name] = pack.loss_rows[row, cols]
             if j == 0:
                 assert pack.loss_targets[row, cols].tolist() == target
@@ -68,7 +68,7 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
         # The teacher's second block sits after the VT image block: later rows, same targets.
         assert (rows["teacher"] >= rows["student"]).all()
     # The longer (teacher) view decides what is dropped.
-    packs = offline_cache.build_offline_packs([s], encode, OPTIONS, SPECIAL, num_rows=1,
+    packs = offline_views.build_offline_packs([s], encode, OPTIONS, SPECIAL, num_rows=1,
                                               max_forward_tokens=60, with_teacher=True)  # fmt: skip
     assert packs.kept == [] and packs.dropped == [0]
 
@@ -81,8 +81,8 @@ def test_text_only_target_is_the_reference_completion_after_each_context():
     s.full_text_only_thought = "all text"
     # Written out by hand: the text-only thought and the answer in ThinkMorph's output tags.
     target = encode("<think>all text</think><answer>A</answer>")
-    student = offline_cache.view_items(s, encode, TEXT_ONLY, with_vt=False)
-    teacher = offline_cache.view_items(s, encode, TEXT_ONLY, with_vt=True)
+    student = offline_views.view_items(s, encode, TEXT_ONLY, with_vt=False)
+    teacher = offline_views.view_items(s, encode, TEXT_ONLY, with_vt=True)
     for view, context in ((student, prompt_items(s, encode, TEXT_ONLY)),
                           (teacher, teacher_context_items(s, encode, TEXT_ONLY))):  # fmt: skip
         assert len(view) == len(context) + 1
@@ -95,7 +95,7 @@ def test_text_only_target_is_the_reference_completion_after_each_context():
     assert offline_cache.prompt_settings(TEXT_ONLY)["target_format"] != (
         offline_cache.prompt_settings(OPTIONS)["target_format"])
     with pytest.raises(ValueError, match="offline_target='nope'"):
-        offline_cache.view_items(s, encode, dataclasses.replace(OPTIONS, offline_target="nope"),
+        offline_views.view_items(s, encode, dataclasses.replace(OPTIONS, offline_target="nope"),
                                  with_vt=False)  # fmt: skip
 
 
@@ -144,7 +144,7 @@ def _collect(directory, data_config, process=0, count=1, **kwargs):
     manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
                                            logprob_dtype="float16", max_forward_tokens=4096)  # fmt: skip
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    return offline_cache.collect(
+    return offline_collect.collect(
         collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=data_config,
         options=OPTIONS, mesh=mesh, directory=str(directory), manifest=manifest,
         samples_per_batch=2, rows_per_batch=1, max_forward_tokens=4096, shard_samples=3,
@@ -181,7 +181,7 @@ def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_pat
     assert _collect(tmp_path, toy_data).written == 0  # all done: nothing collected twice
     # Another model config: the collector refuses to mix it into this cache.
     with pytest.raises(offline_cache.CacheError, match="model_config.llm.hidden_size"):
-        offline_cache.collect(
+        offline_collect.collect(
             collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=toy_data,
             options=OPTIONS, mesh=None, directory=str(tmp_path), samples_per_batch=2,
             manifest=offline_cache.make_manifest(
@@ -222,19 +222,19 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
 
     # Collect (the teacher on both views), then through the fp32 cache on disk. One row, so
     # the trainer's text-only pack has the collector's layout and entries compare one to one.
-    packs = offline_cache.build_offline_packs(samples, encode, OPTIONS, SPECIAL, num_rows=1,
+    packs = offline_views.build_offline_packs(samples, encode, OPTIONS, SPECIAL, num_rows=1,
                                               max_forward_tokens=256, with_teacher=True)  # fmt: skip
-    step = offline_cache.make_collect_step(graphdef, rest, top_k=k, vocab_limit=vocab)
+    step = offline_collect.make_collect_step(graphdef, rest, top_k=k, vocab_limit=vocab)
     top_logprobs, top_ids, vt_kl = (np.asarray(x) for x in
                                     step(teacher_params, packs.teacher, packs.student))  # fmt: skip
     writer = offline_cache.ShardWriter(str(tmp_path), 0, "float32", shard_samples=10)
     for j, s in enumerate(samples):
-        row, cols = offline_cache.sample_entries(packs.teacher, j)
+        row, cols = offline_views.sample_entries(packs.teacher, j)
         writer.add(offline_cache.cache_key(s), packs.teacher.loss_targets[row, cols],
                    top_ids[row, cols], top_logprobs[row, cols], vt_kl[row, cols])  # fmt: skip
     writer.commit()
     manifest = dict(top_k=k, logprob_dtype="float32", format=offline_cache.CACHE_FORMAT)
-    batch = offline_cache.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
+    batch = offline_views.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
                                         encode, OPTIONS, SPECIAL, num_rows=1,
                                         max_forward_tokens=256)  # fmt: skip
     pack, mask, cache = batch.pack, batch.pack.loss_mask, batch.cache
@@ -243,8 +243,8 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     for j, s in enumerate(samples):
         # Before the first VT image both views are the same text (causal attention): weight 0;
         # after it the teacher sees the image, the text-only view does not.
-        row, cols = offline_cache.sample_entries(pack, j)
-        before = len(encode(offline_cache.target_segments(s)[0])) + 1
+        row, cols = offline_views.sample_entries(pack, j)
+        before = len(encode(offline_views.target_segments(s)[0])) + 1
         weights = cache["vt_weights"][row, cols]
         assert (np.abs(weights[:before]) < 1e-6).all() and (weights[before:] > 1e-6).all()
 
@@ -316,7 +316,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     # samples in two rows), stacked as two equal micro-batches, through the one compiled step
     # (scan accumulation, mean gradient). Its loss and gradient norm are the online ones.
     shape = PackShape(row_length=512, patches=64, loss_entries=256)
-    fixed = offline_cache.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
+    fixed = offline_views.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
                                         encode, OPTIONS, SPECIAL, num_rows=2,
                                         max_forward_tokens=256, shapes=[shape])  # fmt: skip
     assert fixed.pack.tokens.shape == (2, 512) and fixed.cache["top_ids"].shape == (2, 256, k)
@@ -338,7 +338,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     # A cache made for other targets (another tokenizer / prompt) is refused by name.
     other = [sample("a", answer="Z"), *samples[1:]]
     with pytest.raises(offline_cache.CacheError, match="'toy/a': the cached target"):
-        offline_cache.offline_batch(other, offline_cache.CacheReader(str(tmp_path), manifest),
+        offline_views.offline_batch(other, offline_cache.CacheReader(str(tmp_path), manifest),
                                     encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256)  # fmt: skip
 
 

@@ -302,7 +302,7 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
     KL(cached teacher top-k || student)` on the text-only pack, metrics).
 
     `cache` holds the teacher's top-k log-probs and ids and the VT-sensitivity weights at the
-    pack's loss entries (offline_cache.offline_batch). No teacher forward and no teacher copy
+    pack's loss entries (offline_views.offline_batch). No teacher forward and no teacher copy
     (train.py requires teacher_mode='self' in offline mode).
     """
 

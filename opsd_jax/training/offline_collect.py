@@ -1,0 +1,177 @@
+"""Collecting the offline teacher cache: the model run once over the data on the mesh, batched,
+both views of every sample, the teacher's top-k and the VT weights written to the cache
+(offline_cache.py) in committed shards, resumable after a kill. scripts/collect_traces.py is
+its command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from opsd_jax.data.offline_cache import (
+    DUPLICATE,
+    MANIFEST,
+    TOO_LONG,
+    CacheError,
+    ShardWriter,
+    _differences,
+    _write_json_atomic,
+    done_keys,
+    read_manifest,
+)
+from opsd_jax.data.offline_views import build_offline_packs, sample_entries
+from opsd_jax.data.opsd_packs import PromptOptions
+
+# ---- collection ----------------------------------------------------------------------------------
+
+
+def make_collect_step(graphdef, rest, *, top_k: int, vocab_limit: int | None):
+    """jit(params, teacher_pack, text_pack) -> (top_logprobs, top_ids, vt_kl) per loss entry."""
+    import jax
+    from flax import nnx
+
+    from opsd_jax.training import losses
+
+    @jax.jit
+    def collect_step(params, teacher_pack, text_pack):
+        model = nnx.merge(graphdef, params, rest)
+        teacher = model.logits_at(model(teacher_pack), teacher_pack.loss_rows)
+        text_only = model.logits_at(model(text_pack), text_pack.loss_rows)
+        return losses.teacher_cache_entries(teacher, text_only, teacher_pack.loss_mask, top_k,
+                                            vocab_limit=vocab_limit)  # fmt: skip
+
+    return collect_step
+
+
+def _rows_of_process(data_config, process_index: int, process_count: int):
+    """(global index, dataset name, raw record) of every train row this process collects."""
+    from opsd_jax.data.sources import open_source
+
+    offset = 0
+    for spec in data_config.datasets:
+        source = open_source(spec, "train", heldout_fraction=data_config.heldout_fraction,
+                             max_reference_rounds=data_config.max_reference_rounds)  # fmt: skip
+        for r in range(len(source)):
+            if (offset + r) % process_count == process_index:
+                yield offset + r, spec.name, source, r
+        offset += len(source)
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m{seconds % 60:02d}s"
+
+
+@dataclasses.dataclass
+class CollectSummary:
+    written: int
+    skipped: dict
+    already_done: int
+    seconds: float
+
+
+def collect(*, collect_step, params, tokenizer, data_config, options: PromptOptions, mesh,
+            directory: str, manifest: dict, samples_per_batch: int, rows_per_batch: int,
+            max_forward_tokens: int, shard_samples: int, process_index: int = 0,
+            process_count: int = 1, max_samples: int | None = None,
+            log: Callable[[str], None] = print, log_every_s: float = 10.0,
+            on_commit: Callable[[str], None] | None = None) -> CollectSummary:  # fmt: skip
+    """Run the teacher over this process's rows in batches and commit shards as they fill.
+
+    Resumable: rows whose key a previous run listed (or recorded as skipped) are not read
+    again. `max_samples` stops after that many new samples (tests, dry runs). Progress (done /
+    total, rate, ETA) is logged at most every `log_every_s` seconds, and at the end."""
+    import jax
+
+    from opsd_jax.data.pipeline import prepare_sample
+    from opsd_jax.data.sources import Skipped, decode_row
+    from opsd_jax.parallel import distributed
+    from opsd_jax.parallel import mesh as mesh_lib
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, MANIFEST)
+    if os.path.exists(path):
+        problems = _differences(read_manifest(directory), manifest)
+        if problems:
+            raise CacheError(f"{path}: this cache was made with other settings; use another "
+                             "directory or the same settings:\n  " + "\n  ".join(problems))  # fmt: skip
+    else:
+        _write_json_atomic(path, manifest)
+    writer = ShardWriter(directory, process_index, manifest["logprob_dtype"], shard_samples,
+                         on_commit)  # fmt: skip
+    done = done_keys(directory)
+    todo = [row for row in _rows_of_process(data_config, process_index, process_count)]
+    start, written, already, skipped = time.perf_counter(), 0, 0, {}
+    last_log = start
+    special = tokenizer.special_tokens()
+
+    def skip(key, reason):
+        writer.skip(key, reason)
+        skipped[reason] = skipped.get(reason, 0) + 1
+
+    def report(final=False):
+        nonlocal last_log
+        now = time.perf_counter()
+        if not final and now - last_log < log_every_s:
+            return
+        last_log = now
+        left = len(todo) - already - written - sum(skipped.values())
+        rate = written / max(now - start, 1e-9)
+        log(f"[p{process_index}] {written + already + sum(skipped.values())}/{len(todo)} samples "
+            f"({already} cached before, {sum(skipped.values())} skipped), {rate:.2f} samples/s, "
+            f"ETA {_eta(left / rate) if rate > 0 else '?'}")  # fmt: skip
+
+    def run(batch):
+        nonlocal written
+        packs = build_offline_packs([s for _, s in batch], tokenizer.encode, options, special,
+                                    num_rows=rows_per_batch, max_forward_tokens=max_forward_tokens,
+                                    with_teacher=True)  # fmt: skip
+        for index in packs.dropped:
+            skip(batch[index][0], TOO_LONG)
+        if packs.kept:
+            with mesh_lib.use_mesh(mesh):
+                outputs = collect_step(params, distributed.put_rows(packs.teacher, mesh),
+                                       distributed.put_rows(packs.student, mesh))  # fmt: skip
+            top_logprobs, top_ids, kl = (np.asarray(jax.device_get(x)) for x in outputs)
+            for j, index in enumerate(packs.kept):
+                row, cols = sample_entries(packs.teacher, j)
+                targets = packs.teacher.loss_targets[row, cols]
+                writer.add(batch[index][0], targets, top_ids[row, cols], top_logprobs[row, cols],
+                           kl[row, cols])  # fmt: skip
+                written += 1
+        report()
+
+    batch, seen = [], set()
+    for _, name, source, r in todo:
+        if max_samples is not None and written + len(batch) >= max_samples:
+            break
+        record = source[r]
+        key = f"{name}/{record.get('pid')}"  # as cache_key(sample): decode_row keeps str(pid)
+        if key in done:
+            already += 1
+            continue
+        if key in seen:  # a repeated dataset/pid: the first row is the one cached
+            skipped[DUPLICATE] = skipped.get(DUPLICATE, 0) + 1
+            continue
+        seen.add(key)
+        raw = decode_row(record, name, max_reference_rounds=data_config.max_reference_rounds,
+                         max_question_chars=data_config.max_question_chars,
+                         require_vt=data_config.require_vt)  # fmt: skip
+        sample = raw if isinstance(raw, Skipped) else prepare_sample(raw, data_config)
+        if isinstance(sample, Skipped):
+            skip(key, sample.reason)
+            continue
+        batch.append((key, sample))
+        if len(batch) == samples_per_batch:
+            run(batch)
+            batch = []
+    if batch:
+        run(batch)
+    writer.commit()
+    report(final=True)
+    return CollectSummary(written, skipped, already, time.perf_counter() - start)
