@@ -12,8 +12,9 @@ cosine to 1e-7 after 200 warm-up steps, 8000 steps, a checkpoint every 1000, no 
 teacher copy. Data, optimiser betas / eps and mesh as configs/thinkmorph_7b.py. Differences
 that remain: the PyTorch trainer packs micro-batches by a 10240-token budget (here 8 samples in
 8 rows, one micro-batch per step), takes the CE as a token mean (here `loss_reduction`, the
-sequence mean, for both terms) and aligns its two views from their ends (here both views share
-the target tokens; see opsd_jax/data/offline_cache.py).
+sequence mean, for both terms) and aligns its two views from their ends (here both views score
+the same target, the reference completion the PyTorch student trains on, and the teacher sees the
+VT images in its context before it; `offline_target`, opsd_jax/data/offline_cache.py).
 """
 
 import ml_collections
