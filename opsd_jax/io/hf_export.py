@@ -281,5 +281,5 @@ def restore_for_export(
         mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))
     _, abstract_state = mesh_lib.abstract_model(make_model, mesh, rules)
-    params = checkpoint.restore_model_params(ckpt, abstract_state.filter(nnx.Param), which=which)
+    params = checkpoint.restore_model_params(ckpt, nnx.filter_state(abstract_state, nnx.Param), which=which)
     return flat_params(params)
