@@ -50,7 +50,8 @@ def main():
     train.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
-        compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
+        compute_dtype=config.compute_dtype, remat=config.remat,
+        unroll_layers=config.unroll_layers)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)

@@ -71,6 +71,9 @@ class Qwen2Config:
     compute_dtype: str = "bfloat16"
     attention_backend: str = "auto"
     remat: str = "full"
+    # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
+    # deep models anywhere.
+    unroll_layers: bool = False
 
     def __post_init__(self):
         owner = "Qwen2Config"

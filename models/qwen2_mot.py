@@ -246,13 +246,11 @@ class Qwen2MoT(nnx.Module):
 
         h = embeddings.astype(self.compute_dtype)
         broadcast = (positions, segment_ids, k_start, k_end, gen_index)
-        remat = self.config.remat
+        loop = dict(remat=self.config.remat, unroll=self.config.unroll_layers)
         if return_kv:
-            h, kv = scan_layers(
-                self.layers, h, *broadcast, remat=remat, collect=True, return_kv=True
-            )
+            h, kv = scan_layers(self.layers, h, *broadcast, collect=True, return_kv=True, **loop)
         else:
-            h = scan_layers(self.layers, h, *broadcast, remat=remat)
+            h = scan_layers(self.layers, h, *broadcast, **loop)
         hidden = route(gen_index, lambda norm, h: norm(h), self.norm, self.norm_moe_gen, h)
         return (hidden, kv) if return_kv else hidden
 
