@@ -28,6 +28,7 @@ from flax import nnx  # noqa: E402
 
 import train  # noqa: E402
 from configs import tiny  # noqa: E402
+from models import attention  # noqa: E402
 from opsd_jax import distributed, evaluation, pack_shapes, sampler, train_step  # noqa: E402
 from opsd_jax import mesh as mesh_lib  # noqa: E402
 from opsd_jax.checkpoint import abstract_like  # noqa: E402
@@ -51,6 +52,7 @@ def main():
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
         compute_dtype=config.compute_dtype, remat=config.remat,
+        attention_backend=attention.resolve_backend(config.attention_backend),
         unroll_layers=config.unroll_layers)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
