@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import tiny  # noqa: E402
+from models import attention  # noqa: E402
 from opsd_jax.data import pack_shapes  # noqa: E402
 from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
@@ -57,7 +58,9 @@ def main():
     toy_assets.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
-        compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
+        compute_dtype=config.compute_dtype, remat=config.remat,
+        attention_backend=attention.resolve_backend(config.attention_backend),
+        unroll_layers=config.unroll_layers)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)

@@ -20,6 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
     c.attention_backend = "auto"  # auto (pallas on GPU else chunked) | chunked | pallas | cudnn
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
+    c.unroll_layers = False  # unroll the LM's layer loop: faster on a CPU, slow to compile at 7B
 
     # --- data -------------------------------------------------------------------------------------
     c.toy_data = False  # write the toy task under results_dir if absent (tiny configs)

@@ -63,10 +63,17 @@ class Qwen2Config:
     # Build the `*_moe_gen` weights of the MoT layer. Understanding-only work (OPSD) never routes
     # a token to them, and at 7B they are ~6.5B parameters, so they are off unless asked for.
     build_gen_expert: bool = False
+    # Per-row slots the gen expert runs on when a Pack has gen tokens (Pack.gen_mask); a row
+    # with more fails loudly. 0 = the whole row: always fits, and the gen expert then costs as
+    # much as the und one. Image generation sets it to its latent tokens per row.
+    gen_token_capacity: int = 0
     # --- runtime (not in the checkpoint) ---
     compute_dtype: str = "bfloat16"
     attention_backend: str = "auto"
     remat: str = "full"
+    # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
+    # deep models anywhere.
+    unroll_layers: bool = False
 
     def __post_init__(self):
         owner = "Qwen2Config"
@@ -94,6 +101,9 @@ class Qwen2Config:
                 f"{owner}: head_dim={self.head_dim} must be even for rotary embeddings"
             )
         _check_choice(owner, "layer_module", self.layer_module, _LAYER_MODULES)
+        if not isinstance(self.gen_token_capacity, int) or self.gen_token_capacity < 0:
+            raise ValueError(f"{owner}.gen_token_capacity must be an integer >= 0, "
+                             f"got {self.gen_token_capacity!r}")  # fmt: skip
         _check_choice(owner, "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice(owner, "attention_backend", self.attention_backend, attention.BACKENDS)
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)

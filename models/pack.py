@@ -16,7 +16,7 @@ are rounded up to a few length buckets.
 | vit_pos_ids    | [R, P] int32   | r*G + c position ids of the patches (G: the ViT grid, 70 at 7B) |
 | vit_slots      | [R, P] int32   | the row position each patch embedding goes to (-1 = padding patch) |
 | vit_image_ids  | [R, P] int32   | which image a patch belongs to, 1.. per row (0 = padding patch) |
-| gen_mask       | [R, T] bool    | MoT routing: True for gen-expert tokens (False in understanding mode) |
+| gen_mask       | [R, T] bool    | MoT routing: True for gen-expert tokens; None = none (understanding packs) |
 | loss_rows      | [R, C] int32   | row positions whose output predicts a completion token |
 | loss_targets   | [R, C] int32   | the predicted ids |
 | loss_mask      | [R, C] bool    | valid entries |

@@ -13,9 +13,14 @@ Exactly bagel_spec.md §2-3:
 MoT: each layer holds the und expert and, when `build_gen_expert`, a gen expert with the same
 shapes (BAGEL's `*_moe_gen` weights). A token with `gen_mask=True` goes through the gen
 expert's layer norms, q/k/v/o projections, q/k norms and MLP, and through `norm_moe_gen` at the
-end; attention itself is shared by all tokens. Routing evaluates both experts on every token and
-selects per token, which keeps shapes static; it costs the gen expert's FLOPs only in models
-built with it (image generation), never in understanding-only training.
+end; attention itself is shared by all tokens. Routing is decided by static facts first: a
+`gen_mask` of None (the packer's for every understanding pack: OPSD, SFT, sampler prompts) runs
+the und expert alone, so a model built with the gen expert does exactly an und-only model's
+work. With a gen_mask, each row's gen tokens are gathered into `gen_token_capacity` slots (a
+static size; 0 = the whole row), the gen expert runs on those slots only and its outputs are
+scattered back over the und expert's (which runs on every token: the und tokens are not
+gathered, as they are most of a row). A row with more gen tokens than the capacity fails the
+forward with an error naming the capacity, never silently drops tokens.
 
 Layers are stacked on a leading 'layers' axis and run with `nnx.scan`, each under a
 `jax.checkpoint` policy chosen by `Qwen2Config.remat`. Every parameter carries logical axis names
@@ -96,16 +101,47 @@ class Expert(nnx.Module):
         return self.down_proj(hidden)
 
 
-def route(gen_mask: jax.Array | None, und_out, gen_fn=None):
-    """Per-token choice between the und output and gen_fn()'s output (pytrees of [B, T, ...])."""
-    if gen_fn is None or gen_mask is None:
+def gen_token_index(gen_mask: jax.Array, capacity: int) -> jax.Array:
+    """[B, T] bool -> [B, G] int32: each row's gen-token positions, padded with T (no token).
+
+    G = `capacity` (0: T). A row with more than G gen tokens raises at run time (a host
+    callback): cutting tokens off would silently run them through the wrong expert."""
+    length = gen_mask.shape[1]
+    slots = capacity or length
+    counts = jnp.sum(gen_mask, axis=1, dtype=jnp.int32)
+
+    def check(counts):
+        if counts.max(initial=0) > slots:
+            raise ValueError(f"a row has {int(counts.max())} gen-expert tokens, more than "
+                             f"Qwen2Config.gen_token_capacity={slots}; raise the capacity")
+
+    if slots < length:  # a capacity of the whole row always fits: no check in the program
+        jax.debug.callback(check, counts)
+    index = jax.vmap(lambda row: jnp.nonzero(row, size=slots, fill_value=length)[0])(gen_mask)
+    return index.astype(jnp.int32)
+
+
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, T, ...] at index [B, G] -> [B, G, ...] (padding slots read the last row position)."""
+    return jax.vmap(lambda row, at: jnp.take(row, at, axis=0, mode="clip"))(x, index)
+
+
+def scatter_rows(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
+    """x [B, T, ...] with values [B, G, ...] written at index [B, G] (padding slots dropped)."""
+    return jax.vmap(lambda row, at, v: row.at[at].set(v.astype(row.dtype), mode="drop"))(
+        x, index, values)  # fmt: skip
+
+
+def route(gen_index: jax.Array | None, fn, und, gen, *inputs):
+    """fn(und, *inputs), with the rows at `gen_index` replaced by fn(gen, *those rows).
+
+    `inputs` are [B, T, ...] arrays; fn returns a pytree of [B, T, ...] (or [B, G, ...] on
+    gathered rows). No gen expert or no gen index: the und expert alone."""
+    und_out = fn(und, *inputs)
+    if gen is None or gen_index is None:
         return und_out
-
-    def pick(u, g):
-        mask = gen_mask.reshape(gen_mask.shape + (1,) * (u.ndim - gen_mask.ndim))
-        return jnp.where(mask, g, u)
-
-    return jax.tree.map(pick, und_out, gen_fn())
+    gen_out = fn(gen, *(gather_rows(x, gen_index) for x in inputs))
+    return jax.tree.map(lambda u, g: scatter_rows(u, gen_index, g), und_out, gen_out)
 
 
 class DecoderLayer(nnx.Module):
@@ -116,33 +152,31 @@ class DecoderLayer(nnx.Module):
         self.und = Expert(config, rngs)
         self.gen = Expert(config, rngs) if config.build_gen_expert else None
 
-    def _routed(self, gen_mask, fn):
-        gen_fn = None if self.gen is None else (lambda: fn(self.gen))
-        return route(gen_mask, fn(self.und), gen_fn)
+    def _routed(self, gen_index, fn, *inputs):
+        return route(gen_index, fn, self.und, self.gen, *inputs)
 
-    def _qkv(self, h, positions, gen_mask):
+    def _qkv(self, h, positions, gen_index):
         """Input norm, q/k/v projections, QK-norm, then RoPE (keys are cached in this form)."""
-        x = self._routed(gen_mask, lambda e: e.input_layernorm(h))
-        q, k, v = self._routed(gen_mask, lambda e: e.qkv(x))
+        q, k, v = self._routed(gen_index, lambda e, h: e.qkv(e.input_layernorm(h)), h)
         theta = self.config.rope_theta
         q, k = apply_rope(q, positions, theta), apply_rope(k, positions, theta)
         return constrain(q, ROWS_HEADS), constrain(k, ROWS_KV_HEADS), constrain(v, ROWS_KV_HEADS)
 
-    def _finish(self, h, attention_out, gen_mask):
+    def _finish(self, h, attention_out, gen_index):
         """o_proj + residual, post-attention norm, MLP + residual."""
-        h = h + self._routed(gen_mask, lambda e: e.o_proj(attention_out))
-        x = self._routed(gen_mask, lambda e: e.post_attention_layernorm(h))
-        return constrain(h + self._routed(gen_mask, lambda e: e.mlp(x)), ROWS_EMBED)
+        h = h + self._routed(gen_index, lambda e, a: e.o_proj(a), attention_out)
+        mlp = self._routed(gen_index, lambda e, h: e.mlp(e.post_attention_layernorm(h)), h)
+        return constrain(h + mlp, ROWS_EMBED)
 
-    def __call__(self, h, positions, segment_ids, k_start, k_end, gen_mask, return_kv=False):
+    def __call__(self, h, positions, segment_ids, k_start, k_end, gen_index, return_kv=False):
         h = constrain(h, ROWS_EMBED)  # the layer's carry: rows over the batch axes
-        q, k, v = self._qkv(h, positions, gen_mask)
+        q, k, v = self._qkv(h, positions, gen_index)
         out = attention_lib.attention(
             q, k, v,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
             k_start=k_start, k_end=k_end,
             backend=self.config.attention_backend)  # fmt: skip
-        h = self._finish(h, constrain(out, ROWS_HEADS), gen_mask)
+        h = self._finish(h, constrain(out, ROWS_HEADS), gen_index)
         return (h, (k, v)) if return_kv else h
 
     def decode(self, h, positions, cache, layer_index, write_slots, kv_lengths):
@@ -212,20 +246,18 @@ class Qwen2MoT(nnx.Module):
         With `return_kv`, also every layer's keys (after k-norm and RoPE) and values, each
         [L, B, T, Hkv, Dh]: what a KV cache holds after prefilling these rows.
         """
-        if self.config.build_gen_expert is False:
-            gen_mask = None  # no gen weights: every token is und (understanding-only model)
+        gen_index = None  # no gen weights, or no gen tokens: every token is und
+        if self.config.build_gen_expert and gen_mask is not None:
+            gen_index = gen_token_index(gen_mask, self.config.gen_token_capacity)
 
         h = embeddings.astype(self.compute_dtype)
-        broadcast = (positions, segment_ids, k_start, k_end, gen_mask)
-        remat = self.config.remat
+        broadcast = (positions, segment_ids, k_start, k_end, gen_index)
+        loop = dict(remat=self.config.remat, unroll=self.config.unroll_layers)
         if return_kv:
-            h, kv = scan_layers(
-                self.layers, h, *broadcast, remat=remat, collect=True, return_kv=True
-            )
+            h, kv = scan_layers(self.layers, h, *broadcast, collect=True, return_kv=True, **loop)
         else:
-            h = scan_layers(self.layers, h, *broadcast, remat=remat)
-        gen_norm = None if self.norm_moe_gen is None else (lambda: self.norm_moe_gen(h))
-        hidden = route(gen_mask, self.norm(h), gen_norm)
+            h = scan_layers(self.layers, h, *broadcast, **loop)
+        hidden = route(gen_index, lambda norm, h: norm(h), self.norm, self.norm_moe_gen, h)
         return (hidden, kv) if return_kv else hidden
 
     def decode_step(self, embeddings, positions, cache, write_slots, kv_lengths):

@@ -218,3 +218,110 @@ def test_full_remat_gives_same_gradients_as_no_remat():
     for g, b in zip(jax.tree.leaves(grads), jax.tree.leaves(base_grads)):
         np.testing.assert_allclose(g, b, atol=1e-6, rtol=1e-5)
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
+def _where_route(gen_index, fn, und, gen, *inputs):
+    """The routing MoT had before gathering: both experts on every token, a per-token select."""
+    und_out = fn(und, *inputs)
+    if gen is None or gen_index is None:
+        return und_out
+    rows, length = inputs[0].shape[:2]
+    mask = jax.vmap(lambda m, i: m.at[i].set(True, mode="drop"))(
+        jnp.zeros((rows, length), bool), gen_index)  # fmt: skip
+    gen_out = fn(gen, *inputs)
+
+    def pick(u, g):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (u.ndim - 2)), g, u)
+
+    return jax.tree.map(pick, und_out, gen_out)
+
+
+def _fresh_logits(lm, tokens, positions, seg, k_start, k_end, gen_mask):
+    """A forward traced anew (not from a jit cache), so a patched `route` takes effect."""
+    graphdef, state = nnx.split(lm)
+
+    @jax.jit
+    def run(state, gen_mask):
+        model = nnx.merge(graphdef, state)
+        hidden = model(model.embed(tokens), positions=positions, segment_ids=seg,
+                       k_start=k_start, k_end=k_end, gen_mask=gen_mask)  # fmt: skip
+        return model.logits(hidden)
+
+    return np.asarray(run(state, gen_mask))
+
+
+@pytest.mark.parametrize("capacity", [0, 7])
+def test_gathered_gen_routing_equals_the_where_routing(capacity, monkeypatch):
+    """Distinct und / gen weights, mixed und and gen tokens in two packed rows (a row of 7 gen
+    tokens fills a capacity of 7 exactly; another row has 3, scattered)."""
+    from models import qwen2_mot
+
+    config = tiny_llm(build_gen_expert=True, gen_token_capacity=capacity)
+    lm = Qwen2MoT(config, rngs=nnx.Rngs(6))  # und and gen drawn independently: they differ
+    rng = np.random.default_rng(6)
+    n = 24
+    seg, k_start, k_end, pos = (np.tile(x, (2, 1)) for x in causal_ranges([10, 14], n))
+    tokens = rng.integers(0, config.vocab_size, (2, n)).astype(np.int32)
+    gen_mask = np.zeros((2, n), bool)
+    gen_mask[0, 12:19] = True  # a block of gen tokens in the second segment
+    gen_mask[1, [2, 9, 17]] = True
+    args = (tokens, pos, seg, k_start, k_end)
+    gathered = _fresh_logits(lm, *args, gen_mask)
+    und_only = _fresh_logits(lm, *args, None)
+    monkeypatch.setattr(qwen2_mot, "route", _where_route)
+    reference = _fresh_logits(lm, *args, gen_mask)
+    np.testing.assert_allclose(gathered, reference, atol=1e-6, rtol=0)
+    # Not vacuous: the gen tokens (and the causal tokens after them) do use other weights.
+    assert np.abs(gathered - und_only)[0, 12].max() > 1e-3
+    np.testing.assert_array_equal(gathered[1, :2], und_only[1, :2])
+
+
+def test_more_gen_tokens_than_the_capacity_fails_clearly():
+    config = tiny_llm(build_gen_expert=True, gen_token_capacity=2)
+    lm = Qwen2MoT(config, rngs=nnx.Rngs(7))
+    n = 8
+    seg, k_start, k_end, pos = (x[None] for x in causal_ranges([n], n))
+    gen_mask = np.zeros((1, n), bool)
+    gen_mask[0, 3:6] = True
+    with pytest.raises(Exception, match="gen_token_capacity=2"):
+        _fresh_logits(lm, np.ones((1, n), np.int32), pos, seg, k_start, k_end, gen_mask)
+
+
+def _bagel_dot_flops(config, pack) -> float:
+    from models.bagel import Bagel
+    from opsd_jax.parallel import hlo_stats
+
+    graphdef, state = nnx.split(Bagel(config, rngs=nnx.Rngs(0)))
+
+    def hidden(state, pack):
+        return nnx.merge(graphdef, state)(pack)
+
+    compiled = jax.jit(hidden).lower(state, pack).compile()
+    return hlo_stats.dot_flops(compiled.as_text())[0]
+
+
+def test_a_gen_expert_model_on_a_pack_without_gen_tokens_does_an_und_only_models_work():
+    """The packer's understanding pack (text and an image) marks no gen token; the compiled
+    forward of a model built with the gen expert has exactly the und-only model's matmuls."""
+    from models.bagel import BagelConfig as Config
+    from opsd_jax.data.image_transform import patchify, vit_position_ids
+    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
+
+    rng = np.random.default_rng(8)
+    special = SpecialTokens(1020, 1021, 1022, 1023)
+    image = Image(patchify(rng.uniform(-1, 1, (56, 56, 3)).astype(np.float32)),
+                  vit_position_ids(4, 4))  # fmt: skip
+    sample = [Text([5, 6, 7]), image, Text(list(range(10, 30)), loss=True)]
+    pack = pack_samples([sample, sample], 64, special=special)
+    pack = jax.tree.map(jnp.asarray, pack)
+    und_config = Config.tiny(llm=dict(compute_dtype="float32"))
+    gen_config = und_config.replace(llm=dict(build_gen_expert=True))
+    und_flops = _bagel_dot_flops(und_config, pack)
+    assert und_flops > 0
+    assert _bagel_dot_flops(gen_config, pack) == und_flops
+    # The same pack with gen tokens marked does run the gen expert (the count sees it):
+    # on every row position with the default capacity, on 8 slots per row with capacity 8.
+    marked = pack.replace(gen_mask=jnp.zeros(pack.tokens.shape, bool).at[:, 40:44].set(True))
+    whole_row = _bagel_dot_flops(gen_config, marked)
+    eight = _bagel_dot_flops(gen_config.replace(llm=dict(gen_token_capacity=8)), marked)
+    assert und_flops < eight < whole_row

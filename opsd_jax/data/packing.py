@@ -190,7 +190,9 @@ def pack_samples(
 
     pack = Pack(
         tokens=tokens, positions=positions, segment_ids=segment_ids, k_start=k_start, k_end=k_end,
-        gen_mask=np.zeros((rows, row_length), bool),
+        # Understanding packs hold no gen-expert token; None says so statically, so a model
+        # built with the gen expert compiles without it (models/qwen2_mot.py).
+        gen_mask=None,
         vit_patches=vit_patches if has_images else None,
         vit_pos_ids=vit_pos_ids if has_images else None,
         vit_slots=vit_slots if has_images else None,

@@ -357,20 +357,25 @@ def _update(state: TrainState, grads, loss, *, optimizer, teacher_mode, ema_deca
     `bad_steps` exceeds `max_bad_steps` (None: never) the run is stopping and the step is a
     no-op, `step` included.
     """
-    trainable, frozen_params = split_params(state.params, frozen)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
     halted = jnp.bool_(False) if max_bad_steps is None else state.bad_steps > max_bad_steps
-    updates, opt_state = optimizer.update(grads, state.opt_state, trainable)
-    params = merge_params(optax.apply_updates(trainable, updates), frozen_params,
-                          state.params)
-    teacher = state.teacher_params
-    if teacher_mode == "ema":
-        teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
     apply = finite & ~halted
-    new = (params, opt_state, teacher)
+
+    def update(old):
+        params, opt_state, teacher = old
+        trainable, frozen_params = split_params(params, frozen)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        params = merge_params(optax.apply_updates(trainable, updates), frozen_params, params)
+        if teacher_mode == "ema":
+            teacher = optax.incremental_update(params, teacher, step_size=1.0 - ema_decay)
+        return params, opt_state, teacher
+
+    # A branch, not a per-leaf select between new and old values: a skipped step then costs
+    # nothing, and an applied one makes no second pass over params, moments and EMA (on a CPU
+    # that pass cost as much as the AdamW update itself).
     old = (state.params, state.opt_state, state.teacher_params)
-    params, opt_state, teacher = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+    params, opt_state, teacher = jax.lax.cond(apply, update, lambda old: old, old)
     bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
     state = state.replace(
         step=jnp.where(halted, state.step, state.step + 1), params=params, opt_state=opt_state,
