@@ -140,7 +140,8 @@ def main(argv):
     backend = attention.resolve_backend(config.attention_backend)  # "auto" -> this machine's
     say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
     runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
-                   remat=config.remat, unroll_layers=config.unroll_layers)  # fmt: skip
+                   remat=config.remat, unroll_layers=config.unroll_layers,
+                   attention_block=config.attention_block)  # fmt: skip
     if resumed:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.

@@ -60,7 +60,7 @@ def main():
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
         compute_dtype=config.compute_dtype, remat=config.remat,
         attention_backend=attention.resolve_backend(config.attention_backend),
-        unroll_layers=config.unroll_layers)})  # fmt: skip
+        unroll_layers=config.unroll_layers, attention_block=config.attention_block)})  # fmt: skip
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)

@@ -119,7 +119,8 @@ class Ours:
         config = CONFIGS["m64"]().replace(llm=dict(
             compute_dtype=args.compute_dtype, remat=args.remat,
             attention_backend=args.attention_backend,
-            unroll_layers=bool(args.unroll_layers)))  # fmt: skip
+            unroll_layers=bool(args.unroll_layers),
+            attention_block=args.attention_block))  # fmt: skip
         self.config = config
         self.mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
         model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), self.mesh)
@@ -152,7 +153,8 @@ class Ours:
         s, t = self.packs
         llm = self.config.llm
         return (f"ours: m64, {llm.compute_dtype}, remat {llm.remat}, attention "
-                f"{llm.attention_backend}, {'un' if llm.unroll_layers else ''}rolled layers, "
+                f"{llm.attention_backend} (tile {llm.attention_block}), "
+                f"{'un' if llm.unroll_layers else ''}rolled layers, "
                 f"student row "
                 f"{s.tokens.shape[1]} tokens / {s.vit_patches.shape[1]} patches, teacher row "
                 f"{t.tokens.shape[1]} / {t.vit_patches.shape[1]}, {t.loss_mask.shape[1]} loss "
@@ -367,6 +369,7 @@ def main():
     parser.add_argument("--remat", default=cpu.remat)
     parser.add_argument("--attention-backend", default=cpu.attention_backend)
     parser.add_argument("--unroll-layers", type=int, default=int(cpu.unroll_layers))
+    parser.add_argument("--attention-block", type=int, default=cpu.attention_block)
     parser.add_argument("--multiple", type=int, default=8)
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch.set_num_threads (0: torch's default, one per core)")

@@ -18,12 +18,14 @@ def get_config() -> ml_collections.ConfigDict:
     # --- model: an HF directory in BAGEL's layout; the toy one is made if absent ---------------
     config.model_path = ""  # empty: <results_dir>/toy_model, written by opsd_jax/toy/model.py
     # CPU choices, measured with bench/vs_pytorch.py (README, "Precision and memory"): fp32
-    # (bf16 matmuls are slower on XLA:CPU), every activation kept, the layer loop unrolled. The
-    # attention stays `auto` (chunked): with two samples per row it skips the blocks between
-    # them, and bench/train_step.py's toy step took 308-323 ms with `reference` against 225-231.
+    # (bf16 matmuls are slower on XLA:CPU), every activation kept, the layer loop unrolled, and
+    # 128-token attention tiles (a padded 512 tile is paid in full on a CPU). The attention
+    # stays `auto` (chunked): with two samples per row it skips the blocks between them, and
+    # bench/train_step.py's toy step took 308-323 ms with `reference` against 225-231.
     config.compute_dtype = "float32"
     config.remat = "none"
     config.unroll_layers = True
+    config.attention_block = 128
 
     # --- data: the toy task, written by opsd_jax/toy/data.py if absent -------------------------
     config.toy_data = True

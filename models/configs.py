@@ -74,6 +74,9 @@ class Qwen2Config:
     # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
     # deep models anywhere.
     unroll_layers: bool = False
+    # Query / key tile of the chunked attention backend. 512 suits a GPU; on a CPU, where the
+    # padded part of a tile is paid in full, 128 is faster (bench/vs_pytorch.py, README).
+    attention_block: int = 512
 
     def __post_init__(self):
         owner = "Qwen2Config"
@@ -106,6 +109,9 @@ class Qwen2Config:
                              f"got {self.gen_token_capacity!r}")  # fmt: skip
         _check_choice(owner, "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice(owner, "attention_backend", self.attention_backend, attention.BACKENDS)
+        if not isinstance(self.attention_block, int) or self.attention_block < 8:
+            raise ValueError(f"{owner}.attention_block must be an integer >= 8, "
+                             f"got {self.attention_block!r}")  # fmt: skip
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
         if self.tie_word_embeddings:
             raise ValueError(

@@ -175,7 +175,8 @@ class DecoderLayer(nnx.Module):
             q, k, v,
             q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
             k_start=k_start, k_end=k_end,
-            backend=self.config.attention_backend)  # fmt: skip
+            backend=self.config.attention_backend,
+            q_block=self.config.attention_block, kv_block=self.config.attention_block)  # fmt: skip
         h = self._finish(h, constrain(out, ROWS_HEADS), gen_index)
         return (h, (k, v)) if return_kv else h
 

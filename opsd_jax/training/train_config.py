@@ -57,6 +57,7 @@ _RANGES = (
     ("sample_temperature", lambda v: v > 0, "> 0"),
     ("sample_max_image_skips", lambda v: v >= 0, ">= 0"),
     ("max_forward_tokens", lambda v: v >= 16, ">= 16"),
+    ("attention_block", lambda v: v >= 8, ">= 8"),
     ("max_reference_rounds", lambda v: v >= 1, ">= 1"),
     ("pack_row_tokens", lambda v: v == 0 or v >= 16, ">= 16, or 0 (derived)"),
     ("pack_row_patches", lambda v: v >= 0, ">= 0 (0 = derived)"),
