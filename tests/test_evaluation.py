@@ -240,7 +240,7 @@ def test_evaluate_runs_on_the_toy_model_and_writes_files(toy, tmp_path):
     assert "| toy_maze |" in table and "| toy_count |" in table and "**overall**" in table
 
 
-def test_checkpoint_step_dir(tmp_path):
+def test_checkpoint_flag_names_a_step_and_its_run(tmp_path):
     from scripts import evaluate as evaluate_cli
 
     for step, complete in ((3, True), (7, True), (9, False)):

@@ -37,7 +37,7 @@ EXPECTED = [
 ]
 
 
-def test_target_text_is_the_thinkmorph_text_only_format():
+def test_reference_completion_is_the_thinkmorph_text_only_format():
     assert [reference_completion(s) for s in SAMPLES] == EXPECTED
     bare = types.SimpleNamespace(answer="7", thoughts=[], full_text_only_thought="")
     assert reference_completion(bare) == "<answer>7</answer>"

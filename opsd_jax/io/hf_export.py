@@ -96,7 +96,7 @@ def save_hf(
     """Write our params as an HF directory BAGEL's PyTorch loader accepts; returns its path.
 
     `model` is a Bagel, its nnx.State, or a nested dict of arrays (e.g. restored by
-    `restore_params`). Every key of the source weights is written under the same name, shape,
+    `restore_for_export`). Every key of the source weights is written under the same name, shape,
     dtype and file: ours (cast to the source dtype) where we hold the parameter, the source's
     bytes otherwise (gen expert of an und-only model, generation-only keys). The other files of
     the source directory are copied, except weight files other than the exported one (stale
