@@ -195,7 +195,8 @@ def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
     manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
                                            logprob_dtype="float16", max_forward_tokens=64)  # fmt: skip
     offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
-    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=dict(remat="none")),
+    runtime = dict(remat="none", unroll_layers=True, attention_block=128)
+    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime),
                                  _Tokenizer(), OPTIONS)  # runtime switches do not matter
     with pytest.raises(offline_cache.CacheError, match="tokenizer.sha256"):
         offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(100), OPTIONS)

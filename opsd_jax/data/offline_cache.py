@@ -95,7 +95,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-_RUNTIME_KEYS = ("compute_dtype", "attention_backend", "remat")  # do not change the function
+# Switches that change how the model computes, not what (a cache made with one fits the others).
+_RUNTIME_KEYS = ("compute_dtype", "attention_backend", "remat", "unroll_layers", "attention_block",
+                 "gen_token_capacity")  # fmt: skip
 
 
 def model_fingerprint(model_config) -> dict:
@@ -179,7 +181,12 @@ def check_manifest(directory: str, model_config, tokenizer, options: PromptOptio
                "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer),
                              "vocab_length": tokenizer.vocab_length},
                "prompt": prompt_settings(options)}  # fmt: skip
-    problems = _differences({k: manifest.get(k) for k in current}, current)
+    saved = {k: manifest.get(k) for k in current}
+    if isinstance(saved["model_config"], dict) and isinstance(saved["model_config"].get("llm"), dict):
+        # A cache written before a switch was counted as runtime-only may still record it.
+        llm = {k: v for k, v in saved["model_config"]["llm"].items() if k not in _RUNTIME_KEYS}
+        saved["model_config"] = dict(saved["model_config"], llm=llm)
+    problems = _differences(saved, current)
     if problems:
         raise CacheError(f"{os.path.join(directory, MANIFEST)} was made with another model config,"
                          " tokenizer or prompt than this run; make a new cache (scripts/"
