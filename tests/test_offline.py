@@ -413,6 +413,34 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
     assert later == [], later
 
 
+def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
+    """A run stopped after step 2 and resumed to step 4 ends with the params, optimizer state and
+    data position of a run that went to step 4 at once: the data iterator and the cache reader
+    resume together (the cache is read by sample key)."""
+    from scripts import crash_drill
+
+    root, _, _ = offline_run
+    common = offline_args(tmp_path / "straight", root / "cache")[:2] + [
+        f"--config.offline_cache_dir={root / 'cache'}", "--config.save_every=2",
+        "--config.progress_bar=False"]  # fmt: skip
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_script("train.py", *common, f"--config.results_dir={straight}", "--config.total_steps=4")
+    run_script("train.py", *common, f"--config.results_dir={resumed}", "--config.total_steps=2")
+    out = run_script("train.py", *common, f"--config.results_dir={resumed}",
+                     "--config.total_steps=4")  # fmt: skip
+    assert "resumed from" in out and "at step 2" in out, out[-3000:]
+    for item in ("params", "opt_state"):
+        a = crash_drill.saved_arrays(straight / "checkpoints", 4, item)
+        b = crash_drill.saved_arrays(resumed / "checkpoints", 4, item)
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    logged = [json.loads(line) for line in open(resumed / "metrics.jsonl")]
+    expected = [json.loads(line) for line in open(straight / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [m["step"] for m in expected]
+    assert [m["loss"] for m in logged] == [m["loss"] for m in expected]
+
+
 def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_run, tmp_path):
     """A real crash: scripts/collect_traces.py is SIGKILLed once its progress file lists a
     shard (4 shards of 4 samples), then run again with the same command. Every sample is then
