@@ -155,7 +155,6 @@ class Evaluator:
     """
 
     def __init__(self, model_dir: str, run_config: dict, eval_samples: int | None, batch_size=64):
-        import jax
         from flax import nnx
 
         from opsd_jax.evaluation import evaluate as evaluation
@@ -163,13 +162,12 @@ class Evaluator:
         from opsd_jax.io.hf_load import load_hf
 
         self.evaluation, self.run_settings = evaluation, run_settings
+        # Only the architecture: every accuracy restores a checkpoint's params into it, so the
+        # HF weights are never read (the params stay abstract, with their shardings).
         model, _, self.tokenizer = load_hf(
-            model_dir, config_changes={"llm": {"compute_dtype": "float32"}}
+            model_dir, config_changes={"llm": {"compute_dtype": "float32"}}, read_params=False
         )
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-        )
+        self.graphdef, self.abstract, self.rest = nnx.split(model, nnx.Param, ...)
         data_config = run_settings.data_config_from(run_config).for_model(model.config)
         self.samples = evaluation.load_eval_samples(data_config, "eval", log=log)
         if eval_samples:

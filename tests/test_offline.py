@@ -198,6 +198,13 @@ def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
     runtime = dict(remat="none", unroll_layers=True, attention_block=128)
     offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime),
                                  _Tokenizer(), OPTIONS)  # runtime switches do not matter
+    # ... not even when an older manifest recorded them.
+    older = dict(manifest, model_config=dict(manifest["model_config"], llm=dict(
+        manifest["model_config"]["llm"], unroll_layers=False, attention_block=512)))  # fmt: skip
+    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), older)
+    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime), _Tokenizer(),
+                                 OPTIONS)  # fmt: skip
+    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
     with pytest.raises(offline_cache.CacheError, match="tokenizer.sha256"):
         offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(100), OPTIONS)
     with pytest.raises(offline_cache.CacheError, match="num_hidden_layers"):

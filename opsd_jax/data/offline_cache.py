@@ -100,12 +100,18 @@ _RUNTIME_KEYS = ("compute_dtype", "attention_backend", "remat", "unroll_layers",
                  "gen_token_capacity")  # fmt: skip
 
 
+def _architecture(config: dict) -> dict:
+    """A model config dict without its runtime-only LM switches (a saved one may hold them:
+    a cache written before a switch was counted as runtime-only)."""
+    llm = config.get("llm") if isinstance(config, dict) else None
+    if not isinstance(llm, dict):
+        return config
+    return dict(config, llm={k: v for k, v in llm.items() if k not in _RUNTIME_KEYS})
+
+
 def model_fingerprint(model_config) -> dict:
     """The architecture as a JSON-able dict (runtime-only switches left out)."""
-    config = dataclasses.asdict(model_config)
-    for key in _RUNTIME_KEYS:
-        config["llm"].pop(key, None)
-    return json.loads(json.dumps(config))
+    return json.loads(json.dumps(_architecture(dataclasses.asdict(model_config))))
 
 
 def prompt_settings(options: PromptOptions) -> dict:
@@ -182,10 +188,7 @@ def check_manifest(directory: str, model_config, tokenizer, options: PromptOptio
                              "vocab_length": tokenizer.vocab_length},
                "prompt": prompt_settings(options)}  # fmt: skip
     saved = {k: manifest.get(k) for k in current}
-    if isinstance(saved["model_config"], dict) and isinstance(saved["model_config"].get("llm"), dict):
-        # A cache written before a switch was counted as runtime-only may still record it.
-        llm = {k: v for k, v in saved["model_config"]["llm"].items() if k not in _RUNTIME_KEYS}
-        saved["model_config"] = dict(saved["model_config"], llm=llm)
+    saved["model_config"] = _architecture(saved["model_config"])
     problems = _differences(saved, current)
     if problems:
         raise CacheError(f"{os.path.join(directory, MANIFEST)} was made with another model config,"

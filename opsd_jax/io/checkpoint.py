@@ -336,25 +336,26 @@ def step_dir_of(path: str | os.PathLike) -> str:
     return os.fspath(root / str(step))
 
 
-def saved_config(path: str | os.PathLike) -> dict | None:
-    """The training config saved with a checkpoint step (or a root's latest complete step)."""
+def _json_item(path: str | os.PathLike, item: str):
+    """One JSON item of a step directory (or of a root's latest complete step); None if absent."""
     root, step = _locate(path, None)
-    if not (root / str(step) / CONFIG).is_dir():
+    item_dir = root / str(step) / item
+    if not item_dir.is_dir():
         return None
     handler = ocp.JsonCheckpointHandler()
     try:
-        return handler.restore(root / str(step) / CONFIG)
+        return handler.restore(item_dir)
     finally:
         handler.close()
+
+
+def saved_config(path: str | os.PathLike) -> dict | None:
+    """The training config saved with a checkpoint step (or a root's latest complete step)."""
+    return _json_item(path, CONFIG)
 
 
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:
     """The teacher_mode a checkpoint (a step directory or a checkpoints root: its latest complete
     step) was saved with, from its meta item; None when it is not known."""
-    root, step = _locate(path, None)
-    handler = ocp.JsonCheckpointHandler()
-    try:
-        meta = handler.restore(root / str(step) / META)
-    finally:
-        handler.close()
+    meta = _json_item(path, META)
     return meta.get("teacher_mode") if isinstance(meta, dict) else None
