@@ -50,11 +50,15 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--results-dir", default="/tmp/opsd_bench_train_step")
+    parser.add_argument("--attention-backend", default=None, choices=attention.BACKENDS,
+                        help="default: configs/tiny.py's")  # fmt: skip
     args = parser.parse_args()
 
     config = tiny.get_config()
     with config.unlocked():
         config.results_dir = args.results_dir
+        if args.attention_backend:
+            config.attention_backend = args.attention_backend
     toy_assets.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(

@@ -18,7 +18,8 @@ def base_config() -> ml_collections.ConfigDict:
     # ema.safetensors when both exist (else the one file for both); ema | model: that file for all.
     c.weights = "auto"
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
-    c.attention_backend = "auto"  # auto (pallas on GPU else chunked) | chunked | pallas | cudnn
+    # auto (pallas on GPU else chunked) | chunked | dense (CPU, one sample per row) | pallas | cudnn
+    c.attention_backend = "auto"
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
     c.attention_block = 512  # the chunked attention's tile (tokens); 128 is faster on a CPU
     c.unroll_layers = False  # unroll the LM's layer loop: faster on a CPU, slow to compile at 7B

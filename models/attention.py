@@ -20,6 +20,11 @@ gradient, with no NaN on the way.
 Backends:
   "chunked"   (default) flash-style online softmax with a custom VJP; memory linear in T and S.
   "reference" dense mask and plain softmax in float32; small, obviously correct, used by tests.
+  "dense"     the dense mask and softmax arranged for speed on a CPU: each kv head's query heads
+              are stacked into one [G * T, S] product (no repeated keys), one mask shared by all
+              heads; memory O(T * S) per head, so only for rows of a few thousand tokens. It
+              computes every (query, key) pair, so rows packed with many samples favour
+              "chunked", which skips the blocks between them (see configs/tiny.py).
   "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") with the dense mask; GPU only,
               fp16/bf16 only, never the default.
   "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);
@@ -39,7 +44,7 @@ from jax import lax
 
 from models import sharding
 
-BACKENDS = ("chunked", "reference", "cudnn", "pallas", "auto")
+BACKENDS = ("chunked", "reference", "dense", "cudnn", "pallas", "auto")
 
 _F32 = jnp.float32
 
@@ -78,6 +83,8 @@ def attention(
     )
     if backend == "reference":
         kernel = _reference
+    elif backend == "dense":
+        kernel = _dense
     elif backend == "cudnn":
         kernel = _cudnn
     elif resolve_backend(backend) == "pallas":
@@ -198,6 +205,31 @@ def _reference(q, k, v, q_seg, kv_seg, k_start, k_end):
     denom = jnp.sum(e, axis=-1, keepdims=True)
     p = e / jnp.where(denom > 0, denom, 1.0)
     return jnp.einsum("bhts,bshd->bthd", p, vf).astype(q.dtype)
+
+
+def _dense(q, k, v, q_seg, kv_seg, k_start, k_end):
+    B, T, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    mask = dense_mask(q_seg, kv_seg, k_start, k_end)[:, :, None]  # [B, 1, 1, T, S]
+    # Head-major operands: kv head h's G query heads are rows [g * T + t] of one matrix, so
+    # each kv head is a single plain [G*T, D] x [D, S] product (the layout XLA:CPU's matmuls
+    # take without copies), and the 1/sqrt(D) scale is folded into the small q operand.
+    scaled = (q.astype(_F32) * (1.0 / math.sqrt(D))).reshape(B, T, Hkv, G, D)
+    q_rows = jnp.einsum("bthgd->bhgtd", scaled).reshape(B, Hkv, G * T, D)
+    k_heads = jnp.einsum("bshd->bhsd", k.astype(_F32))
+    v_heads = jnp.einsum("bshd->bhsd", v.astype(_F32))
+    s = jnp.einsum("bhtd,bhsd->bhts", q_rows, k_heads).reshape(B, Hkv, G, T, S)
+    s = jnp.where(mask, s, -jnp.inf)
+    # Fully masked rows: as in _reference, shift by 0 and guard the denominator (output 0).
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    e = jnp.exp(s - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    # Normalise after the product with v: a pass over [T, D] instead of one over [T, S].
+    out = jnp.einsum("bhts,bhsd->bhtd", e.reshape(B, Hkv, G * T, S), v_heads)
+    out = out.reshape(B, Hkv, G, T, D) / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("bhgtd->bthgd", out).reshape(B, T, Hq, D).astype(q.dtype)
 
 
 def _cudnn(q, k, v, q_seg, kv_seg, k_start, k_end):

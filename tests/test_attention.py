@@ -1,4 +1,5 @@
-"""Tests for models/attention.py: chunked vs reference vs a naive loop, and the mask's semantics."""
+"""Tests for models/attention.py: chunked and dense vs reference vs a naive loop, and the mask's
+semantics."""
 
 import functools
 
@@ -144,10 +145,11 @@ def config_id(c):
     return "B{}_T{}_S{}_H{}x{}_D{}_q{}_kv{}".format(*c[:8])
 
 
+@pytest.mark.parametrize("backend", ["chunked", "dense"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
-def test_chunked_matches_reference(config):
+def test_fast_backends_match_reference(config, backend):
     batch, q_len, kv_len, hq, hkv, d, q_block, kv_block, n_seeds = config
-    chunked = out_and_grads("chunked", q_block, kv_block)
+    fast = out_and_grads(backend, q_block, kv_block)
     reference = out_and_grads("reference")
     for seed in range(n_seeds):
         rng = np.random.default_rng(1000 * q_len + seed)
@@ -158,7 +160,7 @@ def test_chunked_matches_reference(config):
             packing = decode_packing(rng, batch, kv_len, q_len)
         q, k, v = random_qkv(rng, batch, q_len, kv_len, hq, hkv, d)
         cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
-        got = chunked(q, k, v, cotangent, *packing)
+        got = fast(q, k, v, cotangent, *packing)
         want = reference(q, k, v, cotangent, *packing)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
             assert not np.isnan(np.asarray(a)).any(), (name, seed)
@@ -211,7 +213,7 @@ def perturbed_at(x, positions):
     return x.at[:, positions].add(1.0)
 
 
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ["chunked", "reference", "dense"])
 def test_image_block_is_bidirectional_and_text_is_causal(backend):
     rng = np.random.default_rng(0)
     q, k, v = random_qkv(rng, 1, T_HAND, T_HAND, 4, 2, 8)
@@ -235,7 +237,7 @@ def test_image_block_is_bidirectional_and_text_is_causal(backend):
 
 
 @pytest.mark.parametrize("loose", [False, True], ids=["segment_ranges", "ranges_from_0"])
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ["chunked", "reference", "dense"])
 def test_segments_never_see_each_other(backend, loose):
     rng = np.random.default_rng(1)
     q, k, v = random_qkv(rng, 1, T_HAND, T_HAND, 4, 2, 8)
@@ -248,7 +250,7 @@ def test_segments_never_see_each_other(backend, loose):
     assert max_diff(moved[:, 16:22], base[:, 16:22]) > 1e-3
 
 
-@pytest.mark.parametrize("backend", ["chunked", "reference"])
+@pytest.mark.parametrize("backend", ["chunked", "reference", "dense"])
 def test_padding_and_empty_queries_are_exactly_zero(backend):
     rng = np.random.default_rng(2)
     batch, length = 3, 20
@@ -279,14 +281,15 @@ def test_padding_and_empty_queries_are_exactly_zero(backend):
 # Precision, memory, errors
 
 
-def test_bf16_chunked_close_to_fp32_reference():
+@pytest.mark.parametrize("backend", ["chunked", "dense"])
+def test_bf16_close_to_fp32_reference(backend):
     rng = np.random.default_rng(3)
     seg, k_start, k_end = random_packing(rng, 2, 64, allow_empty_row=False)
     packing = (seg, seg, k_start, k_end)
     q, k, v = random_qkv(rng, 2, 64, 64, 4, 2, 16)
     cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
     bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = out_and_grads("chunked", 16, 16)(*bf16, cotangent, *packing)
+    got = out_and_grads(backend, 16, 16)(*bf16, cotangent, *packing)
     want = out_and_grads("reference", 16, 16)(q, k, v, cotangent, *packing)
     assert got[0].dtype == jnp.bfloat16
     assert max_diff(got[0], want[0]) <= 2e-2
