@@ -46,6 +46,10 @@ from models import sharding
 
 BACKENDS = ("chunked", "reference", "dense", "cudnn", "pallas", "auto")
 
+# "dense" holds a float32 [heads, T, S] score tensor per row and layer (and keeps it for the
+# backward): 1 GiB per layer for 16 heads at 4096 x 4096. Longer rows are refused.
+DENSE_MAX_TOKENS = 4096
+
 _F32 = jnp.float32
 
 
@@ -84,6 +88,12 @@ def attention(
     if backend == "reference":
         kernel = _reference
     elif backend == "dense":
+        if max(q.shape[1], k.shape[1]) > DENSE_MAX_TOKENS:
+            raise ValueError(
+                f"backend='dense' holds every [query, key] score in memory; rows of "
+                f"{q.shape[1]} queries x {k.shape[1]} keys are over its {DENSE_MAX_TOKENS}-token "
+                f"limit. Use 'chunked' (or 'auto')."
+            )
         kernel = _dense
     elif backend == "cudnn":
         kernel = _cudnn

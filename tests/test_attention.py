@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from models import attention as attention_lib
 from models.attention import attention
 
 # --------------------------------------------------------------------------------------------
@@ -334,6 +335,11 @@ def test_bad_arguments_raise():
                   **ids(seg, seg, k_start, k_end))
     with pytest.raises(ValueError, match="v must"):
         attention(q, k, v[:, :4], **ids(seg, seg, k_start, k_end))
+    long = attention_lib.DENSE_MAX_TOKENS + 1
+    zeros = jnp.zeros((1, long), jnp.int32)
+    with pytest.raises(ValueError, match="backend='dense'.*limit"):
+        attention(jnp.zeros((1, long, 4, 8)), jnp.zeros((1, long, 2, 8)),
+                  jnp.zeros((1, long, 2, 8)), **ids(zeros, zeros, zeros, zeros), backend="dense")
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error path")

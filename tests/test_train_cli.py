@@ -357,6 +357,17 @@ def test_bad_configs_are_named(tmp_path, key, value, message):
     assert message in str(error.value)
 
 
+def test_dense_attention_is_refused_for_long_rows(tmp_path):
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.attention_backend = "dense"
+    train_config.validate(config, num_devices=1)  # the tiny config's rows are short
+    with config.unlocked():
+        config.pack_row_tokens = 10240
+    with pytest.raises(ValueError, match="attention_backend='dense' with 10240-token rows"):
+        train_config.validate(config, num_devices=1)
+
+
 def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
     config = _valid_config(tmp_path)
     with config.unlocked():

@@ -15,7 +15,7 @@ import difflib
 import os
 
 from models import attention, configs
-from opsd_jax.data import offline_cache
+from opsd_jax.data import offline_cache, pack_shapes
 from opsd_jax.io import hf_load
 from opsd_jax.parallel import mesh
 from opsd_jax.training import losses, train_step
@@ -227,6 +227,13 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
         problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
                         f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
                         "would always be empty")  # fmt: skip
+    if not problems and config.attention_backend == "dense":  # the shapes need sane values
+        longest = max(shape.row_length for shapes in pack_shapes.pack_shapes(config).values()
+                      for shape in shapes)  # fmt: skip
+        if longest > attention.DENSE_MAX_TOKENS:
+            problems.append(f"attention_backend='dense' with {longest}-token rows: 'dense' keeps "
+                            "every [query, key] score and takes rows of at most "
+                            f"{attention.DENSE_MAX_TOKENS} tokens; use 'auto' or 'chunked'")  # fmt: skip
     if problems:
         raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
 
