@@ -15,8 +15,9 @@ length and backend this reports:
   peak MiB         the device allocator's peak while running that case (GPU memory_stats; each
                    case runs in its own process so the peak is its own), "—" where unavailable.
 
-Backends: reference, chunked, cudnn (dense mask; GPU, bf16), pallas (the Triton kernel; GPU sm80+,
-or the Pallas interpreter with --interpret: slow, small T only), auto.
+Backends: reference, chunked, dense (CPU layout of the dense mask; rows up to 4096 tokens),
+cudnn (dense mask; GPU, bf16), pallas (the Triton kernel; GPU sm80+, or the Pallas interpreter
+with --interpret: slow, small T only), auto.
 
 On an H100/H200, BAGEL-7B's attention layout (28 query heads, 4 kv heads, head dim 128, bf16):
 
