@@ -206,15 +206,20 @@ def _reference(q, k, v, q_seg, kv_seg, k_start, k_end):
     kf = jnp.repeat(k.astype(_F32), group, axis=2)  # repeat-interleave: head h -> kv h // group
     vf = jnp.repeat(v.astype(_F32), group, axis=2)
     s = jnp.einsum("bthd,bshd->bhts", qf, kf) / math.sqrt(D)
+    e, denom = _masked_exp(s, mask)
+    return jnp.einsum("bhts,bshd->bthd", e / denom, vf).astype(q.dtype)
+
+
+def _masked_exp(s, mask):
+    """exp(s - rowmax) with masked entries at exactly 0, and each row's sum (1 for a row with
+    nothing visible): the softmax is e / denom. An all-masked row has max -inf; shifting it by
+    0 instead keeps exp() at exactly 0, so its output and gradient are 0 rather than 0/0."""
     s = jnp.where(mask, s, -jnp.inf)
-    # An all-masked row has max -inf; shifting by 0 instead keeps exp() at exactly 0, and the
-    # guarded denominator then gives p = 0 (output 0, gradient 0) rather than 0/0.
     m = jnp.max(s, axis=-1, keepdims=True)
     m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     e = jnp.exp(s - m)
     denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("bhts,bshd->bthd", p, vf).astype(q.dtype)
+    return e, jnp.where(denom > 0, denom, 1.0)
 
 
 def _dense(q, k, v, q_seg, kv_seg, k_start, k_end):
@@ -230,15 +235,10 @@ def _dense(q, k, v, q_seg, kv_seg, k_start, k_end):
     k_heads = jnp.einsum("bshd->bhsd", k.astype(_F32))
     v_heads = jnp.einsum("bshd->bhsd", v.astype(_F32))
     s = jnp.einsum("bhtd,bhsd->bhts", q_rows, k_heads).reshape(B, Hkv, G, T, S)
-    s = jnp.where(mask, s, -jnp.inf)
-    # Fully masked rows: as in _reference, shift by 0 and guard the denominator (output 0).
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    e = jnp.exp(s - m)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
+    e, denom = _masked_exp(s, mask)
     # Normalise after the product with v: a pass over [T, D] instead of one over [T, S].
     out = jnp.einsum("bhts,bhsd->bhtd", e.reshape(B, Hkv, G * T, S), v_heads)
-    out = out.reshape(B, Hkv, G, T, D) / jnp.where(denom > 0, denom, 1.0)
+    out = out.reshape(B, Hkv, G, T, D) / denom
     return jnp.einsum("bhgtd->bthgd", out).reshape(B, T, Hq, D).astype(q.dtype)
 
 
