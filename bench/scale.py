@@ -1,34 +1,36 @@
-"""What one Visual-OPSD step costs at 7B, per device, without a GPU.
+"""What one Visual-OPSD step costs at 7B, per device, compiled for the GPU it will run on.
 
-Compiles ahead of time, on N simulated CPU devices and with abstract arrays only (no weights are
-materialised), the real programs of a training step for `BagelConfig.bagel_7b()` (the
-ThinkMorph-7B shapes, understanding-only):
+Compiles ahead of time, with abstract arrays only (no weights are materialised), every program
+a training step of `BagelConfig.bagel_7b()` (the ThinkMorph-7B shapes, understanding-only) runs:
 
 * the grad step: student forward + backward and teacher forward over one micro-batch of student
-  and teacher packs, with the paper's JSD settings;
+  and teacher packs, with the paper's JSD settings (attention: Pallas on a GPU target);
 * the optimizer / EMA update;
-* the sampler's decode round (one `while_loop` that generates every token of a rollout), on
-  the FSDP-sharded fp32 params (how it ran before the decode copy) and on the bf16 decode copy
-  in each `sampler_layout` (opsd_jax/sampling/decode_copy.py), with the copy's per-step refresh.
+* the decode-copy refresh (fp32 FSDP params -> the bf16 copy in the sampler's layout);
+* the sampler's prefill and decode round (one `while_loop` that generates every token of a
+  rollout) on that copy, in each `sampler_layout`.
 
-From each program it prints, per device: the bytes of params / optimizer state / EMA teacher,
-the compiled argument / output / temp sizes, the FLOPs of every matmul counted through the
-layer loops (next to the analytic 6·N·tokens), and the collective bytes by kind, counting
-collectives inside loops by their trip count (opsd_jax/parallel/hlo_stats.py reads the program right
-after SPMD partitioning: what a GPU build would move, in the dtypes it would move). Then a
-roofline projection for a GPU from the table below, the memory headroom, the largest teacher
-pack that fits, and the hours for the paper recipe (1000 steps).
+`--target h100|h200|h800` (the default when jax's CUDA plugin is installed) compiles them for
+that GPU on compile-only devices, with no GPU present (opsd_jax/parallel/gpu_target.py);
+`--target cpu` compiles them for simulated CPU devices, the proxy this script used before (its
+fusions, copies and buffers are not the GPU's). Per device and program it prints the compiled
+memory (arguments, outputs, aliased, temp, peak), the matmul FLOPs counted through the layer
+loops, the collectives by kind (read right after SPMD partitioning, loops counted by their trip
+counts: opsd_jax/parallel/hlo_stats.py), and for the decode round the HBM bytes one decode
+step moves, counted kernel by kernel in the optimized program (opsd_jax/parallel/
+hbm_traffic.py), next to the floor (the bf16 weights on the decode path read once, plus the KV
+cache up to the current length). Then a projection: compute at `--mfu` of peak, HBM and
+NVLink from the table below, the rollout, the step, hours for the paper recipe (1000 steps),
+and the memory headroom.
 
-    python bench/scale.py                        # configs/thinkmorph_7b.py on 8 devices, H100
-    python bench/scale.py --devices 16 --num-replicate 2 --gpu h200
-    python bench/scale.py --devices 64 --num-replicate 8
+    python bench/scale.py                        # configs/thinkmorph_7b.py on 8 H100s
+    python bench/scale.py --target h200 --devices 16 --num-replicate 2
+    python bench/scale.py --target cpu           # the XLA:CPU proxy, for comparison
     python bench/scale.py --model tiny           # the same report for the tiny model (seconds)
 
-What a CPU compile cannot know: the GPU's fusions and kernel efficiency (the matmul FLOPs are
-exact, the time is a roofline at peak), how much communication overlaps compute (both bounds
-are printed), and the CPU's temp buffers differ from a GPU's (the memory figures are the CPU
-compiler's, which widens some bf16 buffers to f32: an upper bound, roughly). Attention tiles
-run in loops whose trip count depends on the data; their FLOPs are added analytically.
+What no compile can know (printed at the end): kernel speeds (nothing is autotuned without a
+device; the compute time is an assumed MFU), how much communication overlaps compute (both
+bounds are printed), and whether the decode kernels reach the HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -54,15 +56,32 @@ GPUS = {
     "h800": (989e12, 3.35e12, 200e9, 80e9),
 }
 HEADROOM = 0.15  # keep this share of HBM free (allocator fragmentation, NCCL buffers, ...)
+GIB = 2**30
+
+
+def default_target() -> str:
+    """h100 where jax's CUDA plugin is installed (found without importing jax, whose flags are
+    not set yet), else cpu."""
+    import importlib.util
+
+    return "h100" if importlib.util.find_spec("jax_plugins.xla_cuda12") else "cpu"
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--devices", type=int, default=8, help="simulated devices (default 8)")
+    parser.add_argument("--target", choices=("h100", "h200", "h800", "cpu"), default=None,
+                        help="compile for this GPU without one (default h100 when jax's CUDA "
+                             "plugin is installed), or 'cpu': simulated CPU devices")  # fmt: skip
+    parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
+                        help="the GPU of the projection (default: the target; h100 for cpu)")
+    parser.add_argument("--mfu", type=float, default=0.5,
+                        help="assumed model FLOPs utilisation of the grad step (default 0.5)")
+    parser.add_argument("--devices", type=int, default=8, help="devices (default 8)")
+    parser.add_argument("--devices-per-host", type=int, default=8,
+                        help="GPUs per host: the 'tensor' sampler layout splits inside one")
     parser.add_argument("--num-replicate", type=int, default=1, help="mesh 'data' axis")
     parser.add_argument("--num-tensor", type=int, default=1, help="mesh 'tensor' axis")
     parser.add_argument("--model", choices=("7b", "tiny"), default="7b")
-    parser.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     parser.add_argument("--samples", type=int, default=None,
                         help="samples (and rows) per micro-batch; default: the recipe's, "
                              "times num_replicate")  # fmt: skip
@@ -73,19 +92,29 @@ def parse_args():
     parser.add_argument("--student-patches", type=int, default=4900)
     parser.add_argument("--teacher-patches", type=int, default=8192)
     parser.add_argument("--loss-entries", type=int, default=1152, help="C: 1025 rounded up")
-    parser.add_argument("--prompt-len", type=int, default=5120, help="sampler prompt rows")
+    parser.add_argument("--prompt-len", type=int, default=8192,
+                        help="sampler prompt rows: the bucket a ThinkMorph prompt (4-5k tokens "
+                             "with its image) lands in")  # fmt: skip
+    parser.add_argument("--prompt-patches", type=int, default=4900)
     parser.add_argument("--skip-fit", action="store_true",
                         help="skip the second grad-step compile that finds the largest pack")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if not 0 < args.mfu <= 1:
+        parser.error(f"--mfu must be in (0, 1], got {args.mfu}")
+    return args
 
 
 def main():
     args = parse_args()
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
-    os.environ["XLA_FLAGS"] = " ".join(
-        flags + [f"--xla_force_host_platform_device_count={args.devices}"])  # fmt: skip
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JAX_PLATFORMS"] = "cpu"  # also for a GPU target: compile-only devices
+    target = args.target or default_target()
+    if target == "cpu":
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+        os.environ["XLA_FLAGS"] = " ".join(
+            flags + [f"--xla_force_host_platform_device_count={args.devices}"])  # fmt: skip
+    # The GPU compiler's warnings about what it cannot tune without a device, once per program.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     import jax
     import jax.numpy as jnp
@@ -96,7 +125,7 @@ def main():
     from models.configs import BagelConfig
     from models.pack import Pack
     from models.sharding import logical_spec
-    from opsd_jax.parallel import hlo_stats
+    from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, sampler
     from opsd_jax.training import train_config, train_step
@@ -110,20 +139,35 @@ def main():
         make_config = BagelConfig.tiny
         args.student_len, args.teacher_len = 256, 512
         args.student_patches, args.teacher_patches, args.loss_entries = 64, 128, 128
-        args.prompt_len, new_tokens = 128, 64
+        args.prompt_len, args.prompt_patches, new_tokens = 128, 64, 64
     else:
         make_config = BagelConfig.bagel_7b
-    model_config = make_config(llm=dict(compute_dtype=recipe.compute_dtype, remat=recipe.remat,
-                                        attention_backend="chunked"))  # fmt: skip
+    on_gpu = target != "cpu"
+    gpu = args.gpu or (target if on_gpu else "h100")
+    model_config = make_config(llm=dict(
+        compute_dtype=recipe.compute_dtype, remat=recipe.remat,
+        attention_backend="pallas" if on_gpu else "chunked"))  # fmt: skip
     llm = model_config.llm
-    peak_flops, hbm_bw, link_bw, hbm_bytes = GPUS[args.gpu]
-    mesh = mesh_lib.make_mesh(args.num_replicate, None, args.num_tensor)
+    peak_flops, hbm_bw, link_bw, hbm_bytes = GPUS[gpu]
     n = args.devices
+    if on_gpu:
+        mesh = gpu_target.make_mesh(target, n, args.num_replicate, args.num_tensor)
+    else:
+        mesh = mesh_lib.make_mesh(args.num_replicate, None, args.num_tensor)
+    where = (f"{n} compile-only {target.upper()} devices" if on_gpu
+             else f"{n} simulated CPU devices (the XLA:CPU proxy)")  # fmt: skip
     print(f"bench/scale.py: {args.model} ({llm.num_hidden_layers} layers, hidden "
-          f"{llm.hidden_size}) on {n} simulated devices, mesh {dict(mesh.shape)}; micro-batch "
-          f"{samples} samples in {samples} rows x {accum} micro-batches; GPU {args.gpu}")  # fmt: skip
+          f"{llm.hidden_size}) compiled for {where}, mesh {dict(mesh.shape)}; micro-batch "
+          f"{samples} samples in {samples} rows x {accum} micro-batches; attention "
+          f"{llm.attention_backend}; projection for {gpu} at MFU {args.mfu}")  # fmt: skip
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
+
+    def compile_program(lowered, on_mesh):
+        """(executable, HLO after SPMD partitioning, seconds) with the target's options."""
+        t0 = time.perf_counter()
+        compiled, text = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(on_mesh))
+        return compiled, text, time.perf_counter() - t0
 
     # ---- abstract model and state (no memory) -----------------------------------------------
     def make_model():
@@ -131,16 +175,10 @@ def main():
 
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
-    rest_shardings = jax.tree.map(lambda x: x.sharding, abstract_rest)
-
-    # The non-parameter state (the fixed sin-cos table) is real: the jitted programs close over
-    # it. XLA drops the parameters' initialisation, which nothing returns.
-    @jax.jit(out_shardings=rest_shardings)
-    def make_rest():
-        return nnx.split_state(nnx.state(make_model()), nnx.Param, ...)[1]
-
-    with mesh_lib.use_mesh(mesh):
-        rest = make_rest()
+    # The non-parameter state (the fixed sin-cos table) is real where a program closes over it
+    # (the train step does), made on the host; as an argument it is abstract like the params.
+    with jax.default_device(jax.devices("cpu")[0]):
+        rest = jax.jit(lambda: nnx.split_state(nnx.state(make_model()), nnx.Param, ...)[1])()
     optimizer = train_step.make_optimizer(recipe)
 
     def shard_bytes(tree):
@@ -158,57 +196,56 @@ def main():
     lm_matmul = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
                     if "layers" in jax.tree_util.keystr(p)
                     and "language_model" in jax.tree_util.keystr(p))  # fmt: skip
-    gib = 2**30
-    print(f"\nper device: params {params_bytes / gib:.2f} GiB (fp32 master, {num_params / 1e9:.2f}"
-          f"B parameters), optimizer state {opt_bytes / gib:.2f} GiB, EMA teacher "
-          f"{teacher_bytes / gib:.2f} GiB, gradient accumulator {params_bytes / gib:.2f} GiB")  # fmt: skip
+    print(f"\nper device: params {params_bytes / GIB:.2f} GiB (fp32 master, {num_params / 1e9:.2f}"
+          f"B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA teacher "
+          f"{teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB")  # fmt: skip
     resident = params_bytes + opt_bytes + teacher_bytes + params_bytes
 
     # ---- programs -----------------------------------------------------------------------------
 
-    def array(shape, dtype):
+    def array(shape, dtype, on_mesh=mesh):
         spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1)))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(on_mesh, spec))
 
-    def pack(length, patches, entries):
-        ids = lambda: array((samples, length), jnp.int32)  # noqa: E731
-        vit = lambda: array((samples, patches), jnp.int32)  # noqa: E731
+    def pack(rows, length, patches, entries, on_mesh=mesh):
+        ids = lambda: array((rows, length), jnp.int32, on_mesh)  # noqa: E731
+        vit = lambda: array((rows, patches), jnp.int32, on_mesh)  # noqa: E731
+        loss = lambda dtype: array((rows, entries), dtype, on_mesh) if entries else None  # noqa: E731
         return Pack(tokens=ids(), positions=ids(), segment_ids=ids(), k_start=ids(), k_end=ids(),
-                    vit_patches=array((samples, patches, 588), jnp.float32), vit_pos_ids=vit(),
-                    vit_slots=vit(), vit_image_ids=vit(),
-                    loss_rows=array((samples, entries), jnp.int32),
-                    loss_targets=array((samples, entries), jnp.int32),
-                    loss_mask=array((samples, entries), jnp.bool_),
-                    loss_sample=array((samples, entries), jnp.int32))  # fmt: skip
-
-    grad_step = train_step.make_grad_step(graphdef, rest, train_config.loss_settings(recipe), "ema")
-
-    def compile_grad(teacher_len, student_len):
-        student = pack(student_len, args.student_patches, args.loss_entries)
-        teacher = pack(teacher_len, args.teacher_patches, args.loss_entries)
-        t0 = time.perf_counter()
-        with mesh_lib.use_mesh(mesh):
-            lowered = grad_step.lower(abstract_state.params, abstract_state.teacher_params,
-                                      student, teacher)  # fmt: skip
-            compiled, text = hlo_stats.compile_and_read(lowered)
-        return compiled, text, time.perf_counter() - t0
+                    vit_patches=array((rows, patches, 588), jnp.float32, on_mesh),
+                    vit_pos_ids=vit(), vit_slots=vit(), vit_image_ids=vit(),
+                    loss_rows=loss(jnp.int32), loss_targets=loss(jnp.int32),
+                    loss_mask=loss(jnp.bool_), loss_sample=loss(jnp.int32))  # fmt: skip
 
     def report(name, compiled, text, seconds):
         memory = compiled.memory_analysis()
+        peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                - memory.alias_size_in_bytes + memory.temp_size_in_bytes)  # fmt: skip
         found = hlo_stats.collectives(text)
         table = hlo_stats.summarize(found)
         flops, floor = hlo_stats.dot_flops(text)
-        print(f"\n{name} (compiled in {seconds:.0f} s): arguments "
-              f"{memory.argument_size_in_bytes / gib:.2f} GiB, outputs "
-              f"{memory.output_size_in_bytes / gib:.2f} GiB, temp {memory.temp_size_in_bytes / gib:.2f}"
-              f" GiB per device; matmul FLOPs {flops:.4g} per device"
+        print(f"\n{name} (compiled in {seconds:.0f} s), per device: arguments "
+              f"{memory.argument_size_in_bytes / GIB:.2f} GiB, outputs "
+              f"{memory.output_size_in_bytes / GIB:.2f} GiB (aliased "
+              f"{memory.alias_size_in_bytes / GIB:.2f}), temp {memory.temp_size_in_bytes / GIB:.2f}"
+              f" GiB, peak {peak / GIB:.2f} GiB; matmul FLOPs {flops:.4g}"
               + (f" (of which {floor:.3g} in data-dependent loops, counted once)" if floor else ""))  # fmt: skip
         for kind, row in table.items():
             if row["count"]:
                 dtypes = sorted({d for c in found if c.kind == kind for d in c.dtypes})
-                print(f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / gib:9.3f} GiB "
+                print(f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / GIB:9.3f} GiB "
                       f"received per device  ({', '.join(dtypes)})")  # fmt: skip
         return memory, table, flops, found
+
+    grad_step = train_step.make_grad_step(graphdef, rest, train_config.loss_settings(recipe), "ema")
+
+    def compile_grad(teacher_len, student_len):
+        student = pack(samples, student_len, args.student_patches, args.loss_entries)
+        teacher = pack(samples, teacher_len, args.teacher_patches, args.loss_entries)
+        with mesh_lib.use_mesh(mesh):
+            lowered = grad_step.lower(abstract_state.params, abstract_state.teacher_params,
+                                      student, teacher)  # fmt: skip
+            return compile_program(lowered, mesh)
 
     grad_compiled, grad_text, seconds = compile_grad(args.teacher_len, args.student_len)
     grad_memory, grad_table, grad_flops, grad_found = report(
@@ -218,7 +255,8 @@ def main():
     # Activation collectives: anything that is not a weight or weight gradient (or a scalar).
     f = n // (args.num_replicate * args.num_tensor)
     splits = {f, args.num_tensor, f * args.num_tensor}
-    activations = hlo_stats.activation_collectives(grad_found, (abstract_params, rest), splits)
+    activations = hlo_stats.activation_collectives(grad_found, (abstract_params, abstract_rest),
+                                                   splits)  # fmt: skip
     print(f"  activation collectives: {sum(c.count for c in activations)} per call, "
           f"{sum(c.count * c.moved_bytes for c in activations) / 2**20:.2f} MiB"
           + (" (under tensor parallelism the per-layer all-reduces of the split heads and MLP "
@@ -227,72 +265,46 @@ def main():
     bf16_param_bytes = num_params * 2 / args.num_tensor
     expected_gather = 3 * bf16_param_bytes / f * (f - 1)
     gathered = grad_table["all-gather"]["bytes"]
-    print(f"  all-gather per micro-batch {gathered / gib:.3f} GiB vs (student fwd + student bwd "
-          f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / gib:.3f} GiB "
+    print(f"  all-gather per micro-batch {gathered / GIB:.3f} GiB vs (student fwd + student bwd "
+          f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / GIB:.3f} GiB "
           f"(ratio {gathered / expected_gather:.3f})")  # fmt: skip
     scattered = grad_table["reduce-scatter"]["bytes"] + grad_table["all-reduce"]["bytes"]
-    print(f"  gradient reduction per micro-batch {scattered / gib:.3f} GiB = "
+    print(f"  gradient reduction per micro-batch {scattered / GIB:.3f} GiB = "
           f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
           f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
           + ("; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
              "(counted as an all-reduce: an upper bound)" if args.num_replicate > 1 else ""))  # fmt: skip
+    if on_gpu:
+        kernels = grad_compiled.as_text().count('"__gpu$xla.gpu.triton"')
+        print(f"  Pallas (Triton) attention kernels in the program: {kernels}")
 
     state_args = (abstract_state, abstract_state.params, 2, jnp.float32(0))
+    update = train_step.make_apply_update(optimizer, "ema", recipe.ema_decay)
     with mesh_lib.use_mesh(mesh):
-        t0 = time.perf_counter()
-        update = train_step.make_apply_update(optimizer, "ema", recipe.ema_decay)
-        update_compiled, update_text = hlo_stats.compile_and_read(update.lower(*state_args))
-    update_memory, update_table, _, _ = report("optimizer + EMA update", update_compiled,
-                                               update_text, time.perf_counter() - t0)  # fmt: skip
+        update_compiled, update_text, seconds = compile_program(update.lower(*state_args), mesh)
+    report("optimizer + EMA update", update_compiled, update_text, seconds)
 
-    # ---- the decode round (rollouts of every sample of the step) ------------------------------
+    # ---- the sampler: refresh, prefill, decode round, per sampler layout ------------------------
+    # After each update the params become a bf16 copy in a decode layout (one jitted reshard);
+    # the sampler prefills and decodes on it under the decode mesh and rules, as
+    # sampler.sample(copy) does.
     rows = samples * accum
     slots = args.prompt_len + new_tokens + rounds
-    cache_spec = jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES)
     cache_shape = (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim)
-    cache = jax.ShapeDtypeStruct(cache_shape, jnp.bfloat16,
-                                 sharding=jax.sharding.NamedSharding(mesh, cache_spec))  # fmt: skip
-
-    def per_row(dtype, *tail):
-        return array((rows,) + tail, dtype)
-
-    decode_state = sampler.DecodeState(
-        cache=(cache, cache), kv_length=per_row(jnp.int32), rope=per_row(jnp.int32),
-        tokens=per_row(jnp.int32, new_tokens), logprobs=per_row(jnp.float32, new_tokens),
-        length=per_row(jnp.int32), budget=per_row(jnp.int32), active=per_row(jnp.bool_),
-        finished=per_row(jnp.bool_))  # fmt: skip
     settings = sampler._RoundSettings(temperature=1.0, do_sample=True, bos_id=1, eos_id=2,
                                       vocab_limit=llm.vocab_size, max_steps=new_tokens + 1)  # fmt: skip
-    model_state = nnx.merge_state(abstract_state.params, rest)
-    with mesh_lib.use_mesh(mesh):
-        t0 = time.perf_counter()
-        lowered = sampler._decode_round.lower(graphdef, model_state, decode_state,
-                                              jax.random.key(0), per_row(jnp.int32), settings)  # fmt: skip
-        decode_compiled, decode_text = hlo_stats.compile_and_read(lowered)
-    _, decode_table, _, _ = report(
-        f"decode round ({rows} rows, cache {slots} slots; one while_loop iteration per token)",
-        decode_compiled, decode_text, time.perf_counter() - t0)  # fmt: skip
-    # The round's loop runs at most max_steps times (it can stop early); counts are at that bound.
-    per_token_moved = sum(row["bytes"] for row in decode_table.values()) / settings.max_steps
-    cache_bytes = 2 * math.prod(cache_shape) * 2 / (n // args.num_tensor)
-    # Per generated token each device reads its weights once (the sampler's parameters as they
-    # are: fp32 shards today, then gathered) and its rows' cache.
-    weight_read = params_bytes + per_token_moved
-    per_token_hbm = weight_read + cache_bytes
-    print(f"  per generated token per device: collectives inside the loop "
-          f"{per_token_moved / gib:.3f} GiB, HBM read ~{per_token_hbm / gib:.3f} GiB "
-          f"(weights + KV cache {cache_bytes / gib:.3f} GiB)")  # fmt: skip
-
-    # ---- the decode copy, per sampler layout (what the sampler decodes on) ---------------------
-    # After each update the params become a bf16 copy in a decode layout (one jitted reshard);
-    # the decode round runs on it under the decode mesh and rules, as sampler.sample(copy) does.
+    model_state = nnx.merge_state(abstract_state.params, abstract_rest)
+    key = jax.eval_shape(lambda: jax.random.key(0))
     layouts = {}
     for layout in mesh_lib.SAMPLER_LAYOUTS:
-        view = mesh_lib.decode_mesh(mesh, layout)
+        view = mesh_lib.decode_mesh(mesh, layout, min(args.devices_per_host, n)
+                                    if layout == "tensor" else None)  # fmt: skip
         copy = decode_copy.abstract_decode_copy(model_state, view, recipe.compute_dtype)
         refresh = decode_copy.cast_function(model_state, view, recipe.compute_dtype)
-        _, refresh_text = hlo_stats.compile_and_read(refresh.lower(model_state))
-        refresh_table = hlo_stats.summarize(hlo_stats.collectives(refresh_text))
+        refresh_compiled, refresh_text, seconds = compile_program(refresh.lower(model_state), view)
+        _, refresh_table, _, _ = report(f"decode-copy refresh to '{layout}' (decode mesh "
+                                        f"{dict(view.shape)})", refresh_compiled, refresh_text,
+                                        seconds)  # fmt: skip
         refresh_moved = sum(row["bytes"] for row in refresh_table.values())
 
         def on_view(shape, dtype, names, view=view):
@@ -303,33 +315,75 @@ def main():
         def rows_of(dtype, *tail, on_view=on_view):
             return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
 
+        prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
+        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+            lowered = sampler._prefill.lower(graphdef, copy, prompt, new_tokens, slots,
+                                             jnp.dtype(jnp.bfloat16), mesh_lib.DECODE_RULES)  # fmt: skip
+            prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
+        prefill_memory, _, prefill_flops, _ = report(
+            f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
+            f"{args.prompt_patches} patches; cache of {slots} slots)", prefill_compiled,
+            prefill_text, seconds)  # fmt: skip
+
         view_cache = on_view(cache_shape, jnp.bfloat16, sampler._CACHE_NAMES)
         view_state = sampler.DecodeState(
             cache=(view_cache, view_cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
             tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
             length=rows_of(jnp.int32), budget=rows_of(jnp.int32), active=rows_of(jnp.bool_),
             finished=rows_of(jnp.bool_))  # fmt: skip
+        view_key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
+            view, jax.sharding.PartitionSpec()))  # fmt: skip
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            t0 = time.perf_counter()
-            lowered = sampler._decode_round.lower(graphdef, copy, view_state, jax.random.key(0),
+            lowered = sampler._decode_round.lower(graphdef, copy, view_state, view_key,
                                                   rows_of(jnp.int32), settings,
                                                   mesh_lib.DECODE_RULES)  # fmt: skip
-            compiled, text = hlo_stats.compile_and_read(lowered)
+            compiled, text, seconds = compile_program(lowered, view)
         memory, table, _, _ = report(
-            f"decode round on the '{layout}' bf16 decode copy (decode mesh {dict(view.shape)})",
-            compiled, text, time.perf_counter() - t0)  # fmt: skip
+            f"decode round on the '{layout}' copy ({rows} rows, cache {slots} slots; one "
+            f"while_loop iteration per token)", compiled, text, seconds)  # fmt: skip
         copy_bytes = shard_bytes(copy)
-        view_cache_bytes = 2 * shard_bytes(view_cache)
+        cache_bytes = 2 * shard_bytes(view_cache)  # k and v, at capacity
+        # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
+        # embedding table only the rows fed) read once, and each row's cache up to its length.
+        vit_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+                        for p, x in jax.tree_util.tree_flatten_with_path(copy)[0]
+                        if "language_model" not in jax.tree_util.keystr(p)
+                        or "embed_tokens" in jax.tree_util.keystr(p))  # fmt: skip
+        decode_weights = copy_bytes - vit_bytes
+        mean_length = args.prompt_len + new_tokens / 2
+        floor = decode_weights + cache_bytes * mean_length / slots
         moved = sum(row["bytes"] for row in table.values()) / settings.max_steps
-        hbm_read = copy_bytes + view_cache_bytes  # each step reads its weights and rows' cache
-        token_s = max(hbm_read / hbm_bw, moved / link_bw)
+        if on_gpu:
+            kernels = hbm_traffic.loop_traffic(compiled.as_text())
+            step_hbm = hbm_traffic.total_bytes(kernels)
+            copies = hbm_traffic.data_movement(kernels)
+            outside = hbm_traffic.total_bytes(hbm_traffic.outside_loops(compiled.as_text()))
+            print(f"  HBM per decode step per device, from the GPU program: {step_hbm / GIB:.3f} "
+                  f"GiB in {len(kernels)} kernels, of which {hbm_traffic.total_bytes(copies) / GIB:.3f}"
+                  f" GiB in {len(copies)} data-movement kernels (copies, slices, pads); floor "
+                  f"{floor / GIB:.3f} GiB (bf16 decode weights {decode_weights / GIB:.3f} + KV "
+                  f"cache at the mean length {mean_length:.0f} of {slots} slots "
+                  f"{cache_bytes * mean_length / slots / GIB:.3f}): {step_hbm / floor:.2f}x the "
+                  f"floor; {outside / GIB:.3f} GiB once per round outside the loop")  # fmt: skip
+            print("  the decode step's largest kernels (bytes per step):")
+            print(hbm_traffic.describe(kernels, top=8))
+        else:
+            # A CPU program says nothing of a GPU's kernels: assume the floor at full capacity.
+            step_hbm = decode_weights + cache_bytes
+            print(f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
+                  f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB")
+        token_s = max(step_hbm / hbm_bw, moved / link_bw)
+        prefill_s = prefill_flops / (peak_flops * args.mfu)
         layouts[layout] = dict(
-            token_s=token_s, rollout_s=token_s * new_tokens, refresh_s=refresh_moved / link_bw,
-            peak=resident + copy_bytes + memory.temp_size_in_bytes + view_cache_bytes)  # fmt: skip
-        print(f"  copy {copy_bytes / gib:.2f} GiB per device, refreshed once per step by "
-              f"{refresh_moved / gib:.2f} GiB of all-gather per device; per token step per "
-              f"device: HBM read ~{hbm_read / gib:.3f} GiB (copy + KV cache "
-              f"{view_cache_bytes / gib:.3f} GiB), moved {moved / 2**20:.3f} MiB")  # fmt: skip
+            token_s=token_s, floor_s=floor / hbm_bw, rollout_s=token_s * new_tokens,
+            refresh_s=refresh_moved / link_bw, prefill_s=prefill_s,
+            peak=resident + copy_bytes + max(memory.temp_size_in_bytes + cache_bytes,
+                                             prefill_memory.temp_size_in_bytes)  # fmt: skip
+        )
+        print(f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "
+              f"{refresh_moved / GIB:.2f} GiB of all-gather per device; KV cache "
+              f"{cache_bytes / GIB:.3f} GiB per device; moved per token step "
+              f"{moved / 2**20:.3f} MiB")  # fmt: skip
 
     # ---- projection ----------------------------------------------------------------------------
     tokens_student = samples * args.student_len
@@ -338,51 +392,44 @@ def main():
                 + 2 * lm_matmul * tokens_teacher) / n  # fmt: skip
     attention = (2 * 2 * llm.num_hidden_layers * llm.num_attention_heads * llm.head_dim *
                  samples * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)) / n  # fmt: skip
-    compute_s = (grad_flops + attention) / peak_flops
+    compute_s = (grad_flops + attention) / (peak_flops * args.mfu)
     comm_s = (grad_table["all-gather"]["bytes"] + grad_table["reduce-scatter"]["bytes"]
               + grad_table["all-reduce"]["bytes"]) / link_bw  # fmt: skip
-    print(f"\nprojection on {args.gpu} (peak {peak_flops / 1e12:.0f} TFLOP/s bf16, HBM "
-          f"{hbm_bw / 1e12:.2f} TB/s, NVLink {link_bw / 1e9:.0f} GB/s per direction):")  # fmt: skip
+    print(f"\nprojection on {gpu} (peak {peak_flops / 1e12:.0f} TFLOP/s bf16, assumed MFU "
+          f"{args.mfu}; HBM {hbm_bw / 1e12:.2f} TB/s, NVLink {link_bw / 1e9:.0f} GB/s per "
+          f"direction):")  # fmt: skip
     print(f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic 6·N·tokens + remat "
           f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
           f"layer params) + attention ~{attention:.3g} (causal, analytic)")  # fmt: skip
-    print(f"  grad step: compute {compute_s:.2f} s at peak, communication {comm_s:.2f} s -> "
-          f"{max(compute_s, comm_s):.2f} s (fully overlapped) .. {compute_s + comm_s:.2f} s "
-          f"(none overlapped) per micro-batch")  # fmt: skip
-    decode_token_s = max(per_token_hbm / hbm_bw, per_token_moved / link_bw)
-    rollout_s = decode_token_s * new_tokens
-    rows_per_device = rows // (n // args.num_tensor)
-    print(f"  decode on the FSDP params (before the decode copy): {decode_token_s * 1e3:.2f} ms "
-          f"per token step (HBM {per_token_hbm / hbm_bw * 1e3:.2f} "
-          f"ms, interconnect {per_token_moved / link_bw * 1e3:.2f} ms) -> "
-          f"{rows_per_device / decode_token_s:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
-          f"of {rows} rows {rollout_s:.1f} s; bound reading bf16 weights + cache once per step "
-          f"{(num_params * 2 / (n if args.num_tensor > 1 else 1) + cache_bytes) / hbm_bw * 1e3:.2f} ms")  # fmt: skip
+    print(f"  grad step: compute {compute_s:.2f} s at MFU {args.mfu}, communication "
+          f"{comm_s:.2f} s -> {max(compute_s, comm_s):.2f} s (fully overlapped) .. "
+          f"{compute_s + comm_s:.2f} s (none overlapped) per micro-batch")  # fmt: skip
     for layout, row in layouts.items():
-        print(f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step -> "
-              f"{rows / n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout of "
-              f"{rows} rows {row['rollout_s']:.1f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms "
-              f"per step")  # fmt: skip
+        print(f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step "
+              f"(floor {row['floor_s'] * 1e3:.2f} ms) -> {rows / n / row['token_s']:.0f} tokens/s "
+              f"per GPU; a {new_tokens}-token rollout of {rows} rows {row['rollout_s']:.1f} s "
+              f"(at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
+              f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step")  # fmt: skip
     # The step samples on the copy in the recipe's layout.
-    sampling_s = layouts[recipe.sampler_layout]["rollout_s"] + layouts[recipe.sampler_layout][
-        "refresh_s"]
+    chosen = layouts[recipe.sampler_layout]
+    sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
     step_low = accum * max(compute_s, comm_s) + sampling_s
     step_high = accum * (compute_s + comm_s) + sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
     print(f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
-          f"'{recipe.sampler_layout}' refresh and rollout); "
-          f"paper recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
+          f"'{recipe.sampler_layout}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
+          f"recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
           f"{hours(step_high):.1f} h")  # fmt: skip
 
     # ---- memory --------------------------------------------------------------------------------
     grad_peak = resident + grad_memory.temp_size_in_bytes + grad_memory.output_size_in_bytes
-    decode_peak = layouts[recipe.sampler_layout]["peak"]  # training state + copy + cache
+    decode_peak = chosen["peak"]  # training state + copy + cache + the sampler's temp
     budget = hbm_bytes * (1 - HEADROOM)
-    print(f"\nmemory per device on {args.gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
-          f"-> {budget / gib:.1f} GiB): resident state {resident / gib:.2f} GiB; grad step peak "
-          f"{grad_peak / gib:.2f} GiB ({grad_peak / hbm_bytes:.0%}); decode peak "
-          f"('{recipe.sampler_layout}' copy) "
-          f"{decode_peak / gib:.2f} GiB ({decode_peak / hbm_bytes:.0%})")  # fmt: skip
+    print(f"\nmemory per device on {gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
+          f"-> {budget / GIB:.1f} GiB): resident state {resident / GIB:.2f} GiB; grad step peak "
+          f"{grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
+          f"('{recipe.sampler_layout}' copy) {decode_peak / GIB:.2f} GiB "
+          f"({decode_peak / hbm_bytes:.0%})")  # fmt: skip
     print("  fits" if max(grad_peak, decode_peak) <= budget else "  DOES NOT FIT")
     if not args.skip_fit:
         # Temp memory is linear in the pack lengths (attention included): compile once more with
@@ -392,16 +439,18 @@ def main():
         slope = (temp2 - temp1) / args.teacher_len  # bytes per teacher token (+ its student share)
         base = grad_peak - slope * args.teacher_len
         ratio = args.student_len / args.teacher_len
-        for gpu in sorted(GPUS):
-            room = GPUS[gpu][3] * (1 - HEADROOM)
+        for name in sorted(GPUS):
+            room = GPUS[name][3] * (1 - HEADROOM)
             fit = int((room - base) / slope) if slope > 0 else 0
-            print(f"  largest pack on {gpu}: teacher rows of {fit:,} tokens with student rows of "
-                  f"{int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each per "
-                  f"device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured at "
-                  f"{args.teacher_len} and {2 * args.teacher_len})")  # fmt: skip
-    print("\nNot known from a CPU compile: GPU fusion and kernel efficiency (times above are at "
-          "peak FLOP/s), how much communication overlaps compute (both bounds shown), and GPU "
-          "temp sizes (the CPU compiler's are shown; it widens some bf16 buffers to f32).")
+            print(f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
+                  f"of {int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each "
+                  f"per device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured "
+                  f"at {args.teacher_len} and {2 * args.teacher_len})")  # fmt: skip
+    print("\nNot known from a compile without a device: kernel speeds (nothing is autotuned; "
+          f"compute is assumed at MFU {args.mfu}, decode at the full HBM bandwidth), how much "
+          "communication overlaps compute (both bounds shown)"
+          + ("" if on_gpu else "; and on the CPU proxy the GPU's fusions, copies and temp "
+             "buffers (its HBM per decode step is assumed at the floor, not counted)") + ".")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -133,9 +133,10 @@ def _arg_names(q, k):
 
 def resolve_backend(name: str) -> str:
     """The backend "auto" stands for on this machine (other names are returned unchanged):
-    the Pallas kernel on an NVIDIA GPU it supports, else "chunked"."""
-    if name != "auto" or jax.default_backend() != "gpu":
-        return "chunked" if name == "auto" else name
+    the Pallas kernel on an NVIDIA GPU it supports (or when compiling for a GPU target without
+    one, under a compile-only GPU mesh), else "chunked"."""
+    if name != "auto":
+        return name
     from models import attention_pallas
 
     return "pallas" if attention_pallas.unsupported_reason() is None else "chunked"

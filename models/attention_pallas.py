@@ -84,8 +84,21 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value!r}")
 
 
+def compiling_for_gpu_without_one() -> bool:
+    """Whether the trace in progress compiles for GPU devices this process cannot run on: the
+    active mesh is over compile-only GPU devices (opsd_jax/parallel/gpu_target.py) or an
+    abstract GPU mesh (`lower_for_gpu`), while jax itself runs on another backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return device is not None and device.platform == "gpu" and jax.default_backend() != "gpu"
+
+
 def unsupported_reason() -> str | None:
-    """Why the compiled kernel cannot run on the default JAX device, or None when it can."""
+    """Why the compiled kernel cannot run on the default JAX device, or None when it can (or
+    when the program is compiled for a GPU target without one, where nothing runs: the target
+    files we ship are all sm90)."""
+    if compiling_for_gpu_without_one():
+        return None
     if jax.default_backend() != "gpu":
         return f"the default JAX backend is {jax.default_backend()!r}, not an NVIDIA GPU"
     device = jax.devices()[0]
@@ -120,7 +133,7 @@ def range_attention(
     interpret=True runs the kernels in the Pallas interpreter on any backend (tests); otherwise a
     supported NVIDIA GPU is required and anything else is refused with the reason.
     """
-    if not interpret and not _lowering_for_gpu and (reason := unsupported_reason()) is not None:
+    if not interpret and (reason := unsupported_reason()) is not None:
         raise ValueError(
             f"attention backend 'pallas' needs an NVIDIA GPU of compute capability >= 8.0: "
             f"{reason}. Use backend 'chunked' (or 'auto') instead."
@@ -404,7 +417,6 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 GPU_FOR_LOWERING = "NVIDIA H100 80GB HBM3"
-_lowering_for_gpu = False  # set by lower_for_gpu: the device check is about running, not lowering
 
 
 def lower_for_gpu(fn, *args, device_kind: str = GPU_FOR_LOWERING) -> str:
@@ -412,18 +424,14 @@ def lower_for_gpu(fn, *args, device_kind: str = GPU_FOR_LOWERING) -> str:
 
     The Triton lowering runs in-process (jax picks the target from an abstract device), so this
     checks on CPU that every kernel lowers to Triton IR (power-of-two tiles, supported ops); it
-    does not run ptxas or the kernel.
+    does not run ptxas or the kernel. To compile for a GPU (ptxas included) without one, use
+    compile-only devices (opsd_jax/parallel/gpu_target.py).
     """
-    global _lowering_for_gpu
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     # Pallas custom calls carry no export compatibility guarantee; nothing here is serialized.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    _lowering_for_gpu = True
-    try:
-        with jax.sharding.use_abstract_mesh(mesh):
-            exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                         disabled_checks=unchecked)(*args)  # fmt: skip
-    finally:
-        _lowering_for_gpu = False
+    with jax.sharding.use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                     disabled_checks=unchecked)(*args)  # fmt: skip
     return exported.mlir_module()

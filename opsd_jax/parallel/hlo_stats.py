@@ -106,7 +106,7 @@ class Collective:
         return {s.dtype for s in self.operands + self.results}
 
 
-def _shapes(text: str) -> tuple[Shape, ...]:
+def shapes_in(text: str) -> tuple[Shape, ...]:
     return tuple(
         Shape(dtype, tuple(int(d) for d in dims.split(",") if d))
         for dtype, dims in _SHAPE.findall(text)
@@ -130,18 +130,19 @@ def _kind(opcode: str) -> str | None:
 
 
 @dataclasses.dataclass
-class _Instruction:
+class Instruction:
     name: str
     opcode: str
     result: str  # the result type text
     operands: list[str]  # operand instruction names (a tuple element 'x#3' counts as 'x')
     operand_text: str
     attributes: str
+    is_root: bool = False
 
 
-def _parse(text: str):
-    """{computation: [_Instruction]} and the entry computation's name."""
-    computations: dict[str, list[_Instruction]] = {}
+def parse_module(text: str):
+    """{computation: [Instruction]} and the entry computation's name."""
+    computations: dict[str, list[Instruction]] = {}
     entry, current = None, None
     for line in text.splitlines():
         stripped = line.strip()
@@ -155,15 +156,15 @@ def _parse(text: str):
         if inst:
             name, result, opcode, rest = inst.groups()
             operand_text = _split_operands(rest)
-            computations[current].append(_Instruction(
+            computations[current].append(Instruction(
                 name, opcode, result, _OPERAND_NAME.findall(operand_text), operand_text,
-                rest[len(operand_text):]))  # fmt: skip
+                rest[len(operand_text):], stripped.startswith("ROOT")))  # fmt: skip
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
 
 
-def _trip_count(loop: _Instruction, computations) -> int | None:
+def trip_count(loop: Instruction, computations) -> int | None:
     """Iterations of a while loop: XLA's annotation when present, else a condition holding
     `counter < constant` (how jax writes scan / map loops; the counter starts at 0). A loop that
     can also stop early (`step < max_steps & any(active)`) is counted at its bound."""
@@ -194,7 +195,7 @@ def _group_size(attributes: str) -> int:
     return int(iota.group(2)) if iota else 0
 
 
-def _operand_type(operand: str, results: dict[str, str]) -> str:
+def operand_type(operand: str, results: dict[str, str]) -> str:
     """The type text of an operand; 'x#3' is element 3 of x's tuple type."""
     name, _, index = operand.partition("#")
     text = results.get(name, "")
@@ -212,7 +213,7 @@ def _operand_type(operand: str, results: dict[str, str]) -> str:
     return elements[int(index)] if int(index) < len(elements) else ""
 
 
-def _slice_fraction(inst: _Instruction, users: dict, results: dict) -> float | None:
+def _slice_fraction(inst: Instruction, users: dict, results: dict) -> float | None:
     """The share of `inst`'s result that its uses keep, when every use (through data-movement
     ops) is a dynamic-slice of the same size; None otherwise. An all-reduce of which each device
     keeps 1/n, n its group size, is a reduce-scatter (XLA's GPU and TPU pipelines rewrite it into
@@ -225,12 +226,12 @@ def _slice_fraction(inst: _Instruction, users: dict, results: dict) -> float | N
                 continue
             seen.add(user.name)
             if user.opcode == "dynamic-slice":
-                sizes.add(math.prod(s for shape in _shapes(user.result) for s in shape.dims))
+                sizes.add(math.prod(s for shape in shapes_in(user.result) for s in shape.dims))
             elif user.opcode in _PASSTHROUGH:
                 pending.append(user.name)
             else:
                 return None
-    whole = math.prod(s for shape in _shapes(inst.result) for s in shape.dims)
+    whole = math.prod(s for shape in shapes_in(inst.result) for s in shape.dims)
     return sizes.pop() / whole if len(sizes) == 1 and whole else None
 
 
@@ -252,7 +253,7 @@ def _multiplicities(computations, entry):
                 continue
             trips, loop_unknown = 1, False
             if inst.opcode == "while":
-                trips = _trip_count(inst, computations)
+                trips = trip_count(inst, computations)
                 trips, loop_unknown = (1, True) if trips is None else (trips, False)
             for callee in dict.fromkeys(callees):
                 visit(callee, multiplier * trips, in_unknown or loop_unknown, depth + 1)
@@ -264,7 +265,7 @@ def _multiplicities(computations, entry):
 def dot_flops(text: str) -> tuple[float, float]:
     """(FLOPs of every dot per call, counted through loops; the part inside loops whose trip
     count is unknown, counted once per entry, so a floor). 2 x output elements x contraction."""
-    computations, entry = _parse(text)
+    computations, entry = parse_module(text)
     counts, unknown = _multiplicities(computations, entry)
     total = floor_part = 0.0
     for computation, instructions in computations.items():
@@ -274,8 +275,8 @@ def dot_flops(text: str) -> tuple[float, float]:
         for inst in instructions:
             if inst.opcode != "dot" or not inst.operands:
                 continue
-            lhs = _shapes(_operand_type(inst.operands[0], results))
-            out = _shapes(inst.result)
+            lhs = shapes_in(operand_type(inst.operands[0], results))
+            out = shapes_in(inst.result)
             contracting = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", inst.attributes)
             if not lhs or not out or not contracting:
                 continue
@@ -289,7 +290,7 @@ def dot_flops(text: str) -> tuple[float, float]:
 
 def collectives(text: str) -> list[Collective]:
     """Every collective of an HLO module, with its per-call execution count."""
-    computations, entry = _parse(text)
+    computations, entry = parse_module(text)
     counts, unknown = _multiplicities(computations, entry)
     found: list[Collective] = []
     for computation, instructions in computations.items():
@@ -309,9 +310,9 @@ def collectives(text: str) -> list[Collective]:
                 kept = _slice_fraction(inst, users, results)
                 if kept is not None and abs(kept * group_size - 1) < 1e-9:
                     kind = "reduce-scatter"
-            operand_types = " ".join(_operand_type(o, results) for o in inst.operands)
-            operands = _shapes(operand_types or inst.operand_text)
-            result_shapes = _shapes(inst.result)
+            operand_types = " ".join(operand_type(o, results) for o in inst.operands)
+            operands = shapes_in(operand_types or inst.operand_text)
+            result_shapes = shapes_in(inst.result)
             if kind == "reduce-scatter" and inst.opcode.startswith("all-reduce"):
                 # Reported as the reduce-scatter it becomes: each device keeps 1/n.
                 n = max(group_size, 1)
@@ -379,14 +380,15 @@ def activation_collectives(found: list[Collective], weights, splits: set[int],
     return bad
 
 
-def partitioned_hlo(lowered) -> str:
+def partitioned_hlo(lowered, options: dict | None = None) -> str:
     """The HLO of a lowered jax computation right after SPMD partitioning (see compile_and_read)."""
-    return compile_and_read(lowered)[1]
+    return compile_and_read(lowered, options)[1]
 
 
-def compile_and_read(lowered):
+def compile_and_read(lowered, options: dict | None = None):
     """(the compiled executable, its HLO right after SPMD partitioning) for a lowered jax
-    computation, compiled for the current backend.
+    computation, compiled for the devices it was lowered for with the XLA `options` given
+    (e.g. opsd_jax/parallel/gpu_target.py's compiler_options for compile-only GPU devices).
 
     Why not `compile().as_text()`: that is the program after the backend's own passes, and the
     CPU backend widens bf16 collectives to f32 and never forms reduce-scatters; right after
@@ -401,7 +403,8 @@ def compile_and_read(lowered):
     try:
         with tempfile.TemporaryDirectory(prefix="opsd-hlo-") as folder:
             compiled = lowered.compile(compiler_options={
-                "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
+                **(options or {}), "xla_dump_to": folder,
+                "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
             dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
             if not dumps:
                 raise RuntimeError(f"XLA wrote no after-spmd-partitioning dump in {folder}: "

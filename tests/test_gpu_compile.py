@@ -1,0 +1,239 @@
+"""The run's programs compiled for an H100, on a machine without a GPU (compile-only devices).
+
+What the GPU compiler builds is not what XLA:CPU builds (fusions, copies, buffers, Triton
+kernels, collectives), so these compile the tiny config's programs for the H100 target
+(opsd_jax/parallel/gpu_target.py) and read one fact from each executable: the Pallas kernels
+are in the train step and its state is donated; the decode-copy refresh gathers bf16; prefill
+and the decode round on the replicated copy move nothing between devices but per-row scalars,
+and the HBM counter of the decode step sees at least the weights it must read. jax's CUDA
+plugin is in requirements-test.txt: without it these fail (they are not skipped).
+"""
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.experimental import topologies
+from jax.sharding import PartitionSpec as P
+
+from configs import tiny
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from models.sharding import logical_spec
+from opsd_jax.data import pack_shapes
+from opsd_jax.data.opsd_packs import shaped_pack
+from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.parallel import distributed, gpu_target, hbm_traffic, hlo_stats
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import decode_copy, sampler
+from opsd_jax.training import train_config, train_step
+
+SPECIAL = SpecialTokens(1020, 1021, 1022, 1023)  # the toy vocabulary's structural ids
+SMALL = 64  # elements: per-row scalars (tokens, log-probs, stop flags) may cross devices
+TRITON = '"__gpu$xla.gpu.triton"'
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_cuda_plugin_is_installed():
+    assert gpu_target.plugin_available(), "pip install -r requirements-test.txt (jax's CUDA plugin)"
+
+
+def tiny_model_config(backend: str) -> BagelConfig:
+    """The tiny config's model as train.py builds it, with the attention `backend`."""
+    config = tiny.get_config()
+    return BagelConfig.tiny(llm=dict(
+        compute_dtype=config.compute_dtype, remat=config.remat, attention_backend=backend,
+        unroll_layers=config.unroll_layers, attention_block=config.attention_block))  # fmt: skip
+
+
+def abstract_split(model_config, mesh):
+    graphdef, abstract = mesh_lib.abstract_model(lambda: Bagel(model_config, rngs=nnx.Rngs(0)),
+                                                 mesh)  # fmt: skip
+    params, rest = nnx.split_state(abstract, nnx.Param, ...)
+    return graphdef, params, rest
+
+
+def host_rest(model_config):
+    """The model's non-parameter state (the ViT's sin-cos table) as values on the host CPU: a
+    train step closes over it, as train.py's does."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return jax.jit(lambda: nnx.split_state(
+            nnx.state(Bagel(model_config, rngs=nnx.Rngs(0))), nnx.Param, ...)[1])()  # fmt: skip
+
+
+def tiny_train_step(mesh, options):
+    """(the tiny config's train step lowered for `mesh`, compiled with XLA `options`)."""
+    config = tiny.get_config()
+    model_config = tiny_model_config("pallas")
+    graphdef, params, _ = abstract_split(model_config, mesh)
+    rest = host_rest(model_config)
+    optimizer = train_step.make_optimizer(config)
+    state = train_step.abstract_state(params, optimizer, config.teacher_mode, jax.random.key(0))
+    step = train_step.make_train_step(
+        train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
+                                  config.teacher_mode),
+        optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
+        schedule=train_step.learning_rate_schedule(config),
+        max_bad_steps=config.max_consecutive_bad_steps,
+        state_shardings=train_step.shardings_of(state))  # fmt: skip
+    shapes = pack_shapes.pack_shapes(config)
+    batch = tuple(distributed.abstract_micro_batches(
+        shaped_pack([], shapes[name][0], config.rows_per_micro_batch, SPECIAL, [], fixed=True),
+        config.gradient_accumulation_steps, mesh) for name in ("student", "teacher"))  # fmt: skip
+    with mesh_lib.use_mesh(mesh):
+        return step.lower(state, batch).compile(compiler_options=options)
+
+
+@pytest.fixture(scope="module")
+def h100_train_step():
+    mesh = gpu_target.make_mesh("h100", 1)  # the tiny config trains on one device
+    return tiny_train_step(mesh, gpu_target.compiler_options(mesh))
+
+
+def test_train_step_runs_the_pallas_kernels_and_donates_its_state(h100_train_step):
+    text = h100_train_step.as_text()
+    # Forward, dQ and dK/dV kernels, compiled for sm90 (ptxas included), not merely lowered.
+    assert text.count(TRITON) >= 3, f"{text.count(TRITON)} Triton custom calls"
+    memory = h100_train_step.memory_analysis()
+    assert memory.temp_size_in_bytes > 0
+    # The whole train state (params, EMA, moments) is donated: the output reuses its buffers.
+    assert memory.alias_size_in_bytes >= 0.9 * memory.output_size_in_bytes > 0
+
+
+def test_a_deviceless_compile_needs_the_cub_flag():
+    """XLA's own target specs name a CUDA 13 stack (CUB 3.1.2); for such a target the GPU
+    compiler rewrites a long sort into a CUB call and asks the CUDA runtime for its scratch
+    size, which fails without a device. DEVICELESS_OPTIONS keeps XLA's own sort instead."""
+    text = gpu_target.target_config("h100").replace(
+        "  ecc_enabled: true\n", '  ecc_enabled: true\n  cub_version: "3.1.2"\n')
+    assert "cub_version" in text
+    device = topologies.get_topology_desc(platform="cuda", target_config=text,
+                                          topology="1x1x1").devices[0]  # fmt: skip
+    mesh = jax.sharding.Mesh(np.array([device]), ("x",))
+    keys = jax.ShapeDtypeStruct((1 << 20,), jnp.float32,
+                                sharding=jax.sharding.NamedSharding(mesh, P()))  # fmt: skip
+    lowered = jax.jit(jnp.argsort).lower(keys)
+    with pytest.raises(Exception, match="cudaErrorInvalidDevice"):
+        lowered.compile()
+    assert lowered.compile(compiler_options=gpu_target.DEVICELESS_OPTIONS) is not None
+
+
+@dataclasses.dataclass
+class SamplerPrograms:
+    refresh: object
+    refresh_text: str
+    prefill_text: str
+    decode: object
+    decode_text: str
+    decode_weight_bytes: int
+
+
+@pytest.fixture(scope="module")
+def h100_sampler() -> SamplerPrograms:
+    """Refresh, prefill and decode round of the tiny model on two H100s, replicated copy."""
+    mesh = gpu_target.make_mesh("h100", 2)
+    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16"))
+    llm = model_config.llm
+    graphdef, params, rest = abstract_split(model_config, mesh)
+    state = nnx.merge_state(params, rest)
+    view = mesh_lib.decode_mesh(mesh, "replicated")
+    options = gpu_target.compiler_options(view)
+    copy = decode_copy.abstract_decode_copy(state, view, jnp.bfloat16)
+    refresh = decode_copy.cast_function(state, view, jnp.bfloat16).lower(state)
+    refresh_compiled, refresh_text = hlo_stats.compile_and_read(refresh, options)
+
+    rows, prompt_len, patches, new_tokens = 2, 128, 64, 8
+    slots = prompt_len + new_tokens + 1
+
+    def on_view(shape, dtype, names):
+        spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(view, spec))
+
+    def rows_of(dtype, *tail):
+        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+    prompt = shaped_pack([], pack_shapes.PackShape(prompt_len, patches, 0), rows, SPECIAL, [],
+                         fixed=True)  # fmt: skip
+    prompt = jax.tree.map(lambda x: rows_of(x.dtype, *x.shape[1:]), prompt)
+    rules = mesh_lib.DECODE_RULES
+    with mesh_lib.use_mesh(view, rules):
+        lowered = sampler._prefill.lower(graphdef, copy, prompt, new_tokens, slots,
+                                         jnp.dtype(jnp.bfloat16), rules)  # fmt: skip
+        _, prefill_text = hlo_stats.compile_and_read(lowered, options)
+    cache = on_view((llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
+                    jnp.bfloat16, sampler._CACHE_NAMES)  # fmt: skip
+    decode_state = sampler.DecodeState(
+        cache=(cache, cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
+        tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
+        length=rows_of(jnp.int32), budget=rows_of(jnp.int32), active=rows_of(jnp.bool_),
+        finished=rows_of(jnp.bool_))  # fmt: skip
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
+        view, jax.sharding.PartitionSpec()))  # fmt: skip
+    settings = sampler._RoundSettings(1.0, True, SPECIAL.im_start, SPECIAL.im_end,
+                                      llm.vocab_size, new_tokens + 1)  # fmt: skip
+    with mesh_lib.use_mesh(view, rules):
+        lowered = sampler._decode_round.lower(graphdef, copy, decode_state, key,
+                                              rows_of(jnp.int32), settings, rules)  # fmt: skip
+        decode, decode_text = hlo_stats.compile_and_read(lowered, options)
+    # The weights one decode step must read: the LM's layers, final norm and lm_head (of the
+    # embedding table only the fed rows; the ViT not at all).
+    lm = copy["language_model"]
+    decode_weights = sum(x.size * x.dtype.itemsize
+                         for name in ("layers", "norm", "lm_head")
+                         for x in jax.tree.leaves(lm[name]))  # fmt: skip
+    return SamplerPrograms(refresh_compiled, refresh_text, prefill_text, decode, decode_text,
+                           decode_weights)  # fmt: skip
+
+
+def big(found):
+    return [c for c in found if any(np.prod(s.dims) > SMALL for s in c.operands + c.results)]
+
+
+def test_refresh_gathers_bf16_shards(h100_sampler):
+    found = big(hlo_stats.collectives(h100_sampler.refresh_text))
+    assert found and all(c.kind == "all-gather" and c.dtypes == {"bf16"} for c in found), found
+
+
+def test_prefill_on_the_replicated_copy_moves_nothing_between_devices(h100_sampler):
+    found = big(hlo_stats.collectives(h100_sampler.prefill_text))
+    assert not found, found
+
+
+def test_decode_round_moves_no_weight_and_reads_every_weight(h100_sampler):
+    found = big(hlo_stats.collectives(h100_sampler.decode_text))
+    assert not found, found
+    kernels = hbm_traffic.loop_traffic(h100_sampler.decode.as_text())
+    step_bytes = hbm_traffic.total_bytes(kernels)
+    # Every weight on the decode path is read at least once per generated token, and the loop
+    # is not hundreds of times the floor either (the counter counts each kernel once per step).
+    weights = h100_sampler.decode_weight_bytes
+    assert weights <= step_bytes < 100 * weights, (
+        f"{step_bytes} bytes per step, weights {weights}:\n"
+        + hbm_traffic.describe(kernels))  # fmt: skip
+
+
+def test_importing_opsd_jax_keeps_the_plugin_quiet_without_a_driver():
+    """With the CUDA plugin installed and no NVIDIA driver, a bare jax start prints a cuInit
+    traceback before falling back to the CPU; importing opsd_jax chooses the CPU up front."""
+    import subprocess
+    import sys
+
+    import opsd_jax
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+
+    def run(code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=120)  # fmt: skip
+
+    guarded = run("import jax, opsd_jax; print(jax.devices()[0].platform)")
+    if opsd_jax._no_nvidia_driver():
+        assert "cuInit" in run("import jax; jax.devices()").stderr  # what the import avoids
+        assert guarded.stdout.strip() == "cpu" and "cuInit" not in guarded.stderr, guarded.stderr
+    else:  # a GPU machine: nothing is forced
+        assert guarded.stdout.strip() == "gpu", guarded.stderr
