@@ -36,7 +36,7 @@ from opsd_jax.data.opsd_packs import (
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
-from opsd_jax.io import init_weights
+from opsd_jax.io import init_weights, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
@@ -117,6 +117,13 @@ def main(argv):
     num_processes, process_index = jax.process_count(), jax.process_index()
     if num_processes > 1:
         say(f"{num_processes} processes, {jax.local_device_count()} devices each")
+
+    # ---- one run per directory: a second run on the same results_dir refuses here -----------
+    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
+    try:
+        run_lock.acquire_for_run([config.results_dir, checkpoint_dir], say=say)
+    except run_lock.RunLockError as e:
+        config_error(e)
     if config.toy_data:
         toy_assets.prepare_toy_assets(config)
 
@@ -126,7 +133,6 @@ def main(argv):
     say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
 
     # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
-    checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
     checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
                                 max_to_keep=config.max_checkpoints)  # fmt: skip
     resumed = None

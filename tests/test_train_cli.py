@@ -110,6 +110,7 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
+    assert not (root / "run.lock").exists()  # the run gave its directory back
 
 
 FAKE_WANDB = '''"""A stand-in for the optional wandb package: appends init's arguments to a file."""
