@@ -24,9 +24,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
-from models import attention
-from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs
-from opsd_jax.data.data_config import DataConfig
+from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs, sources
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
     build_training_packs,
@@ -36,6 +34,7 @@ from opsd_jax.data.opsd_packs import (
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
+from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io import init_weights, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
 from opsd_jax.io.hf_load import load_hf
@@ -43,7 +42,7 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler
 from opsd_jax.toy import assets as toy_assets
-from opsd_jax.training import train_config, train_step
+from opsd_jax.training import resume_changes, train_config, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.training.stop_request import StopRequest
 
@@ -120,12 +119,23 @@ def main(argv):
 
     # ---- one run per directory: a second run on the same results_dir refuses here -----------
     checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
+    held = [config.results_dir]  # and checkpoint_dir where it lies outside results_dir
+    if os.path.relpath(os.path.abspath(checkpoint_dir), os.path.abspath(config.results_dir)
+                       ).startswith(os.pardir):  # fmt: skip
+        held.append(checkpoint_dir)
     try:
-        run_lock.acquire_for_run([config.results_dir, checkpoint_dir], say=say)
+        run_lock.acquire_for_run(held, say=say)
     except run_lock.RunLockError as e:
         config_error(e)
     if config.toy_data:
         toy_assets.prepare_toy_assets(config)
+    # Every data file opens and has the required columns, before anything is loaded or compiled.
+    data_check = train_config.data_config(config)
+    try:
+        for spec in data_check.datasets:
+            sources.check_dataset(spec, require_vt=data_check.require_vt)
+    except (sources.DataError, FileNotFoundError) as e:
+        config_error(e)
 
     # ---- mesh ----------------------------------------------------------------------------------
     data_size, fsdp_size, tensor_size = train_config.mesh_shape(config, jax.device_count())
@@ -140,14 +150,21 @@ def main(argv):
         resumed = checkpoint_dir
     elif config.resume_from and not config.resume_model_only:
         resumed = config.resume_from
+    saved_teacher = None
+    if resumed:  # every changed key said (saved -> now); one that contradicts the state refused
+        try:
+            for line in resume_changes.check(checkpoint_lib.saved_config(resumed),
+                                             config.to_dict(), resumed):  # fmt: skip
+                say(line)
+        except resume_changes.ResumeConfigError as e:
+            config_error(e)
+        saved_teacher = checkpoint_lib.saved_teacher_mode(resumed)
 
     # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
-    backend = attention.resolve_backend(config.attention_backend)  # "auto" -> this machine's
-    say(f"attention backend {backend}" + (" (auto)" if config.attention_backend == "auto" else ""))
-    runtime = dict(compute_dtype=config.compute_dtype, attention_backend=backend,
-                   remat=config.remat, unroll_layers=config.unroll_layers,
-                   attention_block=config.attention_block)  # fmt: skip
+    runtime = train_config.model_runtime(config)  # "auto" attention -> this machine's backend
+    say(f"attention backend {runtime['attention_backend']}"
+        + (" (auto)" if config.attention_backend == "auto" else ""))  # fmt: skip
     if resumed:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.
@@ -172,10 +189,7 @@ def main(argv):
 
     # ---- data ------------------------------------------------------------------------------------
     # The model's ViT patch size and position grid decide the images' patches and position ids.
-    data_config = DataConfig.from_dict(
-        dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
-             seed=config.global_seed)
-    ).for_model(model_config)  # fmt: skip
+    data_config = train_config.data_config(config).for_model(model_config)
     # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
@@ -208,7 +222,19 @@ def main(argv):
     # ---- resume ----------------------------------------------------------------------------------
     saved_config = None
     if resumed:  # into the abstract state: peak memory is one state
-        state, data_state, saved_config = checkpointer.restore(abstract_state, directory=resumed)
+        # A checkpoint of a 'self'-teacher run keeps no teacher: one allowed to become 'ema' or
+        # 'fixed' (resume_changes) restores without it and starts the teacher from the student.
+        no_saved_teacher = saved_teacher == "self" and abstract_state.teacher_params is not None
+        target = abstract_state.replace(teacher_params=None) if no_saved_teacher else abstract_state
+        state, data_state, saved_config = checkpointer.restore(target, directory=resumed)
+        if no_saved_teacher:
+            start_teacher = jax.jit(
+                lambda p: train_step.init_state(
+                    p, optimizer, config.teacher_mode, None,
+                    fixed_teacher_dtype=config.fixed_teacher_dtype).teacher_params,
+                out_shardings=train_step.shardings_of(abstract_state).teacher_params)  # fmt: skip
+            with mesh_lib.use_mesh(mesh):
+                state = state.replace(teacher_params=start_teacher(state.params))
         if data_state:
             data.set_state(data_state)
         say(f"resumed from {resumed} at step {int(distributed.to_host(state.step))}")
@@ -404,6 +430,31 @@ def main(argv):
     if start_step >= config.total_steps:
         say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
     last_good_step = start_step
+    unreported = {"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0}
+
+    def report_cut_samples(step: int, scalars: dict, logged) -> None:
+        """On logging steps, say how many samples the fixed pack rows cut or dropped since the
+        last report, and which sizes to raise (otherwise it shows only in the metrics)."""
+        unreported["samples"] += accum * local_per_micro
+        for key in ("pack/truncated", "pack/dropped"):
+            unreported[key] += scalars.get(key, 0.0)
+        cut, dropped = int(unreported["pack/truncated"]), int(unreported["pack/dropped"])
+        if logged is None or not (cut or dropped):
+            return
+        seen = unreported["samples"]
+        sizes = "; ".join(f"{name} rows {s[-1].row_length} tokens / {s[-1].patches} patches / "
+                          f"{s[-1].loss_entries} loss entries"
+                          for name, s in ((n, shapes[n]) for n in pack_names))  # fmt: skip
+        if cut:
+            logger.log_note(step, f"{cut} of {seen} samples since the last report had their "
+                            f"completion cut to fit the pack rows ({sizes}): raise "
+                            f"pack_student_row_tokens / pack_row_tokens / pack_loss_entries, or "
+                            f"set them to 0 for sizes that always fit")  # fmt: skip
+        if dropped:
+            logger.log_note(step, f"{dropped} of {seen} samples since the last report were "
+                            f"dropped: they fit no pack row ({sizes}); raise pack_row_tokens / "
+                            f"pack_row_patches, or set them to 0 for sizes that always fit")  # fmt: skip
+        unreported.update({"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0})
 
     def finish(done: dict, state) -> None:
         """Log a dispatched step once the next one runs (the host never waits on the step it
@@ -435,6 +486,7 @@ def main(argv):
         scalars = dict(done["scalars"], **metrics)
         logged = logger.log_step(step, scalars, samples=accum * per_micro,
                                  tokens=done["tokens"])  # fmt: skip
+        report_cut_samples(step, scalars, logged)
         if logged is not None and done["completion"] is not None:
             logger.log_text(step, "completion", tokenizer.decode(done["completion"]))
 

@@ -36,7 +36,6 @@ from flax import nnx  # noqa: E402
 
 from configs import offline_tiny  # noqa: E402
 from opsd_jax.data import offline_cache, offline_views, pack_shapes  # noqa: E402
-from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
@@ -87,11 +86,11 @@ def main():
         config.results_dir = args.results_dir
         config.offline_cache_dir = os.path.join(args.results_dir, "teacher_cache")
     toy_assets.prepare_toy_assets(config)
-    model, model_config, tokenizer = load_hf(config.model_path, config_changes={"llm": dict(
-        compute_dtype=config.compute_dtype, remat=config.remat)})  # fmt: skip
+    model, model_config, tokenizer = load_hf(
+        config.model_path, config_changes={"llm": train_config.model_runtime(config)})
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model_config)
+    data_config = train_config.data_config(config).for_model(model_config)
     options = run_settings.prompt_options_from_config(config)
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 

@@ -29,7 +29,6 @@ from flax import nnx  # noqa: E402
 from configs import tiny  # noqa: E402
 from models import attention  # noqa: E402
 from opsd_jax.data import pack_shapes  # noqa: E402
-from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
 from opsd_jax.data.pipeline import make_iterator  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
@@ -61,13 +60,11 @@ def main():
             config.attention_backend = args.attention_backend
     toy_assets.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    model, _, tokenizer = load_hf(config.model_path, mesh=mesh, config_changes={"llm": dict(
-        compute_dtype=config.compute_dtype, remat=config.remat,
-        attention_backend=attention.resolve_backend(config.attention_backend),
-        unroll_layers=config.unroll_layers, attention_block=config.attention_block)})  # fmt: skip
+    model, _, tokenizer = load_hf(config.model_path, mesh=mesh,
+                                  config_changes={"llm": train_config.model_runtime(config)})
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    data_config = DataConfig.from_dict(dict(config.data.to_dict(), seed=0)).for_model(model.config)
+    data_config = train_config.data_config(config).for_model(model.config)
     data = make_iterator(data_config, "train")
     options = run_settings.prompt_options_from_config(config)
     optimizer = train_step.make_optimizer(config)

@@ -34,7 +34,6 @@ def base_config() -> ml_collections.ConfigDict:
         dict(max_size=980, min_size=378, stride=14, max_pixels=2_007_040)
     )
     c.data.heldout_fraction = 0.05
-    c.data.max_reference_rounds = 8
     c.data.num_threads = 2
 
     # --- training mode ---------------------------------------------------------------------------
@@ -147,6 +146,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.resume_from = ""  # a checkpoint directory (or one step of it) to start from
     c.resume_model_only = False  # take only the params (and EMA with finetune_from_ema)
     c.finetune_from_ema = False
+    # A resume prints every config key that differs from the checkpoint's (saved -> now) and
+    # refuses changes that contradict the saved state (model, mode, teacher); True accepts them
+    # with the meaning printed (opsd_jax/training/resume_changes.py).
+    c.allow_config_change = False
     c.progress_bar = True
     # Held-out evaluation during training (greedy; exact match of the <answer>): 0 = off.
     c.eval_every = 0

@@ -23,5 +23,9 @@ def get_config():
         config.sample_do_sample = False  # the same completions every step
         config.results_dir = "results/sanity"
         config.data.datasets = [dict(name="toy_maze", path="", weight=1.0, num_used_data=4)]
+        # Greedy decoding of the starting model fills the whole 24-token budget every step: two
+        # such student views (contexts up to 241 tokens) need 532 tokens, more than tiny.py's
+        # 512-token student row, which would cut one completion per row every step.
+        config.pack_student_row_tokens = 640
     config.lock()
     return config

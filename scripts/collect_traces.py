@@ -28,9 +28,7 @@ import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
-from models import attention  # noqa: E402
 from opsd_jax.data import offline_cache  # noqa: E402
-from opsd_jax.data.data_config import DataConfig  # noqa: E402
 from opsd_jax.evaluation import run_settings  # noqa: E402
 from opsd_jax.io import init_weights  # noqa: E402
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
@@ -61,8 +59,7 @@ def main(argv) -> None:
         toy_assets.write_toy_assets(config)
 
     mesh = mesh_lib.make_mesh(*train_config.mesh_shape(config, len(devices)), devices=devices)
-    runtime = dict(compute_dtype=config.compute_dtype, remat=config.remat,
-                   attention_backend=attention.resolve_backend(config.attention_backend))  # fmt: skip
+    runtime = train_config.model_runtime(config)
     t0 = time.perf_counter()
     # The student's starting weights are the teacher (the PyTorch collector loads the model
     # file; weights='ema' here caches the EMA weights instead).
@@ -70,10 +67,7 @@ def main(argv) -> None:
     tokenizer = start.tokenizer
     print(f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
           f"mesh {dict(mesh.shape)}", flush=True)  # fmt: skip
-    data_config = DataConfig.from_dict(
-        dict(config.data.to_dict(), max_reference_rounds=config.max_reference_rounds,
-             seed=config.global_seed)
-    ).for_model(start.model_config)  # fmt: skip
+    data_config = train_config.data_config(config).for_model(start.model_config)
     options = run_settings.prompt_options_from_config(config)
     data = dict(datasets=[dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
                           for d in data_config.datasets],

@@ -113,3 +113,38 @@ def test_7b_language_model_parameter_counts():
     # list's shapes add up to; the shapes are what we build and load.)
     embed_and_head = 2 * 152064 * 3584
     assert with_gen - und_only == und_only - embed_and_head
+
+
+def _leaf_keys(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaf_keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def test_every_config_key_is_one_setting_and_is_read_by_the_code():
+    """One key per setting (no two keys of configs/common.py share a name, as the two
+    max_reference_rounds did) and no key that nothing reads: each name must be read somewhere
+    in the code as an attribute (`config.name`, `data_config.name`), a `get("name")` / `["name"]`
+    lookup, or the key argument of a call (`size("pack_row_tokens", ...)`); a name that is only
+    listed (a validation table's `("name", check)`) does not count."""
+    import collections
+    import pathlib
+    import re
+
+    from configs import common
+
+    keys = list(_leaf_keys(common.base_config().to_dict()))
+    names = collections.Counter(key.split(".")[-1] for key in keys)
+    assert not [n for n, count in names.items() if count > 1], names.most_common(3)
+    root = pathlib.Path(__file__).resolve().parents[1]
+    sources = [root / "train.py"] + [p for folder in ("opsd_jax", "models", "scripts", "bench")
+                                     for p in (root / folder).rglob("*.py")]  # fmt: skip
+    code = "\n".join(p.read_text() for p in sources)
+    unread = []
+    for key in keys:
+        name = re.escape(key.split(".")[-1])
+        if not re.search(rf"\.{name}\b|\w\(\s*[\"']{name}[\"']|\[[\"']{name}[\"']\]", code):
+            unread.append(key)
+    assert not unread, f"config keys nothing reads: {unread}"

@@ -317,3 +317,37 @@ def test_toy_rows_are_consistent():
         assert problem.tobytes() != vt.tobytes()  # the VT adds the visual step
         assert row["resoning_thought_1"].endswith(f"So the answer is {row['answer']}.")
         assert row["full_text_only_thought"].endswith(f"So the answer is {row['answer']}.")
+
+
+# ------------------------------------------------------------------- whole files: checked up front
+
+
+def test_a_corrupt_parquet_file_is_an_error_naming_it(toy_dir, tmp_path):
+    from opsd_jax.data.sources import DataError, check_dataset
+
+    folder = tmp_path / "toy_maze" / "data"
+    folder.mkdir(parents=True)
+    good = os.path.join(toy_dir, "toy_maze", "data", "train-00000-of-00001.parquet")
+    (folder / "train-00000-of-00001.parquet").write_bytes(open(good, "rb").read())
+    bad = folder / "train-00001-of-00001.parquet"
+    bad.write_bytes(b"PAR1 this is not a parquet file")
+    spec = DatasetSpec("toy_maze", str(tmp_path / "toy_maze"))
+    with pytest.raises(DataError, match=str(bad)):
+        check_dataset(spec)
+    with pytest.raises(DataError, match=str(bad)):  # and when a source opens it
+        open_source(spec, "train")
+
+
+def test_a_missing_required_column_is_an_error_naming_file_and_column(toy_dir, tmp_path):
+    import pyarrow.parquet as pq
+
+    from opsd_jax.data.sources import DataError, check_dataset
+
+    good = os.path.join(toy_dir, "toy_maze", "data", "train-00000-of-00001.parquet")
+    folder = tmp_path / "toy_maze" / "data"
+    folder.mkdir(parents=True)
+    path = folder / "train-00000-of-00001.parquet"
+    pq.write_table(pq.read_table(good).drop_columns(["question"]), path)
+    with pytest.raises(DataError, match=f"{path} has no column 'question'"):
+        check_dataset(DatasetSpec("toy_maze", str(tmp_path / "toy_maze")))
+    assert check_dataset(DatasetSpec("toy_maze", os.path.join(toy_dir, "toy_maze"))) == 2

@@ -188,6 +188,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     resumed = run_train(*reference_args(tmp_path, *wandb_args), env=wandb_env)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {saved}" in resumed.stdout
+    assert "save_every: 1000 -> 1" in resumed.stdout  # the resume names what it changed
     assert "(weights not read: a checkpoint gives them)" in resumed.stdout  # one state in memory
     assert_same_params(root / "checkpoints", tmp_path / "checkpoints", 6)
     first, second = (json.loads(line) for line in wandb_inits.read_text().splitlines())
@@ -220,6 +221,20 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
             assert x.resumed_at == x.committed_before, (x.listing_before, x.output[-2000:])
     assert "done: 6 steps" in launches[-1].output
     assert_same_params(root / "checkpoints", checkpoints, 6)
+
+
+def test_train_refuses_a_teacher_change_on_resume_before_any_compute(straight, tmp_path):
+    """The issue's case: an 'ema' run resumed with teacher_mode=fixed is one clear refusal."""
+    root, result = straight
+    assert result.returncode == 0
+    shutil.copytree(root / "toy", tmp_path / "toy")
+    shutil.copytree(root / "checkpoints", tmp_path / "checkpoints")
+    refused = run_train(f"--config.results_dir={tmp_path}", "--config.total_steps=7",
+                        "--config.teacher_mode=fixed", timeout=300)  # fmt: skip
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "teacher_mode: 'ema' -> 'fixed'" in refused.stderr
+    assert "allow_config_change=True" in refused.stderr and "Traceback" not in refused.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5", "6"]  # untouched
 
 
 def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_path):
@@ -378,6 +393,28 @@ def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
         config.freeze_llm = True
     with pytest.raises(ValueError, match="freeze_und=True and freeze_llm=True: nothing left"):
         train_config.validate(config, num_devices=1)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "no_question"])
+def test_a_broken_data_file_is_one_error_naming_it_before_any_compute(tmp_path, damage):
+    """A parquet file that does not open, or one without a required column, stops the run at
+    start with one line naming the file (and the column): a whole file is not a bad row."""
+    import pyarrow.parquet as pq
+
+    from opsd_jax.toy import data as toy
+
+    toy.write_toy_data(str(tmp_path / "toy" / "data"), seed=0, num_train=16, num_test=4)
+    path = tmp_path / "toy" / "data" / "toy_count" / "data" / "train-00000-of-00001.parquet"
+    if damage == "corrupt":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # footer lost
+    else:
+        pq.write_table(pq.read_table(path).drop_columns(["question"]), path)
+    result = run_train(f"--config.results_dir={tmp_path}", timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    last = [line for line in result.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("train.py: ") and str(path) in last, result.stderr[-2000:]
+    assert ("not a readable parquet file" if damage == "corrupt" else "no column 'question'") in last
+    assert "Traceback" not in result.stderr and not (tmp_path / "checkpoints").exists()
 
 
 def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):

@@ -168,6 +168,53 @@ def _wanted_columns(max_reference_rounds: int) -> list[str]:
     return cols
 
 
+class DataError(ValueError):
+    """A data file that cannot serve at all (unreadable, or without a required column): named
+    with the file, before any compute. A bad row, by contrast, is skipped and counted."""
+
+
+def required_columns(require_vt: bool = True) -> list[str]:
+    """The columns without which no row of a file can be used."""
+    return ["pid", "question", "answer", PROBLEM_IMAGE] + ([f"{VT_IMAGE_PREFIX}0"] if require_vt
+                                                           else [])  # fmt: skip
+
+
+def _open_parquet(path: str):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: not a readable parquet file ({e})") from None
+
+
+def check_dataset(spec, *, require_vt: bool = True) -> int:
+    """Every file of a dataset opens and has the required columns (a parquet file's schema is
+    in its footer: nothing else is read); DataError naming the file and column otherwise.
+    Returns the number of files."""
+    fmt, files = find_files(spec.path, spec.format)
+    required = required_columns(require_vt)
+    for path in files:
+        if fmt == "parquet":
+            names = set(_open_parquet(path).schema_arrow.names)
+        else:
+            names = set()
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line) if line.strip() else {}
+                    except json.JSONDecodeError:
+                        continue  # a bad line is a bad row (skipped and counted)
+                    names.update(record if isinstance(record, dict) else ())
+        missing = [c for c in required if c not in names]
+        if missing:
+            raise DataError(f"dataset {spec.name!r}: {path} has no column "
+                            f"{', '.join(repr(c) for c in missing)} (every file needs "
+                            f"{', '.join(required)})")  # fmt: skip
+    return len(files)
+
+
 # ----------------------------------------------------------------------------------------------
 # Sources
 # ----------------------------------------------------------------------------------------------
@@ -191,8 +238,6 @@ class ParquetSource:
         num_used_data: int = -1,
         row_group_cache: int = 4,
     ):
-        import pyarrow.parquet as pq  # deferred: only parquet users need pyarrow
-
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self._files = list(files)
@@ -202,7 +247,7 @@ class ParquetSource:
         self._group_starts: list[list[int]] = []  # cumulative row offsets of each row group
         index: list[tuple[int, int]] = []  # (file, row within file)
         for file_idx, (path, is_train) in enumerate(zip(self._files, _train_flags(self._files))):
-            meta = pq.ParquetFile(path)
+            meta = _open_parquet(path)
             names = set(meta.schema_arrow.names)
             self._columns.append([c for c in wanted if c in names])
             starts = [0]

@@ -288,6 +288,11 @@ class MetricsLogger:
             return None
         return self._flush_window(int(step))
 
+    def log_note(self, step: int, text: str) -> None:
+        """A console line about the run (not a metric), e.g. samples the packs had to cut."""
+        if self.is_main and not self._closed:
+            self._print(f"[step {step}] {text}")
+
     def log_text(self, step: int, tag: str, text: str) -> None:
         """Record a piece of text (e.g. a sampled completion): TensorBoard text plugin,
         `<logdir>/text.jsonl` and the console."""

@@ -282,3 +282,23 @@ def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSett
         kd_use_vt_weights=config.kd_use_vt_weights,
         kd_student_norm=config.kd_student_norm,
     )
+
+
+def model_runtime(config) -> dict:
+    """The model's runtime options (the `llm` config changes every loader takes): compute dtype,
+    the attention backend ('auto' resolved for this machine), its tile, remat and the layer loop.
+    One place, so train.py, the collector and the benches build the model alike."""
+    return dict(compute_dtype=config.compute_dtype,
+                attention_backend=attention.resolve_backend(config.attention_backend),
+                remat=config.remat, unroll_layers=config.unroll_layers,
+                attention_block=config.attention_block)  # fmt: skip
+
+
+def data_config(config):
+    """The training DataConfig: `config.data` with the top-level `max_reference_rounds` (VT
+    images per sample, also the teacher prompt's) and `global_seed`; call `.for_model` next."""
+    from opsd_jax.data.data_config import DataConfig
+
+    return DataConfig.from_dict(dict(config.data.to_dict(),
+                                     max_reference_rounds=config.max_reference_rounds,
+                                     seed=config.global_seed))  # fmt: skip
