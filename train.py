@@ -36,7 +36,9 @@ from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
 from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io import init_weights, run_lock
-from opsd_jax.io.checkpoint import Checkpointer, abstract_like
+from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, abstract_like
+from opsd_jax.io.hf_layout import HFCheckpointError
+from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
@@ -578,5 +580,24 @@ def main(argv):
             f"{config.results_dir}")  # fmt: skip
 
 
+# Errors in what the user gave (files, directories, checkpoints): one line, no traceback. A
+# traceback is kept for anything else, which is a bug to report.
+USER_ERRORS = (HFCheckpointError, SafetensorsError, CheckpointError, sources.DataError,
+               offline_cache.CacheError, FileNotFoundError, NotADirectoryError,
+               IsADirectoryError, PermissionError)  # fmt: skip
+
+
+def run(argv) -> None:
+    try:
+        main(argv)
+    except USER_ERRORS as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the loop (a compile), or a second one in it
+        print("train.py: interrupted; nothing more was saved (the same command resumes from the "
+              "newest complete checkpoint, if there is one)", file=sys.stderr)  # fmt: skip
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(run, flags_parser=parse_flags)

@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load  # noqa: E402
-from opsd_jax.io.safetensors_io import WeightDirectory  # noqa: E402
+from opsd_jax.io.safetensors_io import SafetensorsError, WeightDirectory  # noqa: E402
 from opsd_jax.parallel.mesh import make_mesh  # noqa: E402
 
 
@@ -109,7 +109,16 @@ def main(argv=None) -> None:
     to_hf.set_defaults(run=jax_to_hf)
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
-    args.run(args)
+    try:
+        args.run(args)
+    except USER_ERRORS as e:  # a bad directory or file: the message names it
+        raise SystemExit(f"error: {e}") from None
+
+
+# What a user's input can get wrong (paths, files, checkpoints): one line, no traceback.
+USER_ERRORS = (hf_layout.HFCheckpointError, SafetensorsError, checkpoint.CheckpointError,
+               FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+               PermissionError)  # fmt: skip
 
 
 if __name__ == "__main__":

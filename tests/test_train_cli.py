@@ -417,6 +417,89 @@ def test_a_broken_data_file_is_one_error_naming_it_before_any_compute(tmp_path, 
     assert "Traceback" not in result.stderr and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.fixture(scope="module")
+def toy_model(tmp_path_factory):
+    from opsd_jax.toy.model import write_toy_model
+
+    return write_toy_model(tmp_path_factory.mktemp("toy_model") / "model", dtype="fp32")
+
+
+def damaged_copy(toy_model, tmp_path, damage):
+    """A copy of the toy HF directory with one thing wrong, as a user's download can be."""
+    from safetensors.numpy import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(toy_model, model)
+    weights = model / "ema.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+            (model / name).unlink(missing_ok=True)
+    else:
+        tensors = load_file(str(weights))
+        key = "connector.fc1.bias"
+        if damage == "missing_tensor":
+            del tensors[key]
+        else:  # mis-shaped
+            tensors[key] = np.zeros(tensors[key].shape[0] + 1, tensors[key].dtype)
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncated", "truncated"),
+    ("no_tokenizer", "no tokenizer files"),
+    ("missing_tensor", "connector.fc1.bias"),
+    ("misshaped_tensor", "connector.fc1.bias"),
+])  # fmt: skip
+def test_a_broken_model_directory_is_one_error_line(toy_model, tmp_path, damage, message):
+    model = damaged_copy(toy_model, tmp_path, damage)
+    result = run_train(f"--config.results_dir={tmp_path / 'run'}", f"--config.model_path={model}",
+                       timeout=300)  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"train.py: error: {model}" in result.stderr and message in result.stderr
+    if damage != "truncated":
+        return  # convert_hf reads the directory the same way: one case shows its message
+    convert = subprocess.run(
+        [sys.executable, "scripts/convert_hf.py", "hf-to-jax", "--hf_dir", str(model), "--out",
+         str(tmp_path / "converted")], cwd=ROOT, env=subprocess_env(1), capture_output=True,
+        text=True, timeout=300)  # fmt: skip
+    assert convert.returncode == 1 and "Traceback" not in convert.stderr, convert.stderr[-3000:]
+    assert f"error: {model}" in convert.stderr and message in convert.stderr
+    assert not (tmp_path / "converted").exists()
+
+
+def test_an_unwritable_results_dir_and_a_broken_config_file_are_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_train(f"--config.results_dir={blocker / 'run'}", timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"cannot create the run directory {blocker / 'run'}" in result.stderr
+    config = tmp_path / "broken.py"
+    config.write_text("from configs import tiny\n\ndef get_config()\n    return tiny.get_config()\n")
+    result = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT,
+                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip() == f"train.py: --config {config}:3: expected ':'"
+
+
+def test_ctrl_c_during_the_first_compile_is_one_line_and_exit_130(tmp_path):
+    process = subprocess.Popen(train_command(f"--config.results_dir={tmp_path}"), cwd=ROOT,
+                               env=dict(subprocess_env(1), PYTHONUNBUFFERED="1"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for line in process.stdout:
+        if line.startswith("model "):  # loaded: the train step's compile comes next
+            process.send_signal(signal.SIGINT)
+            break
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, out[-2000:] + err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("train.py: interrupted")
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
 def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
     config = _valid_config(tmp_path)
     with config.unlocked():

@@ -105,10 +105,22 @@ def load_config_file(path: str | os.PathLike):
         raise FileNotFoundError(f"--config {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"--config {path}: defines no get_config()")
-    return module.get_config(*argument)
+    try:
+        spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ValueError(f"--config {path}: defines no get_config()")
+        return module.get_config(*argument)
+    except SyntaxError as e:
+        raise ValueError(f"--config {e.filename or path}:{e.lineno}: {e.msg}") from None
+    except (ValueError, FileNotFoundError):
+        raise
+    except Exception as e:  # a mistake inside the config file: name its line, not our stack
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if os.path.abspath(f.filename) == os.path.abspath(path)]  # fmt: skip
+        where = f"{path}:{frames[-1].lineno}" if frames else path
+        raise ValueError(f"--config {where}: {type(e).__name__}: {e}") from None
 
 
 def config_keys(config, prefix: str = "") -> list[str]:
