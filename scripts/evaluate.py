@@ -215,6 +215,9 @@ def main(argv=None) -> None:
         config=args.config, split=args.split,
     )  # fmt: skip
     name = args.context + ("_noise_vt" if args.noise_vt else "")
+    if args.checkpoint:  # step<N>_<context>, as the trainer names its evaluations: no overwrites
+        step = os.path.basename(step_dir_of(args.checkpoint))
+        name = f"step{step}_{name}" if step.isdigit() else name
     out = args.out
     if out is None:
         out = (os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint
