@@ -68,6 +68,11 @@ def main(argv=None) -> None:
 
     os.makedirs(args.out, exist_ok=True)
     summary = {label: result.summary for label, result in results.items()}
+    decision, why = kl_diagnostic.verdict(results["VT"].summary,
+                                          results["noise VT"].summary if "noise VT" in results
+                                          else None)  # fmt: skip
+    summary["verdict"] = {"decision": decision, "reason": why,
+                          "threshold": kl_diagnostic.GO_THRESHOLD}  # fmt: skip
     summary["settings"] = {"model_dir": args.model_dir, "checkpoint": args.checkpoint,
                                "params": args.params, "config": args.config, "split": args.split,
                                "num_samples": len(samples), "max_forward_tokens": max_forward_tokens}  # fmt: skip
@@ -90,6 +95,7 @@ def main(argv=None) -> None:
     if "noise VT" in results:
         vt, noise = (results[k].summary["overall"]["mean"] for k in ("VT", "noise VT"))
         print(f"\nK_gen(VT) - K_gen(noise VT) = {vt - noise:+.6f} nats/token")
+    print(f"\nverdict: {decision}: {why}")
     print()
     for kind, path in paths.items():
         print(f"{kind}: {path}")

@@ -116,6 +116,25 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     assert with_vt.summary["overall"]["mean"] != noise.summary["overall"]["mean"]
     table = kl_diagnostic.markdown_table({"VT": with_vt, "noise VT": noise})
     assert "| even | 2 |" in table and "**overall**" in table
+    # The answer span: `<answer>a</answer>` (one id per character here) and the closing EOS.
+    for record, sample in zip(with_vt.records, data):
+        assert record["answer_tokens"] == len(f"<answer>{sample.answer}</answer>") + 1
+        assert record["answer_mean_kl"] > 0
+    assert all(abs(r["answer_mean_kl"]) <= 1e-6 for r in same.records)
+    assert with_vt.summary["overall"]["answer_span_mean"] == pytest.approx(
+        np.mean([r["answer_mean_kl"] for r in with_vt.records]))
+
+
+def test_the_verdict_is_the_pytorch_projects_gate():
+    def summary(answer):
+        return {"overall": {"answer_span_mean": answer}}
+
+    assert kl_diagnostic.verdict(summary(0.0501))[0] == "GO"
+    for below in (0.05, 0.01):  # strictly above 0.05 nats to go, as there
+        decision, why = kl_diagnostic.verdict(summary(below))
+        assert decision == "NO-GO" and "does not change" in why and "0.05" in why
+    decision, why = kl_diagnostic.verdict(summary(0.2), summary(0.3))
+    assert decision == "GO" and "noise-VT control 0.3000" in why and "any extra image" in why
 
 
 def test_chunked_entry_kl_equals_full_logits(model):

@@ -395,7 +395,7 @@ def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
         train_config.validate(config, num_devices=1)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "no_question"])
+@pytest.mark.parametrize("damage", ["corrupt"])  # a missing column: tests/test_data.py
 def test_a_broken_data_file_is_one_error_naming_it_before_any_compute(tmp_path, damage):
     """A parquet file that does not open, or one without a required column, stops the run at
     start with one line naming the file (and the column): a whole file is not a bad row."""
@@ -447,28 +447,44 @@ def damaged_copy(toy_model, tmp_path, damage):
     return model
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("truncated", "truncated"),
-    ("no_tokenizer", "no tokenizer files"),
-    ("missing_tensor", "connector.fc1.bias"),
-    ("misshaped_tensor", "connector.fc1.bias"),
-])  # fmt: skip
-def test_a_broken_model_directory_is_one_error_line(toy_model, tmp_path, damage, message):
-    model = damaged_copy(toy_model, tmp_path, damage)
+def test_a_truncated_model_file_is_one_error_line(toy_model, tmp_path):
+    """train.py and convert_hf.py on an HF directory whose weight file was cut short: one
+    `error:` line naming the file, no traceback (nor orbax's at shutdown), nothing written."""
+    model = damaged_copy(toy_model, tmp_path, "truncated")
     result = run_train(f"--config.results_dir={tmp_path / 'run'}", f"--config.model_path={model}",
                        timeout=300)  # fmt: skip
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert f"train.py: error: {model}" in result.stderr and message in result.stderr
-    if damage != "truncated":
-        return  # convert_hf reads the directory the same way: one case shows its message
+    assert f"train.py: error: {model}/ema.safetensors" in result.stderr
+    assert "truncated" in result.stderr
     convert = subprocess.run(
         [sys.executable, "scripts/convert_hf.py", "hf-to-jax", "--hf_dir", str(model), "--out",
          str(tmp_path / "converted")], cwd=ROOT, env=subprocess_env(1), capture_output=True,
         text=True, timeout=300)  # fmt: skip
     assert convert.returncode == 1 and "Traceback" not in convert.stderr, convert.stderr[-3000:]
-    assert f"error: {model}" in convert.stderr and message in convert.stderr
+    assert f"error: {model}/ema.safetensors" in convert.stderr
     assert not (tmp_path / "converted").exists()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("no_tokenizer", "no tokenizer files"),
+    ("missing_tensor", "connector.fc1.bias"),
+    ("misshaped_tensor", "connector.fc1.bias"),
+])  # fmt: skip
+def test_other_broken_model_directories_raise_what_train_prints_as_one_line(
+        toy_model, tmp_path, damage, message):  # fmt: skip
+    """The loader's error for each damage is one of the errors train.py and convert_hf.py print
+    as one line (the truncated case above runs them end to end), and names the directory."""
+    import train
+    from opsd_jax.io.hf_load import load_hf
+    from scripts import convert_hf
+
+    model = damaged_copy(toy_model, tmp_path, damage)
+    with pytest.raises(Exception) as caught:
+        load_hf(str(model))
+    assert isinstance(caught.value, train.USER_ERRORS)
+    assert isinstance(caught.value, convert_hf.USER_ERRORS)
+    assert str(model) in str(caught.value) and message in str(caught.value)
 
 
 def test_an_unwritable_results_dir_and_a_broken_config_file_are_one_line(tmp_path):

@@ -9,6 +9,13 @@ control: how much any extra image moves the model, whatever its content. A K_gen
 noise control says the VT carries information the student lacks, i.e. there is something to
 distil.
 
+The verdict (`verdict`) is the PyTorch Visual-OPSD project's GO/NO-GO gate (its
+scripts/visual_opsd/kl_diagnostic.py): GO when the answer-span KL, the per-sample mean KL over
+the answer's tokens (`<answer>...</answer>` and the closing `<|im_end|>`) averaged over samples,
+is above 0.05 nats; "VT context does not change predictions" otherwise. There the two contexts
+score different thoughts aligned from the end, so only the answer span compares like with
+like; here both score the same reference, and the answer span is its last tokens.
+
 How: `opsd_packs.build_training_packs` gives student and teacher packs whose loss entries align
 one to one (same sample, same completion index); the model runs once on each, and the logits
 are taken at the loss rows in chunks of entries (`chunk_size`), so at most
@@ -101,9 +108,14 @@ class KLResult:
     summary: dict[str, Any]
 
 
+GO_THRESHOLD = 0.05  # nats: the PyTorch project's gate on the answer-span KL
+
+
 def _stats(records: Sequence[Mapping[str, Any]], tokens: np.ndarray) -> dict[str, float]:
     tokens = tokens.astype(np.float64)
     per_sample = np.array([r["mean_kl"] for r in records], np.float64)
+    answers = np.array([r["answer_mean_kl"] for r in records], np.float64)
+    answers = answers[~np.isnan(answers)]
     return {
         "num_samples": len(records),
         "num_tokens": int(tokens.size),
@@ -111,7 +123,26 @@ def _stats(records: Sequence[Mapping[str, Any]], tokens: np.ndarray) -> dict[str
         "std": float(tokens.std()) if tokens.size else float("nan"),
         "sample_mean": float(per_sample.mean()) if per_sample.size else float("nan"),
         "sample_std": float(per_sample.std()) if per_sample.size else float("nan"),
+        "answer_span_mean": float(answers.mean()) if answers.size else float("nan"),
     }
+
+
+def verdict(vt_summary: Mapping[str, Any], noise_summary: Mapping[str, Any] | None = None):
+    """("GO" or "NO-GO", one line saying why): the PyTorch project's gate (module docstring) on
+    the VT run's answer-span KL, with the noise-VT control next to it when there is one."""
+    answer = vt_summary["overall"]["answer_span_mean"]
+    go = bool(answer > GO_THRESHOLD)
+    why = (f"answer-span KL(teacher with VT || student) {answer:.4f} nats "
+           f"{'>' if go else '<='} {GO_THRESHOLD} (the PyTorch Visual-OPSD gate, "
+           f"scripts/visual_opsd/kl_diagnostic.py): "
+           + ("proceed with Visual-OPSD training" if go
+              else "the VT context does not change the answer's predictions"))  # fmt: skip
+    if noise_summary is not None:
+        noise = noise_summary["overall"]["answer_span_mean"]
+        why += f"; noise-VT control {noise:.4f} nats"
+        if go and not answer > noise:
+            why += " (as high: what moves the answer is any extra image, not the VT's content)"
+    return ("GO" if go else "NO-GO"), why
 
 
 def kl_diagnostic(
@@ -150,6 +181,9 @@ def kl_diagnostic(
         real = len(batch)
         batch += [batch[-1]] * (batch_size - real)
         completions = [tokenizer.encode(completion_fn(s)) for s in batch]
+        # The answer span: the reference's `<answer>...</answer>` tokens + the closing EOS entry.
+        answer_entries = [len(tokenizer.encode(f"<answer>{s.answer}</answer>")) + 1
+                          if completion_fn is reference_completion else 0 for s in batch]  # fmt: skip
         try:
             packs = build_training_packs(batch, completions, tokenizer.encode, options, special,
                                          num_rows=batch_size,
@@ -174,12 +208,15 @@ def kl_diagnostic(
                 continue  # padding
             values = kl[mask & (owner == position)].astype(np.float32)
             sample = batch[index]
+            answer = values[-answer_entries[index]:] if answer_entries[index] else values[:0]
             records.append({
                 "pid": sample.pid,
                 "dataset": sample.dataset,
                 "num_tokens": int(values.size),
                 "mean_kl": float(values.mean()) if values.size else float("nan"),
                 "sum_kl": float(values.sum()),
+                "answer_tokens": int(answer.size),
+                "answer_mean_kl": float(answer.mean()) if answer.size else float("nan"),
             })  # fmt: skip
             tokens_by_dataset[sample.dataset].append(values)
         if log is not None:
