@@ -111,22 +111,59 @@ def _lines_for(key: str, series: Series) -> list[str]:
     return ([key] if key in series else []) + per_dataset
 
 
-def _draw(axis, key: str, runs: dict[str, Series], smoothing: float) -> bool:
-    drawn = False
-    for label, series in runs.items():
+# Line styles of the per-dataset eval lines of one run (its colour stays the run's).
+_DATASET_STYLES = ("--", ":", "-.", (0, (5, 1, 1, 1)))
+
+
+def _scale_and_limits(axis, plotted: list[np.ndarray]) -> str:
+    """Log y where the plotted lines differ by orders of magnitude (CE ~ 6 beside JSD ~ 0.005
+    would draw the JSD as a flat line at 0); fixed limits around a constant series (matplotlib
+    would zoom into rounding noise). Returns the scale used."""
+    values = [v[np.isfinite(v)] for v in plotted if v.size]
+    values = [v for v in values if v.size]
+    if not values:
+        return "linear"
+    everything = np.concatenate(values)
+    low, high = float(everything.min()), float(everything.max())
+    if low == high:
+        pad = 0.1 * abs(low) if low else 1.0
+        axis.set_ylim(low - pad, high + pad)
+        return "linear"
+    typical = [float(np.median(np.abs(v[v != 0]))) for v in values if np.any(v != 0)]
+    if len(typical) > 1 and max(typical) / min(typical) >= 100:
+        if low > 0:
+            axis.set_yscale("log")
+            return "log"
+        axis.set_yscale("symlog", linthresh=min(typical) / 10)
+        return "symlog"
+    return "linear"
+
+
+def _draw(axis, key: str, runs: dict[str, Series], smoothing: float,
+          colors: dict[str, str] | None = None) -> bool:  # fmt: skip
+    """One panel: every run's line(s) for `key`, each run in its own colour (`colors`, the same
+    in every panel)."""
+    drawn, plotted = False, []
+    for index, (label, series) in enumerate(runs.items()):
+        color = (colors or {}).get(label, f"C{index % 10}")
+        datasets = [t for t in _lines_for(key, series) if t != key]
         for tag in _lines_for(key, series):
             steps, values = series[tag]
             name = label if tag == key else f"{label}: {tag.split('/')[1]}"
-            style = "-" if tag == key else "--"
+            style = "-" if tag == key else _DATASET_STYLES[datasets.index(tag) % len(_DATASET_STYLES)]
+            if values.size and np.all(values == values[0]):
+                name += f" (constant {values[0]:g})"
             if smoothing > 0 and key != "lr" and not key.startswith("eval/"):
-                (raw,) = axis.plot(steps, values, style, alpha=0.25)
-                axis.plot(steps, smooth(values, smoothing), style, color=raw.get_color(),
+                axis.plot(steps, values, linestyle=style, color=color, alpha=0.25)
+                axis.plot(steps, smooth(values, smoothing), linestyle=style, color=color,
                           label=name)  # fmt: skip
             else:
-                axis.plot(steps, values, style, marker="." if len(steps) < 30 else None,
-                          label=name)  # fmt: skip
+                axis.plot(steps, values, linestyle=style, color=color,
+                          marker="." if len(steps) < 30 else None, label=name)  # fmt: skip
+            plotted.append(values)
             drawn = True
-    axis.set_title(key)
+    scale = _scale_and_limits(axis, plotted)
+    axis.set_title(key + ("" if scale == "linear" else f" ({scale} scale)"))
     axis.set_xlabel("step")
     axis.grid(alpha=0.3)
     if drawn:
@@ -149,6 +186,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, keys=DEFAULT_KEYS, labels=None,
     if len(set(labels)) != len(labels):  # two runs named 'run' in different folders
         labels = [os.path.normpath(d) for d in run_dirs]
     runs = {label: read_run(d) for label, d in zip(labels, run_dirs)}
+    colors = {label: f"C{i % 10}" for i, label in enumerate(runs)}  # one per run, every panel
     present = [k for k in keys if any(_lines_for(k, s) for s in runs.values())]
     missing = [k for k in keys if k not in present]
     if missing:
@@ -160,7 +198,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, keys=DEFAULT_KEYS, labels=None,
     written = {}
     for key in present:
         figure, axis = plt.subplots(figsize=(6.5, 4))
-        _draw(axis, key, runs, smoothing)
+        _draw(axis, key, runs, smoothing, colors)
         figure.tight_layout()
         path = os.path.join(out_dir, key.replace("/", "_") + ".png")
         figure.savefig(path, dpi=100)
@@ -170,7 +208,7 @@ def plot_runs(run_dirs: list[str], out_dir: str, keys=DEFAULT_KEYS, labels=None,
     rows = math.ceil(len(present) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 3.6 * rows), squeeze=False)
     for axis, key in zip(axes.flat, present):
-        _draw(axis, key, runs, smoothing)
+        _draw(axis, key, runs, smoothing, colors)
     for axis in list(axes.flat)[len(present) :]:
         axis.set_visible(False)
     figure.tight_layout()

@@ -78,3 +78,51 @@ def test_cli_and_errors(tmp_path, capsys):
         plot_run.main([str(tmp_path / "empty")])
     with pytest.raises(SystemExit, match="does not exist"):
         plot_run.main([str(tmp_path / "missing")])
+
+
+def _panel(key, runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots()
+    colors = {label: f"C{i}" for i, label in enumerate(runs)}
+    plot_run._draw(axis, key, runs, 0.0, colors)
+    return figure, axis
+
+
+def test_one_colour_per_run_in_every_panel_and_log_scale_across_magnitudes():
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    steps = np.arange(1, 11)
+    runs = {
+        "opsd": {"loss": (steps, 0.005 + 0.001 / steps), "eval/accuracy": (steps, 0.3 + steps / 50),
+                 "eval/toy_maze/accuracy": (steps, 0.2 + steps / 50)},
+        "sft": {"loss": (steps, 6.0 + 1.0 / steps), "eval/accuracy": (steps, 0.4 + steps / 50),
+                "eval/toy_maze/accuracy": (steps, 0.5 + steps / 50)},
+    }  # fmt: skip
+    for key in ("loss", "eval/accuracy"):
+        figure, axis = _panel(key, runs)
+        by_run = {}
+        for line in axis.get_lines():
+            by_run.setdefault(line.get_label().split(":")[0], set()).add(to_hex(line.get_color()))
+        assert by_run == {"opsd": {to_hex("C0")}, "sft": {to_hex("C1")}}, by_run
+        # A JSD of 0.005 beside a CE of 6 would be a flat line at 0 on a linear axis.
+        assert axis.get_yscale() == ("log" if key == "loss" else "linear")
+        plt.close(figure)
+
+
+def test_a_constant_series_gets_sane_limits_and_says_so():
+    import matplotlib.pyplot as plt
+
+    steps = np.arange(1, 6)
+    figure, axis = _panel("ce", {"opsd": {"ce": (steps, np.zeros(5))}})
+    assert axis.get_ylim() == (-1.0, 1.0)
+    assert axis.get_lines()[0].get_label() == "opsd (constant 0)"
+    plt.close(figure)
+    figure, axis = _panel("lr", {"a": {"lr": (steps, np.full(5, 1e-4))}})
+    low, high = axis.get_ylim()
+    assert low == pytest.approx(0.9e-4) and high == pytest.approx(1.1e-4)
+    plt.close(figure)
