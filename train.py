@@ -103,7 +103,7 @@ def main(argv):
     config = _CONFIG.value
 
     # ---- config check: every bad value named before anything compiles ------------------------
-    train_config.resolve_dataset_paths(config)
+    train_config.resolve_paths(config)
     try:
         train_config.validate(config)  # values only: no device may be touched before the init
     except train_config.ConfigError as e:
@@ -183,7 +183,7 @@ def main(argv):
         del start
     special = tokenizer.special_tokens()
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    say(f"model {config.model_path}: {num_params:,} parameters, "
+    say(f"model {config.model_path}: {num_params:,} trainable parameters (LM, ViT, connector), "
           f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
           + (" (weights not read: a checkpoint gives them)" if resumed else ""))  # fmt: skip
     if description:
@@ -413,6 +413,12 @@ def main(argv):
             )  # fmt: skip
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
+            overall, datasets = result.summary["overall"], result.summary["datasets"]
+            logger.log_note(step, f"held-out accuracy, {context} context "
+                            f"({'without' if context == 'student' else 'with'} VT): "
+                            f"{overall['accuracy']:.1%} of {overall['num_samples']} samples ("
+                            + ", ".join(f"{name} {m['accuracy']:.1%}" for name, m in datasets.items())
+                            + ")")  # fmt: skip
             if distributed.is_main():
                 evaluation.save_results(result, os.path.join(config.results_dir, "eval"),
                                         name=f"step{step}_{context}")  # fmt: skip
@@ -578,6 +584,22 @@ def main(argv):
     if stopped_at is None:
         say(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
             f"{config.results_dir}")  # fmt: skip
+    say(next_commands(config, checkpoint_dir))
+
+
+def next_commands(config, checkpoint_dir: str) -> str:
+    """What a user runs on a finished (or stopped) run: evaluate, plot, export."""
+    run, quote = config.results_dir, lambda path: path if " " not in path else f"'{path}'"  # noqa: E731
+    lines = [
+        f"python scripts/evaluate.py --checkpoint {quote(run)}    # held-out accuracy, no VT",
+        f"python scripts/evaluate.py --checkpoint {quote(run)} --context teacher    # with VT",
+        f"python scripts/plot_run.py {quote(run)}    # curves -> {os.path.join(run, 'plots')}",
+    ]
+    if config.model_path:
+        lines.append(f"python scripts/convert_hf.py jax-to-hf --ckpt {quote(checkpoint_dir)} "
+                     f"--source {quote(config.model_path)} --out "
+                     f"{quote(os.path.join(run, 'hf'))}    # the BAGEL HF layout")  # fmt: skip
+    return "next:\n  " + "\n  ".join(lines)
 
 
 # Errors in what the user gave (files, directories, checkpoints): one line, no traceback. A

@@ -50,7 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
     # scripts/collect_traces.py runs the model over the data once and writes the cache to
     # offline_cache_dir; mode 'offline' then trains the student on the text-only view with
     # ce_weight * CE + kd_weight * top-k KL against it (the PyTorch offline trainer's knobs).
-    c.offline_cache_dir = ""
+    c.offline_cache_dir = ""  # empty: <results_dir>/teacher_cache
     c.kd_weight = 0.5
     c.kd_temperature = 2.0
     c.kd_use_vt_weights = True  # weight each token by KL(teacher with VT || text-only view)

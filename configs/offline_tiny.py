@@ -19,7 +19,6 @@ def get_config() -> ml_collections.ConfigDict:
     with config.unlocked():
         config.mode = "offline"
         config.teacher_mode = "self"  # the teacher is the cache: no EMA copy
-        config.offline_cache_dir = "results/offline_tiny/teacher_cache"
         config.offline_top_k = 64
         config.offline_shard_samples = 8
         config.ce_weight = 1.0  # the PyTorch offline trainer's CE + kd_weight * KL

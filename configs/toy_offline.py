@@ -23,7 +23,6 @@ def get_config() -> ml_collections.ConfigDict:
     with config.unlocked():
         config.mode = "offline"
         config.teacher_mode = "self"  # the teacher is the cache: no EMA copy
-        config.offline_cache_dir = "results/toy_offline/teacher_cache"
         config.offline_top_k = 64  # the toy vocabulary is ~400 ids
         config.offline_shard_samples = 256
         config.kd_weight = 0.5

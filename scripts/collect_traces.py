@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import app, flags, logging  # noqa: E402
 
 import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
 from opsd_jax.data import offline_cache  # noqa: E402
@@ -45,11 +45,12 @@ _MAX_SAMPLES = flags.DEFINE_integer("max_samples", None, "stop after this many n
 
 def main(argv) -> None:
     del argv
+    logging.set_verbosity(logging.WARNING)  # as train.py: orbax's and jax's INFO lines are noise
     config = train._CONFIG.value
     index, count = _PROCESS_INDEX.value, _PROCESS_COUNT.value
     if not 0 <= index < count:
         train.config_error(f"--process_index={index} must be in [0, --process_count={count})")
-    train_config.resolve_dataset_paths(config)
+    train_config.resolve_paths(config)
     devices = jax.local_devices()  # each process collects alone, on its own devices
     try:
         train_config.validate(config, len(devices), need_cache=False)

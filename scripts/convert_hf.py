@@ -46,13 +46,16 @@ def hf_to_jax(args) -> None:
     )
     params = hf_export.flat_params(model)
     count = sum(value.size for value in params.values())
+    trainable = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     item = checkpoint.save_model_params(nnx.state(model, nnx.Param), args.out)
     if jax.process_index() == 0:
         with open(os.path.join(args.out, "bagel_config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=2)
     print(
-        f"loaded {args.hf_dir}: {len(params)} params ({count:,} values, {args.dtype}) on mesh "
-        f"{dict(mesh.shape)}; gen expert {'loaded' if args.gen_expert else 'skipped'}"
+        f"loaded {args.hf_dir}: {len(params)} arrays of {count:,} values ({args.dtype}): "
+        f"{trainable:,} trainable parameters and {count - trainable:,} in the fixed 2-D "
+        f"sin-cos position table; mesh {dict(mesh.shape)}; gen expert "
+        f"{'loaded' if args.gen_expert else 'skipped'}"
     )
     print(
         f"tokenizer: {tokenizer.vocab_length} ids ({tokenizer.num_added} added), "

@@ -148,3 +148,21 @@ def test_every_config_key_is_one_setting_and_is_read_by_the_code():
         if not re.search(rf"\.{name}\b|\w\(\s*[\"']{name}[\"']|\[[\"']{name}[\"']\]", code):
             unread.append(key)
     assert not unread, f"config keys nothing reads: {unread}"
+
+
+def test_the_offline_cache_follows_results_dir_unless_set(tmp_path):
+    from configs import offline_tiny, tiny
+    from opsd_jax.training import train_config
+
+    config = offline_tiny.get_config()
+    with config.unlocked():
+        config.results_dir = str(tmp_path / "run_a")
+    train_config.resolve_paths(config)
+    assert config.offline_cache_dir == str(tmp_path / "run_a" / "teacher_cache")
+    with config.unlocked():
+        config.offline_cache_dir = str(tmp_path / "shared_cache")
+    train_config.resolve_paths(config)
+    assert config.offline_cache_dir == str(tmp_path / "shared_cache")  # a set value is kept
+    opsd = tiny.get_config()
+    train_config.resolve_paths(opsd)
+    assert opsd.offline_cache_dir == ""  # an on-policy run has no cache

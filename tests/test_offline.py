@@ -389,6 +389,7 @@ def test_collect_traces_then_train_offline(offline_run):
     assert "[p0] 16/16 samples" in out and "ETA" in out
     assert re.search(r"done: 16 samples written, 0 were cached before, skipped none", out), out
     assert "16 samples, " in out.splitlines()[-1]  # the cache size per sample is reported
+    assert not re.search(r"^I\d{4} ", out, re.M), out[:3000]  # no absl INFO lines
     assert "offline teacher cache" in trained and "done: 2 steps" in trained
     logged = [json.loads(line) for line in open(root / "metrics.jsonl")]
     assert [m["step"] for m in logged] == [1, 2]

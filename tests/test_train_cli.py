@@ -90,7 +90,10 @@ def straight(tmp_path_factory):
     """The uninterrupted reference run, on toy data with ~10% broken rows."""
     root = tmp_path_factory.mktemp("straight")
     write_corrupted_toy_data(root / "toy" / "data")
-    result = run_train(*reference_args(root), log_compiles=True)  # stdout holds stderr too
+    # Held-out evaluation at the last step (greedy, 2 samples per dataset): it reads the params
+    # only, so the run stays the reference of the resumed runs below.
+    result = run_train(*reference_args(root), "--config.eval_every=6",
+                       "--config.eval_samples_per_dataset=2", log_compiles=True)  # fmt: skip
     return root, result
 
 
@@ -111,6 +114,14 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
     assert not (root / "run.lock").exists()  # the run gave its directory back
+    # The held-out accuracy is on the console, and the run ends with what to run next.
+    assert re.search(r"\[step 6\] held-out accuracy, student context \(without VT\): "
+                     r"\d+\.\d% of 4 samples \(toy_maze \d", result.stdout), result.stdout[-3000:]
+    assert (root / "eval" / "step6_student_summary.json").is_file()
+    tail = result.stdout[result.stdout.index("next:"):]
+    assert f"python scripts/evaluate.py --checkpoint {root}" in tail
+    assert f"python scripts/plot_run.py {root}" in tail
+    assert f"python scripts/convert_hf.py jax-to-hf --ckpt {root / 'checkpoints'}" in tail
 
 
 FAKE_WANDB = '''"""A stand-in for the optional wandb package: appends init's arguments to a file."""
@@ -153,7 +164,10 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     assert len(compiled) == 1, compiled
     later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
              if "Compiling " in line]  # fmt: skip
-    assert all(name in ("jit(_prefill)", "jit(_decode_round)") for name in later), later
+    # The sampler, for a prompt length it has not met (and the held-out evaluation's greedy
+    # rounds, with its sampling key folded once): no training program.
+    sampling = ("jit(_prefill)", "jit(_decode_round)", "jit(_threefry_fold_in)")
+    assert all(name in sampling for name in later), later
 
 
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
@@ -563,6 +577,6 @@ def test_shipped_configs_load_and_the_paper_recipe_is_exact(tmp_path):
         paper.data_root = str(tmp_path)
     for spec in paper.data.datasets:
         (tmp_path / spec["name"]).mkdir()
-    train_config.resolve_dataset_paths(paper)
+    train_config.resolve_paths(paper)
     train_config.validate(paper, num_devices=8)
     train_config.validate(sanity.get_config(), num_devices=1)

@@ -160,15 +160,18 @@ def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
     return data, fsdp, tensor
 
 
-def resolve_dataset_paths(config) -> None:
-    """Relative dataset paths are read under `data_root` (in place)."""
-    if not config.data_root:
-        return
+def resolve_paths(config) -> None:
+    """Paths the config leaves to the run, filled in place: relative dataset paths are read
+    under `data_root`; an offline run's empty `offline_cache_dir` is `<results_dir>/teacher_cache`
+    (so two offline runs with their own results_dir never share a cache by accident)."""
     with config.unlocked():
-        config.data.datasets = [
-            dict(spec, path=os.path.join(config.data_root, dict(spec).get("path", "")))
-            for spec in config.data.datasets
-        ]
+        if config.data_root:
+            config.data.datasets = [
+                dict(spec, path=os.path.join(config.data_root, dict(spec).get("path", "")))
+                for spec in config.data.datasets
+            ]
+        if config.mode == "offline" and not config.offline_cache_dir:
+            config.offline_cache_dir = os.path.join(config.results_dir, "teacher_cache")
 
 
 def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
