@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import stat
 
@@ -298,8 +299,10 @@ def test_broken_checkpoints_raise_one_clear_error_and_write_nothing(kind, toy_bf
     with pytest.raises(hf_layout.HFCheckpointError, match=message):
         hf_load.load_hf(broken, tokenizer=False)
     out = tmp_path / "converted"
-    with pytest.raises(hf_layout.HFCheckpointError, match=message):
+    with pytest.raises(SystemExit) as exited:  # the script: the same message as one line
         convert_hf.main(["hf-to-jax", "--hf_dir", str(broken), "--out", str(out)])
+    assert str(exited.value.code).startswith("error: ")
+    assert re.search(message, str(exited.value.code)), exited.value.code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]
 
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from test_train_cli import run_train
@@ -34,6 +35,10 @@ def test_the_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path):
     with pytest.raises(run_lock.RunLockError, match=f"process {holder.pid} "):
         run_lock.acquire([tmp_path])
     holder.kill()  # SIGKILL: no release; the zombie (not reaped yet) counts as gone
+    for _ in range(500):  # the signal is asynchronous: wait until the kernel made it a zombie
+        if (run_lock._proc_stat(holder.pid) or ["Z"])[0] == "Z":
+            break
+        time.sleep(0.01)
     said = []
     lock = run_lock.acquire([tmp_path], say=said.append)
     holder.wait()
