@@ -12,7 +12,8 @@ Refinements, so the count says what the kernel touches rather than what it could
   * an operand that a dynamic-update-slice or scatter updates in place counts nothing read, and
     the result counts only the update's bytes (a KV-cache write is one token's key, not the
     cache);
-  * bitcasts, tuples, parameters, constants and the `-done` halves of async ops move nothing.
+  * bitcasts, tuples, parameters, constants and the `-done` halves of async ops move nothing,
+    nor does a library call's scratch workspace (a flat s8 array in its result tuple).
 
 `loop_traffic(text)` walks the body of the program's main while loop (nested loops counted by
 their trip counts) and returns every kernel with its bytes per iteration; `data_movement`
@@ -62,6 +63,12 @@ class Kernel:
 
 def _bytes(type_text: str) -> int:
     return sum(s.bytes for s in hlo_stats.shapes_in(type_text))
+
+
+def _is_workspace(type_text: str) -> bool:
+    """A library call's scratch buffer (cuBLAS, cuDNN: a flat s8 / u8 array beside its result):
+    allocated, not read or written as data."""
+    return re.fullmatch(r"\s*[su]8\[\d+\](\{0\})?\s*", type_text) is not None
 
 
 def _tuple_elements(type_text: str) -> list[str]:
@@ -130,8 +137,9 @@ class _Module:
                 update = inst.operands[1 if inst.opcode == "dynamic-update-slice" else -1]
                 return _bytes(hlo_stats.operand_type(update, self.types[fused]))
             if inst.opcode == "tuple":
-                return sum(written(by_name[o]) if o in by_name else 0 for o in inst.operands)
-            return _bytes(inst.result)
+                return sum(written(by_name[o]) for o in inst.operands
+                           if o in by_name and not _is_workspace(by_name[o].result))  # fmt: skip
+            return sum(_bytes(e) for e in _tuple_elements(inst.result) if not _is_workspace(e))
 
         root = next((i for i in insts if i.is_root), insts[-1] if insts else None)
         moves_only = all(i.opcode in _MOVES for i in insts)
@@ -189,8 +197,7 @@ class _Module:
         else:
             read = sum(_bytes(t) for t in operands)
             elements = _tuple_elements(result)
-            if inst.opcode == "custom-call" and len(elements) > 1 and re.match(r"\s*[su]8\[",
-                                                                                 elements[-1]):
+            if inst.opcode == "custom-call" and len(elements) > 1 and _is_workspace(elements[-1]):
                 elements = elements[:-1]  # a library call's scratch workspace
             written = sum(_bytes(e) for e in elements)
         return Kernel(inst.name, inst.opcode, computation, read, written, multiplier,
