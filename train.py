@@ -449,19 +449,9 @@ def main(argv):
         cut, dropped = int(unreported["pack/truncated"]), int(unreported["pack/dropped"])
         if logged is None or not (cut or dropped):
             return
-        seen = unreported["samples"]
-        sizes = "; ".join(f"{name} rows {s[-1].row_length} tokens / {s[-1].patches} patches / "
-                          f"{s[-1].loss_entries} loss entries"
-                          for name, s in ((n, shapes[n]) for n in pack_names))  # fmt: skip
-        if cut:
-            logger.log_note(step, f"{cut} of {seen} samples since the last report had their "
-                            f"completion cut to fit the pack rows ({sizes}): raise "
-                            f"pack_student_row_tokens / pack_row_tokens / pack_loss_entries, or "
-                            f"set them to 0 for sizes that always fit")  # fmt: skip
-        if dropped:
-            logger.log_note(step, f"{dropped} of {seen} samples since the last report were "
-                            f"dropped: they fit no pack row ({sizes}); raise pack_row_tokens / "
-                            f"pack_row_patches, or set them to 0 for sizes that always fit")  # fmt: skip
+        for line in pack_shapes.cut_report(cut, dropped, unreported["samples"],
+                                           {n: shapes[n][-1] for n in pack_names}):  # fmt: skip
+            logger.log_note(step, line)
         unreported.update({"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0})
 
     def finish(done: dict, state) -> None:

@@ -6,7 +6,7 @@ from test_opsd_packs import OPTIONS, SPECIAL, encode, sample
 
 from configs import common, thinkmorph_7b, tiny
 from opsd_jax.data.opsd_packs import build_training_packs
-from opsd_jax.data.pack_shapes import PackShape, choose_bucket, fit_rows, pack_shapes
+from opsd_jax.data.pack_shapes import PackShape, choose_bucket, cut_report, fit_rows, pack_shapes
 from opsd_jax.data.sft_packs import build_sft_packs
 
 
@@ -101,3 +101,14 @@ def test_sft_pack_takes_the_fixed_shape_and_samples_that_fit_no_row_are_dropped(
     with pytest.raises(ValueError, match="no sample fits the fixed pack shape"):
         build_sft_packs([long], encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256,
                         shapes=[PackShape(96, 8, 48)])  # fmt: skip
+
+
+def test_cut_and_dropped_samples_are_reported_with_the_sizes_to_raise():
+    shapes = {"student": PackShape(512, 128, 64), "teacher": PackShape(1024, 256, 64)}
+    assert cut_report(0, 0, 8, shapes) == []
+    cut, dropped = cut_report(2, 1, 8, shapes)
+    assert cut.startswith("2 of 8 samples since the last report had their completion cut")
+    assert "student rows 512 tokens / 128 patches / 64 loss entries" in cut
+    assert "teacher rows 1024 tokens" in cut and "pack_student_row_tokens" in cut
+    assert dropped.startswith("1 of 8 samples since the last report were dropped")
+    assert "pack_row_patches" in dropped and "pack_student_row_tokens" in dropped

@@ -150,3 +150,23 @@ def choose_bucket(needs, buckets: list[np.ndarray], num_rows: int, **cut):
         if None not in rows:
             return index, rows, cuts
     return len(buckets) - 1, *fit_rows(needs, buckets[-1], num_rows, **cut)
+
+
+def cut_report(cut: int, dropped: int, seen: int, shapes: dict[str, PackShape]) -> list[str]:
+    """Console lines for samples the fixed rows cut (`cut`: completions shortened to fit) or
+    dropped (`dropped`: fit no row at all) among `seen`, naming the rows' sizes (`shapes`: pack
+    name -> its largest shape) and the keys that raise them."""
+    sizes = "; ".join(f"{name} rows {s.row_length} tokens / {s.patches} patches / "
+                      f"{s.loss_entries} loss entries" for name, s in shapes.items())  # fmt: skip
+    lines = []
+    if cut:
+        lines.append(f"{cut} of {seen} samples since the last report had their completion cut "
+                     f"to fit the pack rows ({sizes}): raise pack_student_row_tokens / "
+                     f"pack_row_tokens / pack_loss_entries, or set them to 0 for sizes that "
+                     f"always fit")  # fmt: skip
+    if dropped:
+        lines.append(f"{dropped} of {seen} samples since the last report were dropped: they fit "
+                     f"no pack row ({sizes}); raise pack_row_tokens / pack_row_patches (OPSD "
+                     f"students: pack_student_row_tokens / pack_student_row_patches), or set "
+                     f"them to 0 for sizes that always fit")  # fmt: skip
+    return lines
