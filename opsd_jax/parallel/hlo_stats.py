@@ -406,6 +406,8 @@ def compile_and_read(lowered, options: dict | None = None):
                 **(options or {}), "xla_dump_to": folder,
                 "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
             dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
+            if not dumps:  # one device: nothing to partition, the program as it came in
+                dumps = sorted(glob.glob(os.path.join(folder, "*before_optimizations.txt")))
             if not dumps:
                 raise RuntimeError(f"XLA wrote no after-spmd-partitioning dump in {folder}: "
                                    f"{sorted(os.listdir(folder))[:20]}")
