@@ -130,6 +130,8 @@ class SamplerPrograms:
     decode: object
     decode_text: str
     decode_weight_bytes: int
+    decode_lowered: object
+    layer_weight_shapes: set  # one layer's projection matrices (sorted dims, 1s dropped)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +148,7 @@ def h100_sampler() -> SamplerPrograms:
     refresh = decode_copy.cast_function(state, view, jnp.bfloat16).lower(state)
     refresh_compiled, refresh_text = hlo_stats.compile_and_read(refresh, options)
 
-    rows, prompt_len, patches, new_tokens = 2, 128, 64, 8
+    rows, prompt_len, patches, new_tokens = 4, 128, 64, 8  # 2 rows per device
     slots = prompt_len + new_tokens + 1
 
     def on_view(shape, dtype, names):
@@ -186,8 +188,11 @@ def h100_sampler() -> SamplerPrograms:
     decode_weights = sum(x.size * x.dtype.itemsize
                          for name in ("layers", "norm", "lm_head")
                          for x in jax.tree.leaves(lm[name]))  # fmt: skip
+    layer_shapes = {tuple(sorted(d for d in x.shape[1:] if d != 1))  # projections, not biases
+                    for path, x in jax.tree_util.tree_flatten_with_path(lm["layers"])[0]
+                    if "kernel" in jax.tree_util.keystr(path)}  # fmt: skip
     return SamplerPrograms(refresh_compiled, refresh_text, prefill_text, decode, decode_text,
-                           decode_weights)  # fmt: skip
+                           decode_weights, lowered, layer_shapes)  # fmt: skip
 
 
 def big(found):
@@ -237,3 +242,31 @@ def test_importing_opsd_jax_keeps_the_plugin_quiet_without_a_driver():
         assert guarded.stdout.strip() == "cpu" and "cuInit" not in guarded.stderr, guarded.stderr
     else:  # a GPU machine: nothing is forced
         assert guarded.stdout.strip() == "gpu", guarded.stderr
+
+
+def layer_weight_copies(compiled_text: str, layer_shapes: set) -> list:
+    """Kernels of the decode loop that only copy data into a buffer shaped like one layer's
+    weight matrix (a slice of the stacked weights, or q/k/v concatenated): per-token copies."""
+    kernels = hbm_traffic.data_movement(hbm_traffic.loop_traffic(compiled_text))
+    found = []
+    for kernel in kernels:
+        shapes = hlo_stats.shapes_in(kernel.result)
+        dims = tuple(sorted(d for d in shapes[0].dims if d != 1)) if shapes else ()
+        if dims in layer_shapes:
+            found.append(kernel)
+    return found
+
+
+def test_decode_loop_reads_the_weights_in_place(h100_sampler):
+    """The sampler's XLA:GPU options (sampler.SAMPLER_COMPILER_OPTIONS): no kernel of the token
+    loop copies a layer's weights. With XLA's defaults (Triton GEMMs, the dot merger) every token
+    copies every layer's matrices (shown here, so the check can fail)."""
+    copies = layer_weight_copies(h100_sampler.decode.as_text(), h100_sampler.layer_weight_shapes)
+    assert not copies, hbm_traffic.describe(copies)
+    defaults = {**gpu_target.DEVICELESS_OPTIONS, "xla_gpu_enable_triton_gemm": True,
+                "xla_gpu_dot_merger_threshold_mb": 32}  # fmt: skip
+    with mesh_lib.use_mesh(mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated"),
+                           mesh_lib.DECODE_RULES):  # fmt: skip
+        before = h100_sampler.decode_lowered.compile(compiler_options=defaults)
+    copied = layer_weight_copies(before.as_text(), h100_sampler.layer_weight_shapes)
+    assert len({k.result for k in copied}) >= 3, hbm_traffic.describe(copied)
