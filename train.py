@@ -266,12 +266,7 @@ def main(argv):
         loss_fn = train_step.make_offline_loss(graphdef, rest, settings)
     else:
         loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, config.teacher_mode)
-    step_fn = train_step.make_train_step(
-        loss_fn, optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
-        schedule=train_step.learning_rate_schedule(config), frozen=frozen,
-        max_bad_steps=config.max_consecutive_bad_steps,
-        state_shardings=train_step.shardings_of(abstract_state),
-    )  # fmt: skip
+    step_fn = train_config.train_step_for(config, loss_fn, optimizer, abstract_state, frozen)
     # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
     # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
     local_rows = config.rows_per_micro_batch // num_processes

@@ -74,14 +74,9 @@ def main():
                            train_step.shardings_of(abstract))  # fmt: skip
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     rows = config.rows_per_micro_batch
-    step_fn = train_step.make_train_step(
-        train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
-                                  config.teacher_mode),
-        optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
-        schedule=train_step.learning_rate_schedule(config),
-        max_bad_steps=config.max_consecutive_bad_steps,
-        state_shardings=train_step.shardings_of(abstract),
-    )  # fmt: skip
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
+                                        config.teacher_mode)  # fmt: skip
+    step_fn = train_config.train_step_for(config, loss_fn, optimizer, abstract)
     shapes = pack_shapes.pack_shapes(config)
     compiled, temp_memory = [], []
     for bucket in range(config.pack_length_buckets):

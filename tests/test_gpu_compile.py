@@ -73,13 +73,9 @@ def tiny_train_step(mesh, options):
     rest = host_rest(model_config)
     optimizer = train_step.make_optimizer(config)
     state = train_step.abstract_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    step = train_step.make_train_step(
-        train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
-                                  config.teacher_mode),
-        optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
-        schedule=train_step.learning_rate_schedule(config),
-        max_bad_steps=config.max_consecutive_bad_steps,
-        state_shardings=train_step.shardings_of(state))  # fmt: skip
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
+                                        config.teacher_mode)  # fmt: skip
+    step = train_config.train_step_for(config, loss_fn, optimizer, state)
     shapes = pack_shapes.pack_shapes(config)
     batch = tuple(distributed.abstract_micro_batches(
         shaped_pack([], shapes[name][0], config.rows_per_micro_batch, SPECIAL, [], fixed=True),

@@ -317,3 +317,13 @@ def data_config(config):
     return DataConfig.from_dict(dict(config.data.to_dict(),
                                      max_reference_rounds=config.max_reference_rounds,
                                      seed=config.global_seed))  # fmt: skip
+
+
+def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str, ...] = ()):
+    """The one compiled train step as the config sets it up (teacher mode, EMA decay, learning
+    rate schedule, bad-step limit), its state laid out like `abstract_state`."""
+    return train_step.make_train_step(
+        loss_fn, optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
+        schedule=train_step.learning_rate_schedule(config), frozen=frozen,
+        max_bad_steps=config.max_consecutive_bad_steps,
+        state_shardings=train_step.shardings_of(abstract_state))  # fmt: skip
