@@ -62,9 +62,9 @@ GIB = 2**30
 def default_target() -> str:
     """h100 where jax's CUDA plugin is installed (found without importing jax, whose flags are
     not set yet), else cpu."""
-    import importlib.util
+    from opsd_jax import cuda_plugin_installed
 
-    return "h100" if importlib.util.find_spec("jax_plugins.xla_cuda12") else "cpu"
+    return "h100" if cuda_plugin_installed() else "cpu"
 
 
 def parse_args():

@@ -266,3 +266,18 @@ def test_decode_loop_reads_the_weights_in_place(h100_sampler):
         before = h100_sampler.decode_lowered.compile(compiler_options=defaults)
     copied = layer_weight_copies(before.as_text(), h100_sampler.layer_weight_shapes)
     assert len({k.result for k in copied}) >= 3, hbm_traffic.describe(copied)
+
+
+def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):
+    """With only requirements.txt (no jax plugin) the `jax_plugins` namespace is missing and
+    find_spec raises: that is 'not installed', not an import error of opsd_jax."""
+    import importlib.util
+
+    import opsd_jax
+
+    def missing(name, *args):
+        raise ModuleNotFoundError(f"No module named {name.split('.')[0]!r}")
+
+    monkeypatch.setattr(importlib.util, "find_spec", missing)
+    assert opsd_jax.cuda_plugin_installed() is False
+    assert gpu_target.plugin_available() is False

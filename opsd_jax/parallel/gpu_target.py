@@ -26,12 +26,13 @@ the CPU, silently.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import jax
 import numpy as np
 from jax.experimental import topologies
+
+import opsd_jax
 
 TARGETS = ("h100", "h200", "h800")
 TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
@@ -44,7 +45,7 @@ DEVICELESS_OPTIONS = {"xla_gpu_deviceless_cub_mode": "DEVICELESS_CUB_DISABLED"}
 
 def plugin_available() -> bool:
     """Whether jax's CUDA plugin is installed (it is what compiles for the GPU)."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    return opsd_jax.cuda_plugin_installed()
 
 
 def target_config(target: str) -> str:
