@@ -191,7 +191,7 @@ def main(argv):
 
     # ---- data ------------------------------------------------------------------------------------
     # The model's ViT patch size and position grid decide the images' patches and position ids.
-    data_config = train_config.data_config(config).for_model(model_config)
+    data_config = data_check.for_model(model_config)  # the config checked before the load
     # Each process reads its own blocks of the global sample stream (see data/pipeline.py).
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes

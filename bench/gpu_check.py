@@ -290,8 +290,9 @@ def section_grad_step(args):
     settings = train_config.loss_settings(recipe)
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
-    with jax.default_device(jax.devices("cpu")[0]):  # the sin-cos table the step closes over
-        rest_values = jax.jit(lambda: nnx.split_state(nnx.state(make()), nnx.Param, ...)[1])()
+    from opsd_jax.parallel import gpu_target
+
+    rest_values = gpu_target.host_rest(make)  # the sin-cos table the step closes over
 
     def lower_for(on_mesh):
         graphdef, abstract = mesh_lib.abstract_model(make, on_mesh)

@@ -177,8 +177,7 @@ def main():
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     # The non-parameter state (the fixed sin-cos table) is real where a program closes over it
     # (the train step does), made on the host; as an argument it is abstract like the params.
-    with jax.default_device(jax.devices("cpu")[0]):
-        rest = jax.jit(lambda: nnx.split_state(nnx.state(make_model()), nnx.Param, ...)[1])()
+    rest = gpu_target.host_rest(make_model)
     optimizer = train_step.make_optimizer(recipe)
 
     def shard_bytes(tree):

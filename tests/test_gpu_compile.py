@@ -60,9 +60,7 @@ def abstract_split(model_config, mesh):
 def host_rest(model_config):
     """The model's non-parameter state (the ViT's sin-cos table) as values on the host CPU: a
     train step closes over it, as train.py's does."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        return jax.jit(lambda: nnx.split_state(
-            nnx.state(Bagel(model_config, rngs=nnx.Rngs(0))), nnx.Param, ...)[1])()  # fmt: skip
+    return gpu_target.host_rest(lambda: Bagel(model_config, rngs=nnx.Rngs(0)))
 
 
 def tiny_train_step(mesh, options):

@@ -95,3 +95,13 @@ def compiler_options(mesh) -> dict:
 def compile(lowered, mesh, **options):  # noqa: A001 (the verb is jax's too)
     """`lowered.compile()` with the options a compile for `mesh` needs (see compiler_options)."""
     return lowered.compile(compiler_options={**compiler_options(mesh), **options})
+
+
+def host_rest(make_model):
+    """The model's non-parameter state (BAGEL's fixed 2-D sin-cos table) as values on the host
+    CPU. A train step closes over it (train.py's does); a program compiled for compile-only
+    devices cannot make it on them, since nothing runs there."""
+    from flax import nnx
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return jax.jit(lambda: nnx.split_state(nnx.state(make_model()), nnx.Param, ...)[1])()
