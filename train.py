@@ -34,6 +34,7 @@ from opsd_jax.data.opsd_packs import (
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
+from opsd_jax.evaluation.run_summary import RunSummary
 from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io import init_weights, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, abstract_like
@@ -44,6 +45,7 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler
 from opsd_jax.toy import assets as toy_assets
+from opsd_jax.toy import tasks as toy_tasks
 from opsd_jax.training import resume_changes, train_config, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.training.stop_request import StopRequest
@@ -387,6 +389,7 @@ def main(argv):
 
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
+    summary = RunSummary()  # every evaluation and logged loss, for the end-of-run summary
     if config.eval_every:
         eval_samples = evaluation.load_eval_samples(
             data_config, "eval", max_per_dataset=config.eval_samples_per_dataset)  # fmt: skip
@@ -408,6 +411,7 @@ def main(argv):
             )  # fmt: skip
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
+            summary.add_eval(step, context, result.summary, result.records)
             overall, datasets = result.summary["overall"], result.summary["datasets"]
             logger.log_note(step, f"held-out accuracy, {context} context "
                             f"({'without' if context == 'student' else 'with'} VT): "
@@ -480,9 +484,14 @@ def main(argv):
         logged = logger.log_step(step, scalars, samples=accum * per_micro,
                                  tokens=done["tokens"])  # fmt: skip
         report_cut_samples(step, scalars, logged)
+        if logged is not None:
+            summary.add_logged(step, logged)
         if logged is not None and done["completion"] is not None:
             logger.log_text(step, "completion", tokenizer.decode(done["completion"]))
 
+    if eval_samples and config.eval_at_start and start_step == 0:  # the baseline of every curve
+        with logger.phase("eval"):
+            logger.log_scalars(0, run_evaluation(0, state.params))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
@@ -569,6 +578,15 @@ def main(argv):
     if stopped_at is None:
         say(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
             f"{config.results_dir}")  # fmt: skip
+    chance = (toy_tasks.chance_accuracy([s["name"] for s in config.data.datasets])
+              if config.toy_data else None)  # fmt: skip
+    for line in summary.lines(chance):
+        say(line)
+    if distributed.is_main() and (summary.evals or summary.losses):
+        png = os.path.join(config.results_dir, "summary.png")
+        summary.plot(png, title=f"{config.results_dir}: {config.mode}, steps {start_step}.."
+                     f"{stopped_at or config.total_steps}", chance=chance)  # fmt: skip
+        say(f"accuracy and loss over the steps: {png}")
     say(next_commands(config, checkpoint_dir))
 
 

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from configs import tiny  # noqa: E402
+from configs import smoke  # noqa: E402
 from models import attention  # noqa: E402
 from opsd_jax.data import pack_shapes  # noqa: E402
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
@@ -50,10 +50,10 @@ def main():
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--results-dir", default="/tmp/opsd_bench_train_step")
     parser.add_argument("--attention-backend", default=None, choices=attention.BACKENDS,
-                        help="default: configs/tiny.py's")  # fmt: skip
+                        help="default: configs/smoke.py's")  # fmt: skip
     args = parser.parse_args()
 
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.results_dir = args.results_dir
         if args.attention_backend:

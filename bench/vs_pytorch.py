@@ -34,7 +34,7 @@ tokens/s counts the student + teacher pack tokens (410 + 832).
     python bench/vs_pytorch.py                      # our figures only (comparison skipped)
     python bench/vs_pytorch.py --compute-dtype bfloat16 --multiple 128   # other settings
 
-Our runtime choices default to the CPU default config's (configs/tiny.py: compute dtype,
+Our runtime choices default to the CPU default config's (configs/smoke.py: compute dtype,
 remat, unrolled layers), except the attention backend: `dense`, the fastest on a CPU for this
 case's one sample per row (the toy's multi-sample rows keep `chunked`, which skips the blocks
 between samples).
@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.sampler import CONFIGS  # noqa: E402
-from configs import tiny  # noqa: E402
+from configs import smoke  # noqa: E402
 from models.bagel import Bagel  # noqa: E402
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids  # noqa: E402
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs  # noqa: E402
@@ -366,8 +366,8 @@ def main():
                         help="a checkout of TiezMind/Visual-OPSD (BAGEL's torch model + trainer)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and side")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
-    # Defaults: the CPU default config's runtime choices (configs/tiny.py).
-    cpu = tiny.get_config()
+    # Defaults: the CPU default config's runtime choices (configs/smoke.py).
+    cpu = smoke.get_config()
     parser.add_argument("--compute-dtype", default=cpu.compute_dtype)
     parser.add_argument("--remat", default=cpu.remat)
     # Except the attention: this case has one sample per row (as the PyTorch trainer takes it),

@@ -153,6 +153,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.progress_bar = True
     # Held-out evaluation during training (greedy; exact match of the <answer>): 0 = off.
     c.eval_every = 0
+    c.eval_at_start = True  # with eval_every: the starting weights too, at step 0 (not on resume)
     c.eval_samples_per_dataset = 64  # first rows of each dataset's held-out split
     c.eval_batch_size = 8
     c.eval_max_new_tokens = 0  # 0: sample_max_new_tokens

@@ -3,7 +3,7 @@
     python scripts/collect_traces.py --config configs/offline_tiny.py   # the cache (once)
     python train.py --config configs/offline_tiny.py                    # the student
 
-Same toy model and data as configs/tiny.py (made under `results_dir` if absent). The collector
+Same toy model and data as configs/smoke.py (made under `results_dir` if absent). The collector
 runs that model over the toy training rows and writes the cache to `offline_cache_dir`; the
 trainer (mode 'offline') trains the student on the text-only view with CE + kd_weight * top-k
 KL against it, without a sampler or a teacher forward.
@@ -11,11 +11,11 @@ KL against it, without a sampler or a teacher forward.
 
 import ml_collections
 
-from configs import tiny
+from configs import smoke
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.mode = "offline"
         config.teacher_mode = "self"  # the teacher is the cache: no EMA copy

@@ -6,11 +6,11 @@ Four toy samples, a constant learning rate and the 'fixed' teacher, so the targe
 if the JSD does not go down here, something in the pipeline is broken.
 """
 
-from configs import tiny
+from configs import smoke
 
 
 def get_config():
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.teacher_mode = "fixed"
         config.lr = 1e-3
@@ -24,7 +24,7 @@ def get_config():
         config.results_dir = "results/sanity"
         config.data.datasets = [dict(name="toy_maze", path="", weight=1.0, num_used_data=4)]
         # Greedy decoding of the starting model fills the whole 24-token budget every step: two
-        # such student views (contexts up to 241 tokens) need 532 tokens, more than tiny.py's
+        # such student views (contexts up to 241 tokens) need 532 tokens, more than smoke.py's
         # 512-token student row, which would cut one completion per row every step.
         config.pack_student_row_tokens = 640
     config.lock()

@@ -2,17 +2,17 @@
 
     python train.py --config configs/sft_tiny.py [--config.key=value ...]
 
-Same toy model and data as configs/tiny.py (made under `results_dir` if absent); no sampler, no
+Same toy model and data as configs/smoke.py (made under `results_dir` if absent); no sampler, no
 teacher (teacher_mode 'self' keeps no EMA copy). The student context only (sft_vt_fraction 0).
 """
 
 import ml_collections
 
-from configs import tiny
+from configs import smoke
 
 
 def get_config() -> ml_collections.ConfigDict:
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.mode = "sft"
         config.sft_vt_fraction = 0.0

@@ -25,13 +25,10 @@ import ml_collections
 from configs import common, toy_sft
 
 
-def get_config() -> ml_collections.ConfigDict:
-    config = common.base_config()
+def toy_opsd_recipe(config: ml_collections.ConfigDict) -> None:
+    """The toy task and the Visual-OPSD recipe above (in place; shared with configs/tiny.py)."""
     toy_sft.toy_task_config(config)
     config.mode = "opsd"
-    config.resume_from = "results/toy_sft/checkpoints"
-    config.resume_model_only = True
-    config.auto_resume = True
     config.teacher_mode = "ema"
     config.ema_decay = 0.99
     config.noise_vt = False
@@ -46,6 +43,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.min_lr = 3e-6
     config.warmup_steps = 10
     config.lr_scheduler = "cosine"
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = common.base_config()
+    toy_opsd_recipe(config)
+    config.resume_from = "results/toy_sft/checkpoints"
+    config.resume_model_only = True
+    config.auto_resume = True
     config.total_steps = 150
     config.save_every = 50
     config.max_checkpoints = 10

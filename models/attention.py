@@ -24,7 +24,7 @@ Backends:
               are stacked into one [G * T, S] product (no repeated keys), one mask shared by all
               heads; memory O(T * S) per head, so only for rows of a few thousand tokens. It
               computes every (query, key) pair, so rows packed with many samples favour
-              "chunked", which skips the blocks between them (see configs/tiny.py).
+              "chunked", which skips the blocks between them (see configs/smoke.py).
   "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") with the dense mask; GPU only,
               fp16/bf16 only, never the default.
   "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);

@@ -178,7 +178,7 @@ def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: 
 
 
 def _command(results_dir: str, steps: int) -> list[str]:
-    return [sys.executable, "train.py", "--config", "configs/tiny.py",
+    return [sys.executable, "train.py", "--config", "configs/smoke.py",
             f"--config.results_dir={results_dir}", f"--config.total_steps={steps}",
             "--config.save_every=1", "--config.log_every=1", "--config.max_checkpoints=2",
             "--config.progress_bar=False", "--config.lr_scheduler=constant",

@@ -151,7 +151,7 @@ def test_every_config_key_is_one_setting_and_is_read_by_the_code():
 
 
 def test_the_offline_cache_follows_results_dir_unless_set(tmp_path):
-    from configs import offline_tiny, tiny
+    from configs import offline_tiny, smoke
     from opsd_jax.training import train_config
 
     config = offline_tiny.get_config()
@@ -163,6 +163,6 @@ def test_the_offline_cache_follows_results_dir_unless_set(tmp_path):
         config.offline_cache_dir = str(tmp_path / "shared_cache")
     train_config.resolve_paths(config)
     assert config.offline_cache_dir == str(tmp_path / "shared_cache")  # a set value is kept
-    opsd = tiny.get_config()
+    opsd = smoke.get_config()
     train_config.resolve_paths(opsd)
     assert opsd.offline_cache_dir == ""  # an on-policy run has no cache

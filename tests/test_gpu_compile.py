@@ -20,7 +20,7 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 
-from configs import tiny
+from configs import smoke
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from models.sharding import logical_spec
@@ -44,7 +44,7 @@ def test_the_cuda_plugin_is_installed():
 
 def tiny_model_config(backend: str) -> BagelConfig:
     """The tiny config's model as train.py builds it, with the attention `backend`."""
-    config = tiny.get_config()
+    config = smoke.get_config()
     return BagelConfig.tiny(llm=dict(
         compute_dtype=config.compute_dtype, remat=config.remat, attention_backend=backend,
         unroll_layers=config.unroll_layers, attention_block=config.attention_block))  # fmt: skip
@@ -65,7 +65,7 @@ def host_rest(model_config):
 
 def tiny_train_step(mesh, options):
     """(the tiny config's train step lowered for `mesh`, compiled with XLA `options`)."""
-    config = tiny.get_config()
+    config = smoke.get_config()
     model_config = tiny_model_config("pallas")
     graphdef, params, _ = abstract_split(model_config, mesh)
     rest = host_rest(model_config)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import tiny
+from configs import smoke
 from models.configs import BagelConfig
 from opsd_jax.io import hf_layout, hf_load, init_weights
 from opsd_jax.io.checkpoint import Checkpointer
@@ -46,7 +46,7 @@ def file_params(two_files):
 
 
 def run_config(model_path, **changes):
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.model_path = str(model_path)
         config.toy_data = False

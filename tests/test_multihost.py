@@ -47,7 +47,7 @@ def _env(devices: int) -> dict:
 
 
 def _command(results_dir, total_steps, *extra):
-    return [sys.executable, "train.py", "--config", "configs/tiny.py",
+    return [sys.executable, "train.py", "--config", "configs/smoke.py",
             f"--config.results_dir={results_dir}", f"--config.total_steps={total_steps}",
             *COMMON, *extra]  # fmt: skip
 

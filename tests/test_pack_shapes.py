@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from test_opsd_packs import OPTIONS, SPECIAL, encode, sample
 
-from configs import common, thinkmorph_7b, tiny
+from configs import common, smoke, thinkmorph_7b
 from opsd_jax.data.opsd_packs import build_training_packs
 from opsd_jax.data.pack_shapes import PackShape, choose_bucket, cut_report, fit_rows, pack_shapes
 from opsd_jax.data.sft_packs import build_sft_packs
@@ -31,7 +31,7 @@ def test_the_offline_row_has_the_problem_image_only_and_reference_targets():
 
 
 def test_explicit_sizes_win_and_buckets_scale_every_size():
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.pack_length_buckets = 2
     shapes = pack_shapes(config)

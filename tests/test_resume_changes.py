@@ -3,13 +3,13 @@ with its meaning; changes that contradict the saved state are refused unless all
 
 import pytest
 
-from configs import tiny
+from configs import smoke
 from opsd_jax.training import resume_changes
 
 
 def configs(**now):
-    saved = tiny.get_config().to_dict()
-    current = tiny.get_config()
+    saved = smoke.get_config().to_dict()
+    current = smoke.get_config()
     with current.unlocked():
         for key, value in now.items():
             current[key] = value

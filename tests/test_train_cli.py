@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
-from configs import tiny
+from configs import smoke
 from opsd_jax.training import train_config
 from scripts import crash_drill
 
@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def train_command(*overrides):
-    return [sys.executable, "train.py", "--config", "configs/tiny.py",
+    return [sys.executable, "train.py", "--config", "configs/smoke.py",
             "--config.progress_bar=False", *overrides]  # fmt: skip
 
 
@@ -109,7 +109,10 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
         assert (root / "checkpoints" / step / "commit_success.txt").exists()
     assert list(root.glob("events.out.tfevents.*"))
     records = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    # Step 0: the held-out evaluation of the starting weights (eval_at_start), then the steps.
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5, 6]
+    assert "eval/accuracy" in records[0] and "loss" not in records[0]
+    records = records[1:]
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
@@ -118,6 +121,13 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert re.search(r"\[step 6\] held-out accuracy, student context \(without VT\): "
                      r"\d+\.\d% of 4 samples \(toy_maze \d", result.stdout), result.stdout[-3000:]
     assert (root / "eval" / "step6_student_summary.json").is_file()
+    assert (root / "eval" / "step0_student_summary.json").is_file()
+    # The end-of-run summary: both evaluations in the table, the change, the plot.
+    table = result.stdout[result.stdout.index("held-out accuracy (4 samples, greedy"):]
+    assert re.search(r"\n\s+0 \|\s+\d+\.\d%\n\s+6 \|\s+\d+\.\d%\n", table), table[:800]
+    assert re.search(r"no VT: \d+\.\d% at step 0 -> \d+\.\d% at step 6 \([+-]\d+\.\d points",
+                     table), table[:800]  # fmt: skip
+    assert (root / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tail = result.stdout[result.stdout.index("next:"):]
     assert f"python scripts/evaluate.py --checkpoint {root}" in tail
     assert f"python scripts/plot_run.py {root}" in tail
@@ -317,7 +327,7 @@ def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
-        "train.py: unknown config keys for configs/tiny.py:",
+        "train.py: unknown config keys for configs/smoke.py:",
         "  --config.lr_schedular: no such key; did you mean lr_scheduler?",
         "  --config.nonexistent_key: no such key; nothing similar (configs/common.py lists every "
         "key)",
@@ -347,7 +357,7 @@ def test_bad_values_are_all_named_before_any_compute(tmp_path):
 
 
 def _valid_config(tmp_path):
-    config = tiny.get_config()
+    config = smoke.get_config()
     with config.unlocked():
         config.model_path = str(tmp_path)
         config.toy_data = False
@@ -508,7 +518,7 @@ def test_an_unwritable_results_dir_and_a_broken_config_file_are_one_line(tmp_pat
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"cannot create the run directory {blocker / 'run'}" in result.stderr
     config = tmp_path / "broken.py"
-    config.write_text("from configs import tiny\n\ndef get_config()\n    return tiny.get_config()\n")
+    config.write_text("from configs import smoke\n\ndef get_config()\n    return smoke.get_config()\n")
     result = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT,
                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]

@@ -292,6 +292,17 @@ MAJORITY_FADED = (200, 200, 200)
 DEFAULT_SIZES = {"toy_majority": (4096, 256)}
 
 
+# The accuracy of always giving one answer where the answer is uniform over a fixed set: the
+# floor a held-out accuracy is read against (toy_count's counts are not uniform: no figure).
+CHANCE_ACCURACY = {"toy_maze": 1 / 2, "toy_majority": 1 / len(MAJORITY_COLOURS)}
+
+
+def chance_accuracy(tasks) -> float | None:
+    """The chance level shared by `tasks`, or None (unknown for one, or they differ)."""
+    levels = {CHANCE_ACCURACY.get(task) for task in tasks}
+    return levels.pop() if len(levels) == 1 else None
+
+
 def make_majority(rng: random.Random) -> dict[str, Any]:
     names = sorted(MAJORITY_COLOURS)
     total = rng.randint(*MAJORITY_DOTS)

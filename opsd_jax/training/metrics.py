@@ -288,6 +288,12 @@ class MetricsLogger:
             return None
         return self._flush_window(int(step))
 
+    def log_scalars(self, step: int, record: Mapping[str, float]) -> None:
+        """Scalars outside a step's window (e.g. the evaluation of the starting weights at step
+        0): every sink, no console line."""
+        if self.is_main and not self._closed:
+            self._write_sinks(int(step), {k: float(v) for k, v in record.items()})
+
     def log_note(self, step: int, text: str) -> None:
         """A console line about the run (not a metric), e.g. samples the packs had to cut."""
         if self.is_main and not self._closed:
@@ -372,13 +378,7 @@ class MetricsLogger:
         self._print(self._console_line(step, record, samples > 0, tokens > 0))
         if self._bar is not None and "loss" in record:
             self._bar.set_postfix_str(f"loss {format_number(record['loss'])}")
-        self._write_scalars(step, record)
-        if self._jsonl is not None:
-            line = {"step": step, "time": time.time(), **record}
-            self._jsonl.write(json.dumps(line) + "\n")
-            self._jsonl.flush()
-        if self._wandb_run is not None:
-            self._wandb_run.log(record, step=step)
+        self._write_sinks(step, record)
 
         self._reset_window()
         # Start the next window after the writes, so logging cost is not billed to training.
@@ -414,6 +414,16 @@ class MetricsLogger:
             sys.stdout.flush()
         else:
             print(line, flush=True)
+
+    def _write_sinks(self, step: int, record: dict[str, float]) -> None:
+        """TensorBoard, metrics.jsonl and W&B."""
+        self._write_scalars(step, record)
+        if self._jsonl is not None:
+            line = {"step": step, "time": time.time(), **record}
+            self._jsonl.write(json.dumps(line) + "\n")
+            self._jsonl.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log(record, step=step)
 
     def _write_scalars(self, step: int, record: dict[str, float]) -> None:
         if self._writer is None:
