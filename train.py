@@ -36,7 +36,7 @@ from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation import run_settings
 from opsd_jax.evaluation.run_summary import RunSummary
 from opsd_jax.io import checkpoint as checkpoint_lib
-from opsd_jax.io import init_weights, run_lock
+from opsd_jax.io import compile_cache, init_weights, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, abstract_like
 from opsd_jax.io.hf_layout import HFCheckpointError
 from opsd_jax.io.safetensors_io import SafetensorsError
@@ -111,6 +111,12 @@ def main(argv):
     except train_config.ConfigError as e:
         config_error(e)
 
+    # ---- JAX's persistent compilation cache (before anything compiles) --------------------------
+    cache_dir = compile_cache.resolve(config.compilation_cache_dir)
+    if cache_dir:
+        compile_cache.enable(cache_dir)
+    cache_counter = compile_cache.CacheCounter()
+
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)
     try:
@@ -145,6 +151,7 @@ def main(argv):
     data_size, fsdp_size, tensor_size = train_config.mesh_shape(config, jax.device_count())
     mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size)
     say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    say(f"compilation cache: {cache_dir or 'off (compilation_cache_dir)'}")
 
     # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
     checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
@@ -288,16 +295,17 @@ def main(argv):
             entries = shapes["offline"][bucket].loss_entries
             parts.append(offline_views.empty_cache(local_rows, entries, cache_reader.top_k))
         batch = tuple(distributed.abstract_micro_batches(part, accum, mesh) for part in parts)
-        t0 = time.perf_counter()
+        t0, read_before = time.perf_counter(), cache_counter.read
         with mesh_lib.use_mesh(mesh):
             compiled_steps.append(step_fn.lower(abstract_state, batch).compile())
+        cached = " (read from the compilation cache)" if cache_counter.read > read_before else ""
         sizes = ", ".join(f"{name} {s.row_length} tokens / {s.patches} patches"
                           for name, s in ((n, shapes[n][bucket]) for n in pack_names))  # fmt: skip
         if offline:
             sizes += f", cached teacher top-{cache_reader.top_k}"
         say(f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
             f"({sizes}), {shapes[pack_names[0]][bucket].loss_entries} loss entries per row: "
-            f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+            f"{time.perf_counter() - t0:.1f} s{cached}")  # fmt: skip
 
     def on_mesh(pack):
         return distributed.put_rows(pack, mesh, sample_offset=sample_offset)
@@ -573,6 +581,8 @@ def main(argv):
     logger.close()
     counts = distributed.all_processes([data.num_yielded, *data.skipped.values()]).sum(axis=0)
     skipped = {r: int(n) for r, n in zip(data.skipped, counts[1:]) if n}
+    if cache_dir:
+        say(cache_counter.describe(cache_dir))
     say(f"data: {int(counts[0])} samples used; skipped rows: "
         f"{', '.join(f'{r} {n}' for r, n in skipped.items()) or 'none'}")  # fmt: skip
     if stopped_at is None:

@@ -92,9 +92,10 @@ def parse_args():
     parser.add_argument("--student-patches", type=int, default=4900)
     parser.add_argument("--teacher-patches", type=int, default=8192)
     parser.add_argument("--loss-entries", type=int, default=1152, help="C: 1025 rounded up")
-    parser.add_argument("--prompt-len", type=int, default=8192,
-                        help="sampler prompt rows: the bucket a ThinkMorph prompt (4-5k tokens "
-                             "with its image) lands in")  # fmt: skip
+    parser.add_argument("--prompt-len", type=int, default=0,
+                        help="sampler prompt rows; 0: the recipe's sample_prompt_buckets bucket "
+                             "of a ThinkMorph prompt at the largest image (--prompt-patches "
+                             "image tokens + 256 of text)")  # fmt: skip
     parser.add_argument("--prompt-patches", type=int, default=4900)
     parser.add_argument("--skip-fit", action="store_true",
                         help="skip the second grad-step compile that finds the largest pack")
@@ -135,6 +136,10 @@ def main():
     accum = recipe.gradient_accumulation_steps
     new_tokens = recipe.sample_max_new_tokens
     rounds = recipe.sample_max_image_skips + 1
+    if not args.prompt_len:
+        from opsd_jax.data.opsd_packs import bucket_in
+
+        args.prompt_len = bucket_in(args.prompt_patches + 256, recipe.sample_prompt_buckets)
     if args.model == "tiny":  # the same report in seconds, for trying the script out
         make_config = BagelConfig.tiny
         args.student_len, args.teacher_len = 256, 512

@@ -91,8 +91,13 @@ def base_config() -> ml_collections.ConfigDict:
     # copy does not fit on one device).
     c.sampler_layout = "replicated"
     # Prompt row lengths (and patches per row) are rounded up to one of these, so the sampler
-    # compiles for a bounded set of shapes; a longer prompt is an error.
-    c.sample_prompt_buckets = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+    # compiles for a bounded set of shapes; a longer prompt is an error. Powers of two up to
+    # 2048, then steps of 1024 to 8192 and of 2048 to 16384: above 2048 tokens a prompt is padded
+    # by at most 50% (by at most 25% above 4096), where doubling buckets pad up to 100% (a 4.2k
+    # ThinkMorph prompt: 5120 cache slots and prefill tokens, not 8192). At most 152 (length,
+    # patches) shapes; a run meets a few, each compiled once and printed when first met.
+    c.sample_prompt_buckets = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192,
+                               10240, 12288, 14336, 16384)
     c.use_system_prompt = True
     c.system_prompt = ""  # empty: our default wording (opsd_jax/data/opsd_packs.py)
     c.use_reference_intro = True
@@ -138,6 +143,9 @@ def base_config() -> ml_collections.ConfigDict:
     # --- checkpoints, resume, logging -------------------------------------------------------------
     c.results_dir = "results/run"  # TensorBoard logs, metrics.jsonl, samples
     c.checkpoint_dir = ""  # empty: <results_dir>/checkpoints
+    # JAX's persistent compilation cache (opsd_jax/io/compile_cache.py): "auto" =
+    # $JAX_COMPILATION_CACHE_DIR, else ~/.cache/opsd-jax/jax-compilation-cache; "" = off.
+    c.compilation_cache_dir = "auto"
     c.save_every = 500
     c.max_checkpoints = 3
     c.max_consecutive_bad_steps = 5  # non-finite loss/grad: update skipped; more in a row stops

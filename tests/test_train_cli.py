@@ -180,6 +180,30 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     assert all(name in sampling for name in later), later
 
 
+def test_a_second_identical_run_compiles_nothing_the_first_compiled(straight, tmp_path):
+    """JAX's persistent compilation cache, on by default (here in a fresh folder): the first
+    of two runs of one config compiles and writes every program, the second reads them all."""
+    root, result = straight
+    assert result.returncode == 0
+    cache, lines = tmp_path / "cache", []
+    for name in ("first", "second"):
+        shutil.copytree(root / "toy", tmp_path / name / "toy")
+        run = run_train(f"--config.results_dir={tmp_path / name}", "--config.total_steps=2",
+                        f"--config.compilation_cache_dir={cache}")  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert f"compilation cache: {cache}" in run.stdout
+        counts = re.search(rf"compilation cache {re.escape(str(cache))}: (\d+) programs read "
+                           r"from it, (\d+) compiled and written", run.stdout)  # fmt: skip
+        assert counts, run.stdout[-3000:]
+        lines.append((run.stdout, int(counts.group(1)), int(counts.group(2))))
+    (_, first_read, first_compiled), (second_out, second_read, second_compiled) = lines
+    # (The first run may read back what it wrote itself: a program met twice in one run.)
+    assert first_compiled >= 3  # train step, decode copy, sampler rounds, ...
+    assert second_compiled == 0 and second_read == first_read + first_compiled, lines[1][1:]
+    assert re.search(r"compiling the train step .* s \(read from the compilation cache\)",
+                     second_out), second_out[-3000:]  # fmt: skip
+
+
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
     """SIGTERM (a preemption) after step 1: the run saves where it is and exits 0; the next
     run resumes there and its final params are bit-identical to the uninterrupted run's. Both
