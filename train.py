@@ -43,7 +43,7 @@ from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.sampling import decode_copy, sampler
+from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.toy import tasks as toy_tasks
 from opsd_jax.training import resume_changes, train_config, train_step
@@ -395,6 +395,23 @@ def main(argv):
                       for i in range(len(micro_packs[0])))  # fmt: skip
         return bucket, batch, sums, tokens
 
+    # ---- the sampler's decode layout ('auto': the least projected rollout time that fits) -----
+    decode_layout = config.sampler_layout
+    if decode_layout == "auto":
+        llm = model_config.llm
+        # The KV cache at capacity: every prompt row, each of a student row's share of tokens
+        # (prompt + completion; the row holds per_micro / rows samples).
+        slots = (shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
+                 if "student" in shapes else config.max_forward_tokens)  # fmt: skip
+        cache_dtype = np.dtype(run_settings.cache_dtype_for(config.compute_dtype))
+        cache_bytes = (accum * per_micro * slots * llm.num_hidden_layers * 2
+                       * llm.num_key_value_heads * llm.head_dim * cache_dtype.itemsize)  # fmt: skip
+        choice = decode_copy.choose_layout(model_config, nnx.merge_state(abstract_params, rest),
+                                           mesh, config.compute_dtype, cache_bytes)  # fmt: skip
+        decode_layout = choice.layout
+        if config.mode == "opsd" or config.eval_every:
+            say(choice.describe(config.sample_max_new_tokens))
+
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
     summary = RunSummary()  # every evaluation and logged loss, for the end-of-run summary
@@ -413,7 +430,7 @@ def main(argv):
                 max_new_tokens=config.eval_max_new_tokens or config.sample_max_new_tokens,
                 do_sample=False, batch_size=config.eval_batch_size,
                 max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
-                mesh=mesh, sampler_layout=config.sampler_layout,
+                mesh=mesh, sampler_layout=decode_layout,
                 prompt_buckets=config.sample_prompt_buckets,
                 cache_dtype=run_settings.cache_dtype_for(config.compute_dtype),
             )  # fmt: skip
@@ -434,8 +451,9 @@ def main(argv):
     # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
     prompt_shapes = set()  # (row length, patches) the sampler has compiled for
     if config.mode == "opsd":  # SFT and offline sample nothing
-        decode_mesh = mesh_lib.decode_mesh(mesh, config.sampler_layout)  # checks the layout fits
-        say(f"sampler: '{config.sampler_layout}' decode copy ({config.compute_dtype}) on "
+        decode_mesh = mesh_lib.decode_mesh(mesh, decode_layout,  # checks the layout fits
+                                           heads=layout_choice.head_counts(model_config))  # fmt: skip
+        say(f"sampler: '{decode_layout}' decode copy ({config.compute_dtype}) on "
             f"{dict(decode_mesh.shape)}; {accum * per_micro} prompt rows, lengths bucketed to "
             f"{list(config.sample_prompt_buckets)}: at most "
             f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes")  # fmt: skip
@@ -528,8 +546,8 @@ def main(argv):
                 # (one all-gather on device), freed right after: no per-token weight gathers,
                 # and never two copies alive.
                 student = decode_copy.make_decode_copy(
-                    graphdef, state.params, rest, layout=config.sampler_layout, mesh=mesh,
-                    dtype=config.compute_dtype)  # fmt: skip
+                    graphdef, state.params, rest, layout=decode_layout, mesh=mesh,
+                    dtype=config.compute_dtype, model_config=model_config)  # fmt: skip
                 completions = sampler.sample(
                     student, prompt_pack,
                     jax.random.fold_in(state.rng, step), special=special,

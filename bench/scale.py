@@ -128,7 +128,7 @@ def main():
     from models.sharding import logical_spec
     from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.sampling import decode_copy, sampler
+    from opsd_jax.sampling import decode_copy, layout_choice, sampler
     from opsd_jax.training import train_config, train_step
 
     recipe = thinkmorph_7b.get_config()
@@ -300,9 +300,11 @@ def main():
     model_state = nnx.merge_state(abstract_state.params, abstract_rest)
     key = jax.eval_shape(lambda: jax.random.key(0))
     layouts = {}
-    for layout in mesh_lib.SAMPLER_LAYOUTS:
-        view = mesh_lib.decode_mesh(mesh, layout, min(args.devices_per_host, n)
-                                    if layout == "tensor" else None)  # fmt: skip
+    heads = layout_choice.head_counts(model_config)
+    for layout in ("replicated", "tensor"):  # 'auto' picks one of them (below)
+        # The tensor axis splits every head count into whole heads (28 / 4 heads on 8 GPUs: 4).
+        view = mesh_lib.decode_mesh(mesh, layout, mesh_lib.tensor_size_for(
+            heads, min(args.devices_per_host, n)) if layout == "tensor" else None)  # fmt: skip
         copy = decode_copy.abstract_decode_copy(model_state, view, recipe.compute_dtype)
         refresh = decode_copy.cast_function(model_state, view, recipe.compute_dtype)
         refresh_compiled, refresh_text, seconds = compile_program(refresh.lower(model_state), view)
@@ -415,24 +417,32 @@ def main():
               f"(at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
               f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step")  # fmt: skip
     # The step samples on the copy in the recipe's layout.
-    chosen = layouts[recipe.sampler_layout]
+    # The recipe's layout; 'auto': the least rollout time among those that fit (as train.py's
+    # choice, from the counted programs here instead of its weights-and-cache projection).
+    budget = hbm_bytes * (1 - HEADROOM)
+    layout_used = recipe.sampler_layout
+    if layout_used == "auto":
+        fitting = [name for name, row in layouts.items() if row["peak"] <= budget] or list(layouts)
+        layout_used = min(fitting, key=lambda name: layouts[name]["rollout_s"])
+        print(f"  sampler_layout 'auto' -> '{layout_used}' (least rollout time of the layouts "
+              f"that fit)")  # fmt: skip
+    chosen = layouts[layout_used]
     sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
     step_low = accum * max(compute_s, comm_s) + sampling_s
     step_high = accum * (compute_s + comm_s) + sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
     print(f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
-          f"'{recipe.sampler_layout}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
+          f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
           f"recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
           f"{hours(step_high):.1f} h")  # fmt: skip
 
     # ---- memory --------------------------------------------------------------------------------
     grad_peak = resident + grad_memory.temp_size_in_bytes + grad_memory.output_size_in_bytes
     decode_peak = chosen["peak"]  # training state + copy + cache + the sampler's temp
-    budget = hbm_bytes * (1 - HEADROOM)
     print(f"\nmemory per device on {gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
           f"-> {budget / GIB:.1f} GiB): resident state {resident / GIB:.2f} GiB; grad step peak "
           f"{grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
-          f"('{recipe.sampler_layout}' copy) {decode_peak / GIB:.2f} GiB "
+          f"('{layout_used}' copy) {decode_peak / GIB:.2f} GiB "
           f"({decode_peak / hbm_bytes:.0%})")  # fmt: skip
     print("  fits" if max(grad_peak, decode_peak) <= budget else "  DOES NOT FIT")
     if not args.skip_fit:

@@ -86,10 +86,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample_do_sample = True
     c.sample_max_image_skips = 1
     # The sampler decodes on a compute-dtype copy of the student made after every update, laid
-    # out for decoding: 'replicated' (every device holds the whole copy) or 'tensor' (heads,
-    # MLP and vocab split over the devices of one host, rows over the hosts: for a model whose
-    # copy does not fit on one device).
-    c.sampler_layout = "replicated"
+    # out for decoding: 'replicated' (every device holds the whole copy), 'tensor' (heads, MLP
+    # and vocab split over as many of one host's devices as split every head count, rows over
+    # the rest), or 'auto': the one with the least projected rollout time that fits in memory
+    # (opsd_jax/sampling/layout_choice.py; train.py prints the choice and its projections).
+    c.sampler_layout = "auto"
     # Prompt row lengths (and patches per row) are rounded up to one of these, so the sampler
     # compiles for a bounded set of shapes; a longer prompt is an error. Powers of two up to
     # 2048, then steps of 1024 to 8192 and of 2048 to 16384: above 2048 tokens a prompt is padded

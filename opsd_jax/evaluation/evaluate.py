@@ -221,7 +221,8 @@ def _decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
         return model
     graphdef, state = nnx.split(model)
     return decode_copy.make_decode_copy(graphdef, state, layout=sampler_layout, mesh=mesh,
-                                        dtype=model.language_model.compute_dtype)  # fmt: skip
+                                        dtype=model.language_model.compute_dtype,
+                                        model_config=getattr(model, "config", None))  # fmt: skip
 
 
 def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOptions, context: str,

@@ -68,8 +68,10 @@ _DECODE_CHANGES = {"embed": None, "vit_embed": None}
 DECODE_RULES = tuple((name, _DECODE_CHANGES.get(name, axes)) for name, axes in LOGICAL_RULES)
 
 # sampler_layout -> the size of the decode mesh's 'tensor' axis ("host": the devices of one
-# process, so tensor-parallel collectives never leave a host; rows go over the rest).
-SAMPLER_LAYOUTS = {"replicated": 1, "tensor": "host"}
+# process, so tensor-parallel collectives never leave a host, cut down to what splits every
+# attention head count when those are given; rows go over the rest). 'auto' is resolved to one
+# of the two by opsd_jax/sampling/layout_choice.py before a mesh is made.
+SAMPLER_LAYOUTS = {"replicated": 1, "tensor": "host", "auto": None}
 
 
 def make_mesh(
@@ -101,11 +103,20 @@ def make_mesh(
     )
 
 
-def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = None):
+def tensor_size_for(heads, devices_per_host: int) -> int:
+    """The largest t dividing `devices_per_host` and every head count in `heads` (a tensor axis
+    that splits attention into whole heads everywhere; with no heads, all the devices)."""
+    return max(t for t in range(1, devices_per_host + 1)
+               if devices_per_host % t == 0 and all(h % t == 0 for h in heads))  # fmt: skip
+
+
+def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = None,
+                heads: tuple[int, ...] = ()):  # fmt: skip
     """The sampler's view of `mesh`'s devices: ('data', 'fsdp', 'tensor') = (N / t, 1, t).
 
-    t is 1 for 'replicated' and the devices of one process for 'tensor' (`tensor_size`
-    overrides it, for tests). The devices keep the training mesh's order (jit takes arrays
+    t is 1 for 'replicated'; for 'tensor' the devices of one process, or with `heads` (every
+    attention head count of the model) the largest part of them that splits each into whole
+    heads (`tensor_size` overrides it). The devices keep the training mesh's order (jit takes arrays
     of both meshes in one call only when the device order agrees), so rows sharded over the
     training mesh's data x fsdp sit on the same devices as over this mesh's data axis when
     t = 1; each group of t consecutive devices must lie in one process.
@@ -113,11 +124,14 @@ def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = 
     if layout not in SAMPLER_LAYOUTS:
         raise ValueError(f"sampler_layout={layout!r}: allowed values are "
                          f"{', '.join(map(repr, SAMPLER_LAYOUTS))}")  # fmt: skip
+    if layout == "auto":
+        raise ValueError("sampler_layout='auto' is resolved first (opsd_jax/sampling/"
+                         "layout_choice.py); decode_mesh takes 'replicated' or 'tensor'")  # fmt: skip
     devices = np.asarray(mesh.devices).reshape(-1)
     if tensor_size is None:
         tensor_size = SAMPLER_LAYOUTS[layout]
         if tensor_size == "host":
-            tensor_size = min(jax.local_device_count(), devices.size)
+            tensor_size = tensor_size_for(heads, min(jax.local_device_count(), devices.size))
     if tensor_size < 1 or devices.size % tensor_size:
         raise ValueError(f"sampler_layout={layout!r}: a tensor axis of {tensor_size} devices "
                          f"does not divide the {devices.size} devices")  # fmt: skip

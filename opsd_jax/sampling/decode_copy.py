@@ -15,6 +15,9 @@ Layouts (config `sampler_layout`, opsd_jax/parallel/mesh.py SAMPLER_LAYOUTS and 
               where it divides), rows over the hosts; a decode step all-reduces the layer
               outputs inside the host (Megatron-style). For models that do not fit replicated.
 
+  auto        the one of the two with the least projected rollout time that fits in memory
+              (opsd_jax/sampling/layout_choice.py), resolved by `choose_layout`.
+
 Floating parameters of two or more dimensions are cast (the model casts them to the compute
 dtype before every use anyway); one-dimensional ones (norm scales, biases: well under 1% of the
 bytes) keep their dtype, because some are used in fp32 (the ViT's LayerNorm). So the copy
@@ -31,6 +34,7 @@ from flax import nnx
 
 from models.sharding import logical_spec
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import layout_choice
 
 
 def _is_variable(x) -> bool:
@@ -112,11 +116,41 @@ def abstract_decode_copy(state: nnx.State, view: jax.sharding.Mesh, dtype) -> nn
     return jax.tree.map(abstract, state, decode_shardings(state, view))
 
 
+def copy_nbytes(state: nnx.State, dtype) -> int:
+    """The bytes of the whole decode copy of `state` (arrays or ShapeDtypeStructs)."""
+    return sum(x.size * copy_dtype(x, dtype).itemsize for x in jax.tree.leaves(state))
+
+
+def choose_layout(model_config, state: nnx.State, mesh: jax.sharding.Mesh, dtype,
+                  cache_bytes: int = 0) -> layout_choice.Choice:  # fmt: skip
+    """`sampler_layout='auto'` for this model on `mesh`'s devices (`cache_bytes`: the KV
+    cache of all rows at capacity, when known)."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    free = stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
+    return layout_choice.choose(
+        copy_bytes=copy_nbytes(state, dtype), cache_bytes=cache_bytes,
+        heads=layout_choice.head_counts(model_config),
+        num_layers=model_config.llm.num_hidden_layers, num_devices=mesh.devices.size,
+        devices_per_host=jax.local_device_count(), platform=device.platform,
+        device_kind=getattr(device, "device_kind", ""), free_memory=free)  # fmt: skip
+
+
 def make_decode_copy(graphdef: nnx.GraphDef, *states: nnx.State, layout: str,
-                     mesh: jax.sharding.Mesh, dtype, tensor_size: int | None = None) -> DecodeCopy:  # fmt: skip
+                     mesh: jax.sharding.Mesh, dtype, tensor_size: int | None = None,
+                     model_config=None) -> DecodeCopy:  # fmt: skip
     """The model `nnx.merge(graphdef, *states)` cast to `dtype` (see the module docstring) and
     laid out by `layout` on the decode view of `mesh`'s devices: one jitted cast + reshard,
-    computed on device (states: e.g. the training params and the rest of the model state)."""
+    computed on device (states: e.g. the training params and the rest of the model state).
+    With `model_config`, 'tensor' splits only as far as every head count divides, and 'auto'
+    is resolved (without it, 'auto' decodes replicated)."""
     state = nnx.merge_state(*states) if len(states) > 1 else states[0]
-    view = mesh_lib.decode_mesh(mesh, layout, tensor_size)
+    if layout == "auto":
+        if model_config is None:
+            layout = "replicated"
+        else:
+            choice = choose_layout(model_config, state, mesh, dtype)
+            layout, tensor_size = choice.layout, tensor_size or choice.tensor_size
+    heads = layout_choice.head_counts(model_config) if model_config is not None else ()
+    view = mesh_lib.decode_mesh(mesh, layout, tensor_size, heads)
     return DecodeCopy(graphdef, cast_function(state, view, dtype)(state), view, layout)
