@@ -111,14 +111,13 @@ def main(argv):
     except train_config.ConfigError as e:
         config_error(e)
 
-    # ---- JAX's persistent compilation cache (before anything compiles) --------------------------
-    cache_dir = compile_cache.resolve(config.compilation_cache_dir)
-    if cache_dir:
-        compile_cache.enable(cache_dir)
-    cache_counter = compile_cache.CacheCounter()
-
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)
+    # JAX's persistent compilation cache, before anything compiles.
+    cache_dir = compile_cache.resolve(config.compilation_cache_dir)
+    if cache_dir:
+        compile_cache.enable(cache_dir, every_program=jax.process_count() == 1)
+    cache_counter = compile_cache.CacheCounter()
     try:
         train_config.validate(config, jax.device_count(), jax.process_count())
     except train_config.ConfigError as e:

@@ -7,9 +7,10 @@ entry is only ever reused for the very same program on the same kind of device; 
 by runs (and configs) is therefore safe, and the default is one folder per user.
 
 `compilation_cache_dir` (config): "auto" = $JAX_COMPILATION_CACHE_DIR when set, else
-DEFAULT_DIR; "" or "off" = no cache; anything else is the folder. Every program is cached, not
-only those over JAX's default one second of compile time: small ones (the sampler's per-shape
-programs on a CPU) add up over a start too.
+DEFAULT_DIR; "" or "off" = no cache; anything else is the folder. In a one-process run every
+program is cached, not only those over JAX's default one second of compile time: small ones
+(the sampler's per-shape programs on a CPU) add up over a start too (see `enable` for runs of
+several processes).
 
 `CacheCounter` counts what the cache did (JAX's monitoring events), for the console line a run
 ends with and for the test that a second identical run compiles nothing.
@@ -41,16 +42,20 @@ def resolve(setting: str) -> str | None:
     return os.path.abspath(os.path.expanduser(setting))
 
 
-def enable(directory: str) -> None:
-    """Use `directory` as JAX's persistent cache (before the first compile), every program."""
+def enable(directory: str, every_program: bool = True) -> None:
+    """Use `directory` as JAX's persistent cache (before the first compile); `every_program`
+    also caches programs under JAX's one-second threshold. A run of several processes keeps
+    the threshold: with small cross-process programs read from the cache, the processes of a
+    two-process CPU run hung in their first all-gather (tests/test_multihost.py)."""
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:  # train.py prints this as its one-line error
         raise type(e)(f"compilation_cache_dir={directory!r} cannot be created ({e.strerror}): "
                       "give another folder, or '' to turn the cache off") from None  # fmt: skip
     jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if every_program:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 class CacheCounter:

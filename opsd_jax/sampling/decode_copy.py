@@ -125,7 +125,8 @@ def choose_layout(model_config, state: nnx.State, mesh: jax.sharding.Mesh, dtype
                   cache_bytes: int = 0) -> layout_choice.Choice:  # fmt: skip
     """`sampler_layout='auto'` for this model on `mesh`'s devices (`cache_bytes`: the KV
     cache of all rows at capacity, when known)."""
-    device = mesh.devices.flat[0]
+    # One of this process's devices (another process's cannot be asked for its memory).
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     free = stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
     return layout_choice.choose(
