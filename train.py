@@ -397,14 +397,13 @@ def main(argv):
     # ---- the sampler's decode layout ('auto': the least projected rollout time that fits) -----
     decode_layout = config.sampler_layout
     if decode_layout == "auto":
-        llm = model_config.llm
         # The KV cache at capacity: every prompt row, each of a student row's share of tokens
         # (prompt + completion; the row holds per_micro / rows samples).
         slots = (shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
                  if "student" in shapes else config.max_forward_tokens)  # fmt: skip
-        cache_dtype = np.dtype(run_settings.cache_dtype_for(config.compute_dtype))
-        cache_bytes = (accum * per_micro * slots * llm.num_hidden_layers * 2
-                       * llm.num_key_value_heads * llm.head_dim * cache_dtype.itemsize)  # fmt: skip
+        cache_dtype = run_settings.cache_dtype_for(config.compute_dtype)
+        cache_bytes = layout_choice.cache_nbytes(model_config, accum * per_micro, slots,
+                                                 cache_dtype)  # fmt: skip
         choice = decode_copy.choose_layout(model_config, nnx.merge_state(abstract_params, rest),
                                            mesh, config.compute_dtype, cache_bytes)  # fmt: skip
         decode_layout = choice.layout
@@ -450,8 +449,8 @@ def main(argv):
     # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
     prompt_shapes = set()  # (row length, patches) the sampler has compiled for
     if config.mode == "opsd":  # SFT and offline sample nothing
-        decode_mesh = mesh_lib.decode_mesh(mesh, decode_layout,  # checks the layout fits
-                                           heads=layout_choice.head_counts(model_config))  # fmt: skip
+        heads = layout_choice.head_counts(model_config)
+        decode_mesh = mesh_lib.decode_mesh(mesh, decode_layout, heads=heads)  # checks it fits
         say(f"sampler: '{decode_layout}' decode copy ({config.compute_dtype}) on "
             f"{dict(decode_mesh.shape)}; {accum * per_micro} prompt rows, lengths bucketed to "
             f"{list(config.sample_prompt_buckets)}: at most "

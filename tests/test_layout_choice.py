@@ -25,11 +25,13 @@ def test_the_tensor_axis_splits_every_head_count():
 
 def seven_b(platform="gpu", free_memory=None, **changes):
     """BAGEL-7B's decode copy (bf16) and the paper recipe's cache (16 rows, 6146 slots)."""
-    cache = 16 * 6146 * 28 * 2 * 4 * 128 * 2
-    return layout_choice.choose(**dict(dict(
-        copy_bytes=int(15.0 * GIB), cache_bytes=cache, heads=BAGEL_7B_HEADS, num_layers=28,
-        num_devices=8, devices_per_host=8, platform=platform, device_kind="NVIDIA H100 80GB HBM3",
-        free_memory=free_memory), **changes))  # fmt: skip
+    cache = layout_choice.cache_nbytes(BagelConfig.bagel_7b(), 16, 6146, jnp.bfloat16)
+    assert cache == 16 * 6146 * 28 * 2 * 4 * 128 * 2  # k and v, 28 layers, 4 kv heads of 128
+    arguments = dict(copy_bytes=int(15.0 * GIB), cache_bytes=cache, heads=BAGEL_7B_HEADS,
+                     num_layers=28, num_devices=8, devices_per_host=8, platform=platform,
+                     device_kind="NVIDIA H100 80GB HBM3", free_memory=free_memory)  # fmt: skip
+    arguments.update(changes)
+    return layout_choice.choose(**arguments)
 
 
 def test_auto_takes_the_gqa_tensor_layout_for_7b_on_gpus_and_replicated_for_the_toy_on_cpus():

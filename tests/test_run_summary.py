@@ -24,7 +24,8 @@ def test_table_rows_change_and_example():
     assert lines[3] == "    10 |           62.5% |                         -"
     assert lines[4] == "    20 |           50.0% |                     87.5%"
     # The change is first -> last, with the best named (a peak is not the result).
-    assert lines[5] == "  no VT: 25.0% at step 0 -> 50.0% at step 20 (+25.0 points; best 62.5% at step 10)"
+    assert lines[5] == ("  no VT: 25.0% at step 0 -> 50.0% at step 20 (+25.0 points; best 62.5% "
+                        "at step 10)")
     # The example is from the latest evaluation, a right answer where there is one.
     assert lines[6] == ("  a held-out answer without VT (step 20, right; reference 'blue'): "
                         "'right at 20'")  # fmt: skip
@@ -41,9 +42,9 @@ def test_the_loss_equal_to_one_term_is_drawn_once(tmp_path):
     summary = summary_of({0: (0.25, 1.0), 4: (0.5, 1.0)})
     for step, value in ((2, 0.05), (4, 0.04)):
         summary.add_logged(step, {"loss": value, "jsd": value, "grad_norm": 1.0})
-    assert summary._loss_lines() == {"jsd (= loss)": [(2, 0.05), (4, 0.04)]}
+    assert summary.loss_lines() == {"jsd (= loss)": [(2, 0.05), (4, 0.04)]}
     summary.add_logged(6, {"loss": 0.5, "jsd": 0.03, "ce": 0.47})  # loss = CE + JSD now
-    assert set(summary._loss_lines()) == {"loss", "jsd", "ce"}
+    assert set(summary.loss_lines()) == {"loss", "jsd", "ce"}
     path = tmp_path / "summary.png"
     summary.plot(str(path), "a run", chance=0.25)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

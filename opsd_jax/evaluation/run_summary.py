@@ -95,7 +95,7 @@ class RunSummary:
                  title="held-out exact match (greedy)")  # fmt: skip
         left.grid(alpha=0.3)
         left.legend(fontsize="small", loc="lower right")  # the with-VT line runs along the top
-        drawn = self._loss_lines()
+        drawn = self.loss_lines()
         for key, points in drawn.items():
             right.plot([s for s, _ in points], [v for _, v in points], label=key)
         right.set(xlabel="step", title="training loss (logged steps)")
@@ -107,7 +107,7 @@ class RunSummary:
         figure.savefig(path, dpi=100)
         plt.close(figure)
 
-    def _loss_lines(self) -> dict[str, list[tuple[int, float]]]:
+    def loss_lines(self) -> dict[str, list[tuple[int, float]]]:
         """The logged losses, 'loss' left out where it is one of the others (OPSD without CE:
         loss = jsd), so no line is drawn twice."""
         lines = dict(self.losses)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from opsd_jax.parallel.mesh import tensor_size_for
 
 # platform: (memory bytes/s per device, seconds per small all-reduce inside a host)
@@ -43,6 +45,14 @@ def head_counts(model_config) -> tuple[int, ...]:
     """Every attention head count the decode copy splits: LLM query and kv heads, ViT heads."""
     llm, vit = model_config.llm, model_config.vit
     return (llm.num_attention_heads, llm.num_key_value_heads, vit.num_attention_heads)
+
+
+def cache_nbytes(model_config, rows: int, slots: int, dtype) -> int:
+    """The sampler's K and V cache (sampler._prefill: [layers, rows, slots, kv heads, head dim]
+    each) of `rows` rows at `slots` capacity."""
+    llm = model_config.llm
+    return (2 * llm.num_hidden_layers * rows * slots * llm.num_key_value_heads * llm.head_dim
+            * np.dtype(dtype).itemsize)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
