@@ -10,6 +10,7 @@ program's peak memory is its own):
   parity     the Pallas attention kernel against the dense `reference` backend, forward and
              dq / dk / dv, at BAGEL's LLM shapes (28 query / 4 kv heads, head dim 128) and
              SigLIP's (16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows;
+             and the sampler's decode attention kernel against XLA's;
   attention  Pallas vs cuDNN vs chunked, forward + backward, at 4k / 10k / 16k / 40k tokens
              (bench/attention.py, each case in its own process);
   grad_step  one BAGEL-7B-shaped grad step (the recipe's student and teacher rows, the full
@@ -199,6 +200,24 @@ def section_parity(args):
              unit="max error out / dq / dk / dv (vs reference)",
              ok=bool(max(errors) < 2e-2))  # fmt: skip
 
+    # The sampler's decode attention kernel on the stacked cache against XLA's on the layer's
+    # slice, rows of lengths from 1 to the whole cache.
+    from models.attention import decode_attention
+    from models.decode_attention_pallas import filled_cache_attention
+
+    layers, rows, slots, hq, hkv = (2, 4, 256, 7, 1) if args.dry_run else (2, 8, 4160, 28, 4)
+    q = jnp.asarray(rng.normal(size=(rows, hq, 128)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(layers, rows, slots, hkv, 128)), jnp.bfloat16)
+            for _ in "kv")  # fmt: skip
+    lengths = jnp.asarray(np.linspace(1, slots, rows).astype(np.int32))
+    got = jax.jit(lambda *a: filled_cache_attention(*a, interpret=args.dry_run))(
+        q, k, v, jnp.int32(1), lengths)  # fmt: skip
+    want = decode_attention(q.astype(jnp.float32), k[1].astype(jnp.float32),
+                            v[1].astype(jnp.float32), lengths)  # fmt: skip
+    error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+    emit(section="parity", case=f"decode {hq}q/{hkv}kv/128, {slots} slots", value=f"{error:.1e}",
+         unit="max error out (vs XLA decode attention, fp32)", ok=bool(error < 2e-2))
+
 
 def section_attention(args):
     """bench/attention.py's table for the three backends at BAGEL's LLM layout."""
@@ -355,7 +374,7 @@ def section_decode(args):
     lm = config.llm
     batch = args.decode_batch
     prompt_len, new_tokens = (64, 16) if args.dry_run else (4096, 256)
-    slots = prompt_len + new_tokens + 1
+    slots = sampler.cache_slots_for(prompt_len, new_tokens)
     cache_shape = (lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim)
     settings = sampler._RoundSettings(1.0, True, lm.vocab_size - 4, lm.vocab_size - 3,
                                       lm.vocab_size, new_tokens + 1)  # fmt: skip

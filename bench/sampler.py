@@ -132,7 +132,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         rules = tuple(spmd.get_logical_axis_rules())
     for batch in batch_sizes:
         pack = prompt_pack(config, batch, special, rng)
-        slots = pack.row_length + new_tokens + 1
+        slots = sampler.cache_slots_for(pack.row_length, new_tokens)
         row_ids = jnp.arange(batch, dtype=jnp.int32)
 
         def prefill(params=params):

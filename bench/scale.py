@@ -122,6 +122,7 @@ def main():
     from flax import nnx
 
     from configs import thinkmorph_7b
+    from models import decode_attention_pallas
     from models.bagel import Bagel
     from models.configs import BagelConfig
     from models.pack import Pack
@@ -293,7 +294,7 @@ def main():
     # the sampler prefills and decodes on it under the decode mesh and rules, as
     # sampler.sample(copy) does.
     rows = samples * accum
-    slots = args.prompt_len + new_tokens + rounds
+    slots = sampler.cache_slots_for(args.prompt_len, new_tokens, rounds - 1)
     cache_shape = (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim)
     settings = sampler._RoundSettings(temperature=1.0, do_sample=True, bos_id=1, eos_id=2,
                                       vocab_limit=llm.vocab_size, max_steps=new_tokens + 1)  # fmt: skip
@@ -360,7 +361,11 @@ def main():
         floor = decode_weights + cache_bytes * mean_length / slots
         moved = sum(row["bytes"] for row in table.values()) / settings.max_steps
         if on_gpu:
-            kernels = hbm_traffic.loop_traffic(compiled.as_text())
+            # The Pallas decode attention takes the whole stacked cache and reads, per call, one
+            # layer's K and V of each row up to the row's length: counted at the mean length.
+            kernels = hbm_traffic.with_reads(
+                hbm_traffic.loop_traffic(compiled.as_text()), decode_attention_pallas.KERNEL_NAME,
+                int(cache_bytes / llm.num_hidden_layers * mean_length / slots))  # fmt: skip
             step_hbm = hbm_traffic.total_bytes(kernels)
             copies = hbm_traffic.data_movement(kernels)
             outside = hbm_traffic.total_bytes(hbm_traffic.outside_loops(compiled.as_text()))

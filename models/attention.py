@@ -447,6 +447,40 @@ def _flash_bwd(bq, bk, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def cache_attention(q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto",
+                    interpret: bool = False) -> jax.Array:  # fmt: skip
+    """The decode step's attention for layer `layer` of the stacked cache (k_cache, v_cache:
+    [L, B, S, Hkv, D]); q: [B, Hq, D]; key slot j of row b is visible iff j < kv_lengths[b].
+
+    With the Pallas backend (see `resolve_backend`) and a shape it takes, the kernel of
+    models/decode_attention_pallas.py reads the cache in place and only each row's filled
+    slots, per device (a shard_map over rows and kv heads). Otherwise `decode_attention` on the
+    layer's slice, which XLA partitions by itself. `interpret` runs the kernel in the Pallas
+    interpreter (tests, on any backend).
+    """
+    if resolve_backend(backend) == "pallas":
+        from models import decode_attention_pallas as kernel  # Triton only when used
+
+        if kernel.supported(k_cache.shape[-1], k_cache.shape[2]):
+            names = _cache_arg_names(q, k_cache)
+            per_device = sharding.per_row_shard_map(
+                functools.partial(kernel.filled_cache_attention, interpret=interpret), names,
+                out_names=names[0])  # fmt: skip
+            return per_device(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lengths)
+    return decode_attention(q, k_cache[layer], v_cache[layer], kv_lengths)
+
+
+def _cache_arg_names(q, k_cache):
+    """Logical names of cache_attention's arguments: rows over the batch axes; heads split only
+    when the kv heads split the same way (as in `_arg_names`)."""
+    heads = ("act_batch", "act_heads", None)
+    q_spec = sharding.logical_spec(q.shape, heads)
+    cache = (None, "act_batch", None, "act_kv_heads", None)
+    if q_spec is not None and q_spec[1] != sharding.logical_spec(k_cache.shape, cache)[3]:
+        heads, cache = ("act_batch", None, None), (None, "act_batch", None, None, None)
+    return (heads, cache, cache, (), ("act_batch",))
+
+
 def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
     """One query per row against a KV cache: the decode step's attention.
 

@@ -185,7 +185,8 @@ class DecoderLayer(nnx.Module):
 
         h: [B, 1, D]; cache: (k, v) each [L, B, S, Hkv, Dh]. The new key/value is written at
         `write_slots[b]` of layer `layer_index` in place (a slot >= S drops the write, for rows
-        that are done), then the query attends the first `kv_lengths[b]` slots.
+        that are done), then the query attends the first `kv_lengths[b]` slots of that layer
+        (attention.cache_attention: on a GPU a kernel that reads only those slots, in place).
         """
         q, k, v = self._qkv(h, positions, None)
 
@@ -197,9 +198,8 @@ class DecoderLayer(nnx.Module):
             return cache_rows.at[layer_index, slot].set(new.astype(cache_rows.dtype), mode="drop")
 
         cache_k, cache_v = (write(c, write_slots, x[:, 0]) for c, x in zip(cache, (k, v)))
-        out = attention_lib.decode_attention(
-            q[:, 0], cache_k[layer_index], cache_v[layer_index], kv_lengths
-        )
+        out = attention_lib.cache_attention(q[:, 0], cache_k, cache_v, layer_index, kv_lengths,
+                                            backend=self.config.attention_backend)  # fmt: skip
         h = self._finish(h, out[:, None].astype(h.dtype), None)
         return h, (cache_k, cache_v)
 

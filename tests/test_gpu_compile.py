@@ -21,6 +21,7 @@ from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 
 from configs import smoke
+from models import decode_attention_pallas
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from models.sharding import logical_spec
@@ -126,6 +127,9 @@ class SamplerPrograms:
     decode_weight_bytes: int
     decode_lowered: object
     layer_weight_shapes: set  # one layer's projection matrices (sorted dims, 1s dropped)
+    decode_inputs: tuple  # _decode_round's arguments after the graphdef (abstract)
+    layer_cache_elements: int  # one layer's K (or V) cache on one device
+    layers: int
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +147,7 @@ def h100_sampler() -> SamplerPrograms:
     refresh_compiled, refresh_text = hlo_stats.compile_and_read(refresh, options)
 
     rows, prompt_len, patches, new_tokens = 4, 128, 64, 8  # 2 rows per device
-    slots = prompt_len + new_tokens + 1
+    slots = sampler.cache_slots_for(prompt_len, new_tokens)
 
     def on_view(shape, dtype, names):
         spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
@@ -185,8 +189,11 @@ def h100_sampler() -> SamplerPrograms:
     layer_shapes = {tuple(sorted(d for d in x.shape[1:] if d != 1))  # projections, not biases
                     for path, x in jax.tree_util.tree_flatten_with_path(lm["layers"])[0]
                     if "kernel" in jax.tree_util.keystr(path)}  # fmt: skip
+    inputs = (copy, decode_state, key, rows_of(jnp.int32), settings, rules)
+    local_cache = cache.sharding.shard_shape(cache.shape)
     return SamplerPrograms(refresh_compiled, refresh_text, prefill_text, decode, decode_text,
-                           decode_weights, lowered, layer_shapes)  # fmt: skip
+                           decode_weights, lowered, layer_shapes, inputs,
+                           int(np.prod(local_cache[1:])), llm.num_hidden_layers)  # fmt: skip
 
 
 def big(found):
@@ -264,6 +271,42 @@ def test_decode_loop_reads_the_weights_in_place(h100_sampler):
         before = h100_sampler.decode_lowered.compile(compiler_options=defaults)
     copied = layer_weight_copies(before.as_text(), h100_sampler.layer_weight_shapes)
     assert len({k.result for k in copied}) >= 3, hbm_traffic.describe(copied)
+
+
+def layer_cache_copies(compiled_text: str, layer_cache_elements: int) -> list:
+    """Kernels of the decode loop that write a buffer the size of one layer's K or V cache (up
+    to 2x, for padding): a copy of the layer's slice of the stacked cache, made every token."""
+    found = []
+    for kernel in hbm_traffic.loop_traffic(compiled_text):
+        if kernel.opcode == "custom-call":
+            continue  # reads its operands; a library call's results are small here
+        shapes = hlo_stats.shapes_in(kernel.result)
+        if shapes and layer_cache_elements <= np.prod(shapes[0].dims) < 2 * layer_cache_elements:
+            found.append(kernel)
+    return found
+
+
+def test_decode_attention_reads_the_cache_in_place(h100_sampler):
+    """On the GPU the decode step's attention is the Pallas kernel that reads the stacked cache
+    in place (once per layer per token, up to each row's length), and nothing copies a layer's
+    cache. Through XLA (decode_attention on the layer's slice, as before the kernel) each token
+    copies every layer's K and V slice: shown here, so the check can fail."""
+    text = h100_sampler.decode.as_text()
+    kernels = hbm_traffic.loop_traffic(text)
+    calls = sum(k.count for k in kernels
+                if k.kernel_name == decode_attention_pallas.KERNEL_NAME)  # fmt: skip
+    assert calls == h100_sampler.layers, hbm_traffic.describe(kernels)
+    copies = layer_cache_copies(text, h100_sampler.layer_cache_elements)
+    assert not copies, hbm_traffic.describe(copies)
+
+    graphdef, _, _ = abstract_split(BagelConfig.tiny(llm=dict(
+        compute_dtype="bfloat16", attention_backend="chunked")), gpu_target.make_mesh("h100", 2))  # fmt: skip
+    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler._decode_round.lower(graphdef, *h100_sampler.decode_inputs)
+        before, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
+    copied = layer_cache_copies(before.as_text(), h100_sampler.layer_cache_elements)
+    assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(before.as_text()))
 
 
 def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):

@@ -41,6 +41,8 @@ _IN_PLACE = {"dynamic-update-slice", "scatter"}  # operand 0 updated in place
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRITON = '"__gpu$xla.gpu.triton"'  # a Pallas kernel's custom-call target
+_TRITON_NAME = re.compile(r'\bname = "([^"]*)"')  # its name, in the custom call's backend config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Kernel:
     count: int  # executions per iteration of the loop the traffic is counted for
     moves_only: bool  # no arithmetic: a copy, slice, pad or transpose
     result: str  # the result type text (for reports)
+    kernel_name: str = ""  # a Pallas (Triton) custom call's kernel name, else ""
 
     @property
     def bytes(self) -> int:
@@ -200,8 +203,9 @@ class _Module:
             if inst.opcode == "custom-call" and len(elements) > 1 and _is_workspace(elements[-1]):
                 elements = elements[:-1]  # a library call's scratch workspace
             written = sum(_bytes(e) for e in elements)
+        triton = _TRITON_NAME.search(inst.attributes) if _TRITON in inst.attributes else None
         return Kernel(inst.name, inst.opcode, computation, read, written, multiplier,
-                      moves_only, result.strip())  # fmt: skip
+                      moves_only, result.strip(), triton.group(1) if triton else "")  # fmt: skip
 
 
 def loop_traffic(text: str, loop: str | None = None) -> list[Kernel]:
@@ -231,6 +235,15 @@ def outside_loops(text: str) -> list[Kernel]:
             and i.opcode not in ("while", "conditional", "call")]  # fmt: skip
 
 
+def with_reads(kernels: list[Kernel], kernel_name: str, read: int) -> list[Kernel]:
+    """`kernels` with every Pallas kernel named `kernel_name` counted as reading `read` bytes
+    per execution. A kernel whose loops stop at run-time bounds reads less than its operands
+    (the sampler's decode attention takes the whole stacked cache and reads one layer up to each
+    row's length), which the program text cannot tell: the caller states what it reads."""
+    return [dataclasses.replace(k, read=read) if k.kernel_name == kernel_name else k
+            for k in kernels]  # fmt: skip
+
+
 def total_bytes(kernels: list[Kernel]) -> int:
     return sum(k.bytes for k in kernels)
 
@@ -246,7 +259,7 @@ def describe(kernels: list[Kernel], top: int = 12) -> str:
     total = max(total_bytes(kernels), 1)
     return "\n".join(
         f"  {k.bytes / 2**20:10.3f} MiB {100 * k.bytes / total:5.1f}%  x{k.count:<4} {k.opcode:<12}"
-        f" {'[moves only] ' if k.moves_only else ''}{k.name} -> {k.result[:80]}"
+        f" {'[moves only] ' if k.moves_only else ''}{k.kernel_name or k.name} -> {k.result[:80]}"
         for k in ordered
     ) + (f"\n  ... {len(kernels) - top} more" if len(kernels) > top else "")
 

@@ -121,6 +121,16 @@ def sample_rows(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
     return jnp.minimum(token, log_probs.shape[-1] - 1).astype(jnp.int32)
 
 
+def cache_slots_for(prompt_length: int, max_new_tokens: int, max_image_skips: int = 0) -> int:
+    """KV-cache slots per row: the prompt row, the completion budget and each round's fed
+    <|im_start|> (a skip's appended <|im_end|> counts against the budget), rounded up so the GPU
+    decode kernel's key blocks tile it (models/decode_attention_pallas.py)."""
+    from models.decode_attention_pallas import CACHE_SLOT_MULTIPLE as multiple  # Pallas: lazily
+
+    needed = prompt_length + max_new_tokens + (max_image_skips + 1)
+    return -(-needed // multiple) * multiple
+
+
 def _check_prompt_pack(pack: Pack) -> None:
     segments = to_host(pack.segment_ids)
     if segments.max(initial=0) > 1:
@@ -307,8 +317,7 @@ def _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_to
             do_sample, max_image_skips, decode_text, row_ids, cache_dtype) -> Completions:  # fmt: skip
     batch = prompt_pack.num_rows
     rules = tuple(spmd.get_logical_axis_rules())
-    # Every round feeds <|im_start|>; each skip also appends <|im_end|> (counted in the budget).
-    cache_slots = prompt_pack.row_length + max_new_tokens + (max_image_skips + 1)
+    cache_slots = cache_slots_for(prompt_pack.row_length, max_new_tokens, max_image_skips)
     state = _prefill(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
                      jnp.dtype(cache_dtype), rules)  # fmt: skip
     settings = _RoundSettings(

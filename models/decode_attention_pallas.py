@@ -1,0 +1,121 @@
+"""Decode attention that reads the KV cache in place and only up to each row's filled length:
+a Pallas kernel for NVIDIA GPUs (Triton backend).
+
+Contract: `attention.decode_attention(q, k_cache[layer], v_cache[layer], kv_lengths)`, with the
+whole stacked cache ([L, B, S, Hkv, D], as the sampler holds it) and the layer index as
+arguments instead of the layer's slice.
+
+Why a kernel: compiled for an H100 (bench/scale.py), XLA materialised each layer's K and V
+slice of the stacked cache on every decode step (a dynamic slice, or a pad to a multiple of 8
+feeding cuBLAS) and then read the copy: three cache passes per token instead of one, and every
+pass over all S slots however few were filled. This kernel is a custom call that takes the
+cache buffer itself (no slice exists), and each program loops over the key blocks of its own
+row up to that row's length, so the bytes a step reads grow with the filled length.
+
+Grid (B, Hkv): one program per row and kv head, holding that kv head's G = Hq / Hkv query
+heads as one [Gp, D] tile (G padded to 16, Triton's smallest dot). Per key block of `block_k`
+slots: scores in float32, an online softmax in the log2 domain, masked past the row's length.
+A row of length 0 returns 0.
+
+Requirements: S a multiple of `block_k` (the sampler rounds its cache up: CACHE_SLOT_MULTIPLE),
+D a power of two >= 16 (BAGEL: 128); `supported(...)` says whether a shape qualifies, and
+attention.cache_attention falls back to the XLA path when it does not. Sharding: like every
+pallas_call it must run per device (attention.cache_attention wraps it in a shard_map). The
+Triton backend has no scalar prefetch, so the layer index travels as a [1] array and the lengths
+as a [B] array that each program reads one element of. `interpret=True` runs it in the Pallas
+interpreter on any backend (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+_LOG2_E = math.log2(math.e)
+BLOCK_K = 64  # key slots per loop step
+MIN_QUERY_ROWS = 16  # Triton's smallest dot tile
+# The sampler's cache slots are rounded up to this, so every key block lies inside a row.
+CACHE_SLOT_MULTIPLE = BLOCK_K
+
+
+def supported(head_dim: int, num_slots: int, block_k: int = BLOCK_K) -> bool:
+    """Whether the kernel takes a cache of this head dim and slot count."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and num_slots % block_k == 0
+
+
+def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
+    row, head = pl.program_id(0), pl.program_id(1)
+    layer, length = layer_ref[0], length_ref[row]
+    q = q_ref[...]  # [Gp, D]
+    rows, dim = q.shape
+
+    def key_block(kb, carry):
+        acc, m, l = carry
+        span = pl.ds(kb * block_k, block_k)
+        k = k_ref[layer, row, span, head, :]  # [block_k, D], read in place from the cache
+        s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k], log2 domain
+        filled = kb * block_k + jnp.arange(block_k) < length
+        s = jnp.where(filled[None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        # Every block holds at least one filled slot, so m_new is finite after the first.
+        p = jnp.exp2(s - m_new[:, None])
+        rescale = jnp.exp2(m - m_new)
+        # Slots past the length in the last block may hold anything (0 x NaN is NaN).
+        v = jnp.where(filled[:, None], v_ref[layer, row, span, head, :], 0)
+        acc = rescale[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
+        return acc, m_new, rescale * l + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((rows, dim), _F32), jnp.full((rows,), -jnp.inf, _F32),
+            jnp.zeros((rows,), _F32))  # fmt: skip
+    acc, _, l = lax.fori_loop(0, pl.cdiv(length, block_k), key_block, init)
+    seen = l > 0
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0
+                           ).astype(o_ref.dtype)  # fmt: skip
+
+
+def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: int = BLOCK_K,
+                           interpret: bool = False) -> jax.Array:  # fmt: skip
+    """One query per row against layer `layer` of the stacked cache, slots < kv_lengths[b].
+
+    q: [B, Hq, D]; k_cache, v_cache: [L, B, S, Hkv, D]; layer: int32 scalar; kv_lengths: [B].
+    Returns [B, Hq, D] in q.dtype (float32 scores, softmax and accumulator).
+    """
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[3]
+    if k_cache.shape != v_cache.shape or k_cache.shape[1] != batch or q_heads % kv_heads:
+        raise ValueError(f"bad shapes q {q.shape}, k_cache {k_cache.shape}, "
+                         f"v_cache {v_cache.shape}")  # fmt: skip
+    if not supported(head_dim, k_cache.shape[2], block_k):
+        raise ValueError(f"filled_cache_attention needs a power-of-two head dim >= 16 and slots "
+                         f"a multiple of {block_k}; got {k_cache.shape}")  # fmt: skip
+    group = q_heads // kv_heads
+    rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
+    grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
+    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b, h: (0,) * x.ndim)  # noqa: E731
+    layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    lengths = jnp.asarray(kv_lengths, jnp.int32)
+    out = pl.pallas_call(
+        functools.partial(_kernel, scale=_LOG2_E / math.sqrt(head_dim), block_k=block_k),
+        grid=(batch, kv_heads),
+        in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
+        out_specs=tile,
+        out_shape=jax.ShapeDtypeStruct(grouped.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name=KERNEL_NAME,
+    )(layer, lengths, grouped, k_cache, v_cache)
+    return out[:, :, :group].reshape(batch, q_heads, head_dim)
+
+
+# The kernel's name in the compiled program (a Triton custom call's backend config), by which
+# opsd_jax/parallel/hbm_traffic.py knows that it reads only the filled part of its cache operands.
+KERNEL_NAME = "filled_cache_attention"
