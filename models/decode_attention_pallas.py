@@ -17,7 +17,7 @@ heads as one [Gp, D] tile (G padded to 16, Triton's smallest dot). Per key block
 slots: scores in float32, an online softmax in the log2 domain, masked past the row's length.
 A row of length 0 returns 0.
 
-Requirements: S a multiple of `block_k` (the sampler rounds its cache up: CACHE_SLOT_MULTIPLE),
+Requirements: S >= `block_k` (any S: the last block starts early enough to end at slot S - 1),
 D a power of two >= 16 (BAGEL: 128); `supported(...)` says whether a shape qualifies, and
 attention.cache_attention falls back to the XLA path when it does not. Sharding: like every
 pallas_call it must run per device (attention.cache_attention wraps it in a shard_map). The
@@ -41,16 +41,14 @@ _F32 = jnp.float32
 _LOG2_E = math.log2(math.e)
 BLOCK_K = 64  # key slots per loop step
 MIN_QUERY_ROWS = 16  # Triton's smallest dot tile
-# The sampler's cache slots are rounded up to this, so every key block lies inside a row.
-CACHE_SLOT_MULTIPLE = BLOCK_K
 
 
 def supported(head_dim: int, num_slots: int, block_k: int = BLOCK_K) -> bool:
     """Whether the kernel takes a cache of this head dim and slot count."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and num_slots % block_k == 0
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and num_slots >= block_k
 
 
-def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k):
+def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_slots):
     row, head = pl.program_id(0), pl.program_id(1)
     layer, length = layer_ref[0], length_ref[row]
     q = q_ref[...]  # [Gp, D]
@@ -58,10 +56,14 @@ def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k
 
     def key_block(kb, carry):
         acc, m, l = carry
-        span = pl.ds(kb * block_k, block_k)
+        # The last block of a cache whose slots are not a multiple of block_k starts early, so
+        # that it ends at the last slot; the slots it shares with the block before are masked.
+        start = jnp.minimum(kb * block_k, num_slots - block_k)
+        span = pl.ds(start, block_k)
         k = k_ref[layer, row, span, head, :]  # [block_k, D], read in place from the cache
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k], log2 domain
-        filled = kb * block_k + jnp.arange(block_k) < length
+        slot = start + jnp.arange(block_k)
+        filled = (slot >= kb * block_k) & (slot < length)
         s = jnp.where(filled[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         # Every block holds at least one filled slot, so m_new is finite after the first.
@@ -93,8 +95,8 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
         raise ValueError(f"bad shapes q {q.shape}, k_cache {k_cache.shape}, "
                          f"v_cache {v_cache.shape}")  # fmt: skip
     if not supported(head_dim, k_cache.shape[2], block_k):
-        raise ValueError(f"filled_cache_attention needs a power-of-two head dim >= 16 and slots "
-                         f"a multiple of {block_k}; got {k_cache.shape}")  # fmt: skip
+        raise ValueError(f"filled_cache_attention needs a power-of-two head dim >= 16 and at "
+                         f"least {block_k} slots; got {k_cache.shape}")  # fmt: skip
     group = q_heads // kv_heads
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
     grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
@@ -104,7 +106,8 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=_LOG2_E / math.sqrt(head_dim), block_k=block_k),
+        functools.partial(_kernel, scale=_LOG2_E / math.sqrt(head_dim), block_k=block_k,
+                          num_slots=k_cache.shape[2]),  # fmt: skip
         grid=(batch, kv_heads),
         in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
         out_specs=tile,

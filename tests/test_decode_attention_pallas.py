@@ -55,13 +55,25 @@ def test_slots_past_a_rows_length_do_not_matter():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
 
 
-def test_shapes_it_does_not_take_are_refused_and_routed_to_xla():
-    assert dap.supported(128, 7232) and not dap.supported(72, 7232)
-    assert not dap.supported(128, 7170)  # slots not a multiple of the key block
-    rng = np.random.default_rng(2)
-    q, k, v = cache_case(rng, layers=1, rows=2, slots=100, kv_heads=1, group=2, dim=16,
+def test_a_cache_of_any_length_from_one_block_up():
+    """7170 slots (the recipe's) or 100: the last key block starts early and masks the slots
+    the block before it covered; each row's result is the XLA one."""
+    rng = np.random.default_rng(5)
+    q, k, v = cache_case(rng, layers=2, rows=5, slots=100, kv_heads=2, group=3, dim=16,
                          dtype=jnp.float32)  # fmt: skip
-    with pytest.raises(ValueError, match="multiple of 64"):
+    lengths = jnp.array([1, 36, 64, 65, 100], jnp.int32)
+    got = dap.filled_cache_attention(q, k, v, jnp.int32(1), lengths, interpret=True)
+    want = attention.decode_attention(q, k[1], v[1], lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+
+
+def test_shapes_it_does_not_take_are_refused_and_routed_to_xla():
+    assert dap.supported(128, 7170) and dap.supported(128, 64)
+    assert not dap.supported(72, 7170) and not dap.supported(128, 63)
+    rng = np.random.default_rng(2)
+    q, k, v = cache_case(rng, layers=1, rows=2, slots=40, kv_heads=1, group=2, dim=16,
+                         dtype=jnp.float32)  # fmt: skip
+    with pytest.raises(ValueError, match="at least 64 slots"):
         dap.filled_cache_attention(q, k, v, 0, jnp.array([5, 9]), interpret=True)
     lengths = jnp.array([5, 9], jnp.int32)
     np.testing.assert_array_equal(  # cache_attention falls back to the XLA path

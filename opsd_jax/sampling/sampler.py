@@ -123,12 +123,8 @@ def sample_rows(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
 
 def cache_slots_for(prompt_length: int, max_new_tokens: int, max_image_skips: int = 0) -> int:
     """KV-cache slots per row: the prompt row, the completion budget and each round's fed
-    <|im_start|> (a skip's appended <|im_end|> counts against the budget), rounded up so the GPU
-    decode kernel's key blocks tile it (models/decode_attention_pallas.py)."""
-    from models.decode_attention_pallas import CACHE_SLOT_MULTIPLE as multiple  # Pallas: lazily
-
-    needed = prompt_length + max_new_tokens + (max_image_skips + 1)
-    return -(-needed // multiple) * multiple
+    <|im_start|> (a skip's appended <|im_end|> counts against the budget)."""
+    return prompt_length + max_new_tokens + (max_image_skips + 1)
 
 
 def _check_prompt_pack(pack: Pack) -> None:
