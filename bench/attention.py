@@ -42,7 +42,6 @@ import time
 
 # Run as a plain script from anywhere: make the repository root importable.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

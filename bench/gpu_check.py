@@ -42,7 +42,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 RESULT = "RESULT "  # prefix of the lines a section's process prints
 SECTIONS = ("parity", "attention", "grad_step", "decode")

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():

@@ -41,7 +41,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # name: (peak dense bf16 FLOP/s, HBM bytes/s, NVLink bytes/s per direction, HBM bytes)
 GPUS = {

@@ -54,7 +54,6 @@ import sys
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -173,6 +172,8 @@ class Ours:
 
 def import_pytorch_bagel(directory: str):
     """The BAGEL model classes, the trainer's loss and checkpoint policy from a checkout."""
+    # The upstream checkout is not an installable package: its modules import each other as
+    # top-level `modeling`, `data`, ... from the checkout's root.
     sys.path.insert(0, os.path.abspath(directory))
     if importlib.util.find_spec("einops") is None:
         # Only modeling/autoencoder.py (the VAE, never built here) needs it.

@@ -18,11 +18,8 @@ shards into the same directory. The format is in opsd_jax/data/offline_cache.py.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402

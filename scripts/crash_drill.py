@@ -33,8 +33,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 # The drill reads the disk itself rather than through opsd_jax/io/checkpoint.py, so that it
 # referees the code under test independently.

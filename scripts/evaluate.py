@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opsd_jax.data.sources import SPLITS
 from opsd_jax.evaluation import evaluate as evaluation

@@ -19,10 +19,8 @@ and one line with the extracted answer, the token count and the rounds used.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opsd_jax.evaluation import answers, run_settings  # noqa: E402
 from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402

@@ -9,11 +9,8 @@ Deterministic: the same --seed (and counts) gives byte-identical files. Usage, f
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opsd_jax.toy.data import toy_corpus_text, write_toy_data  # noqa: E402
 from opsd_jax.toy.tasks import ALL_TASKS, TASKS  # noqa: E402

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from opsd_jax.io.tokenizer import transformers  # noqa: E402 - quiet import (see there)
 from opsd_jax.toy.model import DTYPES, write_toy_model  # noqa: E402

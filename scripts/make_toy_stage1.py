@@ -31,7 +31,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 DEFAULT_OUT = os.path.join(ROOT, "opsd_jax", "toy", "stage1")
 MANIFEST = "MANIFEST.json"

@@ -7,7 +7,6 @@ imported anywhere; conftest.py is loaded by pytest before any test module.
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 
 import numpy as np
@@ -28,9 +27,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="opsd-jax-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-
-# Make the repository root importable (models/, opsd_jax/) without installing the package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def subprocess_env(devices: int = 1) -> dict:

@@ -26,10 +26,9 @@ def test_a_second_acquire_is_refused_and_names_the_holder(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path):
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from opsd_jax.io import run_lock;"
-            "run_lock.acquire([sys.argv[2]]); print('held', flush=True); time.sleep(60)")  # fmt: skip
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    holder = subprocess.Popen([sys.executable, "-c", code, root, str(tmp_path)],
+    code = ("import sys, time; from opsd_jax.io import run_lock;"
+            "run_lock.acquire([sys.argv[1]]); print('held', flush=True); time.sleep(60)")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(run_lock.RunLockError, match=f"process {holder.pid} "):
