@@ -24,6 +24,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from models import pack as pack_lib
 from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs, sources
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
@@ -534,7 +535,7 @@ def main(argv):
                 first_row = (distributed.local_row_offset(prompt_pack.tokens)
                              if isinstance(prompt_pack.tokens, jax.Array) else 0)  # fmt: skip
                 row_ids = distributed.all_processes(local_to_global).reshape(-1)
-                shape = distributed.pack_sizes(prompt_pack)[:2]
+                shape = pack_lib.pack_sizes(prompt_pack)[:2]
                 if shape not in prompt_shapes:
                     prompt_shapes.add(shape)
                     say(f"sampler: compiling for prompt length {shape[0]}, {shape[1]} patches "

@@ -248,7 +248,8 @@ def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng
     [image, question, VT image, completion] per row, the completion scored (numpy)."""
     import numpy as np
 
-    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, pad_pack
+    from models.pack import pad_pack
+    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
 
     grid = config.vit.image_size // config.vit.patch_size
     vocab = config.llm.vocab_size

@@ -102,3 +102,46 @@ class Pack:
                     raise ValueError(
                         f"Pack.{name} has shape {getattr(self, name).shape}, expected {shape}"
                     )
+
+
+# Pack fields by the axis that varies with the batch content; padding value per field.
+_TOKEN_AXIS = ("tokens", "positions", "segment_ids", "k_start", "k_end", "gen_mask")
+_PATCH_AXIS = ("vit_patches", "vit_pos_ids", "vit_slots", "vit_image_ids")
+_LOSS_AXIS = ("loss_rows", "loss_targets", "loss_mask", "loss_sample")
+_PAD_VALUE = {"vit_slots": -1}  # every other field pads with 0 / False
+
+
+def pack_sizes(pack: Pack) -> tuple[int, int, int]:
+    """(row length, patches per row, loss entries per row) of a Pack."""
+    patches = pack.vit_patches.shape[1] if pack.vit_patches is not None else 0
+    loss = pack.loss_rows.shape[1] if pack.loss_rows is not None else 0
+    return pack.row_length, patches, loss
+
+
+def pad_pack(pack: Pack, row_length: int, num_patches: int, num_loss: int) -> Pack:
+    """The same Pack with its per-row axes padded (with inert padding) to the given sizes."""
+    sizes = dict(zip(("token", "patch", "loss"), (row_length, num_patches, num_loss)))
+    have = dict(zip(("token", "patch", "loss"), pack_sizes(pack)))
+    changes = {}
+    for axis, names in (("token", _TOKEN_AXIS), ("patch", _PATCH_AXIS), ("loss", _LOSS_AXIS)):
+        if sizes[axis] < have[axis]:
+            raise ValueError(f"pad_pack: {axis} axis is {have[axis]}, cannot pad to {sizes[axis]}")
+        for name in names:
+            value = getattr(pack, name)
+            if value is None:
+                if axis == "patch" and num_patches and pack.vit_patches is None:
+                    value = _empty_patch_field(name, pack.num_rows, pack.tokens)
+                else:
+                    continue
+            widths = [(0, 0)] * value.ndim
+            widths[1] = (0, sizes[axis] - value.shape[1])
+            changes[name] = np.pad(value, widths, constant_values=_PAD_VALUE.get(name, 0))
+    return pack.replace(**changes)
+
+
+def _empty_patch_field(name: str, rows: int, like: np.ndarray) -> np.ndarray:
+    # A pack without images, padded to a shape with patches (a fixed shape, or another
+    # process's pack with images).
+    if name == "vit_patches":
+        return np.zeros((rows, 0, 588), np.float32)
+    return np.zeros((rows, 0), like.dtype)

@@ -32,9 +32,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from models.pack import Pack
+from models.pack import Pack, pad_pack
 from opsd_jax.data.pack_shapes import PackShape, choose_bucket
-from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, pad_pack, sample_length
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, sample_length
 
 # Our own wording. A checkpoint answers best with the system prompt it was trained with, so
 # every text here can be replaced from the config.

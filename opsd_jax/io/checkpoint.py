@@ -49,7 +49,12 @@ from opsd_jax.io.checkpoint_format import (
     abstract_like,
 )
 from opsd_jax.parallel.distributed import to_host
-from opsd_jax.training.train_step import TrainState
+
+# The state saved and restored: opsd_jax/training/train_step.TrainState (a flax struct with
+# step, params, opt_state, teacher_params, rng, bad_steps). Not imported: io sits below training
+# in the package's layers (pyproject.toml [tool.importlinter]); restore builds the result with
+# the target's own `replace`, so any struct with those fields works.
+TrainState = Any
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +219,7 @@ class Checkpointer:
             rng = jax.random.wrap_key_data(
                 _place(data, abstract_state.rng), impl=meta["rng"]["impl"]
             )
-        state = TrainState(
+        state = abstract_state.replace(
             step=_place(np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step),
             params=_rebuild(abstract_state.params, restored[PARAMS]),
             opt_state=_rebuild(abstract_state.opt_state, restored[OPT_STATE]),

@@ -26,8 +26,7 @@ import os
 import jax
 import numpy as np
 
-from models.pack import Pack
-from opsd_jax.data.packing import pack_sizes, pad_pack  # noqa: F401 (re-exported)
+from models.pack import Pack, pack_sizes, pad_pack
 from opsd_jax.parallel import mesh as mesh_lib
 
 # Environment fallbacks for the config keys (JAX itself reads JAX_COORDINATOR_ADDRESS).

@@ -44,10 +44,10 @@ from flax.core import spmd
 
 from models.pack import Pack
 from models.sharding import constrain
+from models.vocab import mask_vocab
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import rows_array, to_host
 from opsd_jax.sampling.decode_copy import DecodeCopy
-from opsd_jax.training import losses
 
 IMAGE_SKIP_TEXT = "<image_start>"
 
@@ -219,7 +219,7 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
             # 'tensor', gather the logits once (in their compute dtype) rather than let XLA
             # partition the cumsum in f32. Greedy argmax partitions fine (a max per shard).
             logits = constrain(logits, ("act_batch", None))
-        logits = losses.mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
+        logits = mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
         scaled = logits / settings.temperature if settings.do_sample else logits
         log_probs = jax.nn.log_softmax(scaled, axis=-1)
         if settings.do_sample:

@@ -1,8 +1,8 @@
 """The machinery the losses share (losses.py, offline_losses.py): argument checks, chunked work
 over the vocabulary with a recomputing backward pass, the sharded top-k, the per-entry divergence
 terms, token log-probabilities and the reductions. Names with a leading underscore are internal to
-the losses package-wide; `token_logprobs`, `mask_vocab` and the constants are public (losses.py
-re-exports them).
+the losses package-wide; `token_logprobs` and the constants are public, and so is `mask_vocab`
+(models/vocab.py, which the sampler uses too; losses.py re-exports them).
 
 Why chunks: at C ~ 4k loss rows and V ~ 152k, one fp32 [C, V] tensor is 2.5 GB and a naive JSD
 (log-softmax of both sides, mixture, entries, their gradients) needs ~30 GB of temporaries for
@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from models.vocab import mask_vocab
 
 REDUCTIONS = ("seq_mean", "token_mean", "token_sum")
 CLIP_MODES = ("entry", "token")
@@ -92,20 +94,6 @@ def _check_common(logits, mask, reduction, chunk_rows, per_entry, sample_ids, nu
             f"num_samples must be a positive int when sample_ids is given, got {num_samples!r}"
         )
     return num_samples
-
-
-def mask_vocab(logits, vocab_limit):
-    """`logits` [..., V] with every id >= `vocab_limit` set to -inf (None: unchanged).
-
-    The embedding / lm_head table has more rows than the tokenizer has ids (Qwen2.5: 152064 vs
-    151665 + BAGEL's added tokens); the rows past the tokenizer are no token at all. The sampler
-    never draws them and the losses must not put mass on them either (a teacher top-k would
-    otherwise pick them), so both mask them through this one function.
-    """
-    if vocab_limit is None or vocab_limit >= logits.shape[-1]:
-        return logits
-    ids = lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return jnp.where(ids < vocab_limit, logits, jnp.array(-jnp.inf, logits.dtype))
 
 
 def _check_vocab_limit(vocab_limit, vocab):
