@@ -40,8 +40,8 @@ from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io import compile_cache, init_weights, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, abstract_like
 from opsd_jax.io.hf_layout import HFCheckpointError
-from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.io.hf_load import load_hf
+from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, layout_choice, sampler

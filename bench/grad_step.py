@@ -17,7 +17,6 @@ import time
 import types
 
 
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=1)
@@ -33,15 +32,15 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from bench.sampler import CONFIGS
     from models.bagel import Bagel
+    from models.configs import BagelConfig
     from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
     from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
     from opsd_jax.data.packing import SpecialTokens
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.training import train_step
 
-    config = CONFIGS["m64"]()
+    config = BagelConfig.small_64m()
     config = config.replace(llm=dict(compute_dtype=args.compute_dtype))
     mesh = mesh_lib.make_mesh()
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)

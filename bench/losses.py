@@ -27,7 +27,6 @@ import statistics
 import time
 
 # Run as a plain script from anywhere: make the repository root importable.
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 

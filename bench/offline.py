@@ -27,7 +27,6 @@ import shutil
 import tempfile
 import time
 
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -22,7 +22,6 @@ import argparse
 import functools
 import time
 
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -36,21 +35,7 @@ from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples  # no
 from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
 from opsd_jax.sampling import decode_copy, sampler  # noqa: E402
 
-CONFIGS = {
-    "tiny": lambda: BagelConfig.tiny(),
-    # ~64M parameters in the LM: hidden 512, 8 layers, 8 heads / 2 kv heads, MLP 1408, vocab 16384.
-    "m64": lambda: BagelConfig.tiny(
-        llm=dict(
-            vocab_size=16384,
-            hidden_size=512,
-            intermediate_size=1408,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=2,
-        ),
-        vit=dict(hidden_size=128, intermediate_size=256, num_attention_heads=2),
-    ),  # fmt: skip
-}
+CONFIGS = {"tiny": BagelConfig.tiny, "m64": BagelConfig.small_64m}
 
 
 def prompt_pack(config, batch, special, rng):

@@ -41,7 +41,6 @@ import os
 import sys
 import time
 
-
 # name: (peak dense bf16 FLOP/s, HBM bytes/s, NVLink bytes/s per direction, HBM bytes)
 GPUS = {
     # H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB; NVLink 4: 900 GB/s total

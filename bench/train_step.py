@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import time
 
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402

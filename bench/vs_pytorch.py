@@ -1,6 +1,6 @@
 """Our compiled OPSD train step against the PyTorch Visual-OPSD trainer's step, same case.
 
-The case (issue #18): the ~64M BAGEL of bench/sampler.py (`CONFIGS['m64']`), one sample per
+The case (issue #18): the ~64M BAGEL of the benches (`BagelConfig.small_64m()`), one sample per
 step as the PyTorch trainer takes it, a student pack of 410 tokens ([system, problem image
 12x16 patches, question, completion]) and a teacher pack of 832 tokens (the same plus the
 reference intro, a 16x24-patch VT image and the transition), a 128-token completion (129 loss
@@ -54,14 +54,13 @@ import sys
 import time
 import types
 
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from bench.sampler import CONFIGS  # noqa: E402
 from configs import smoke  # noqa: E402
 from models.bagel import Bagel  # noqa: E402
+from models.configs import BagelConfig  # noqa: E402
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids  # noqa: E402
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs  # noqa: E402
 from opsd_jax.data.pack_shapes import PackShape, round_up  # noqa: E402
@@ -117,7 +116,7 @@ def build_case(vocab: int, multiple: int):
 
 class Ours:
     def __init__(self, args):
-        config = CONFIGS["m64"]().replace(llm=dict(
+        config = BagelConfig.small_64m().replace(llm=dict(
             compute_dtype=args.compute_dtype, remat=args.remat,
             attention_backend=args.attention_backend,
             unroll_layers=bool(args.unroll_layers),
@@ -192,6 +191,7 @@ def import_pytorch_bagel(directory: str):
         siglip_navit,
     )
     from scripts.visual_opsd.opsd_loss import compute_student_kd_loss
+
     from train.fsdp_utils import grad_checkpoint_check_fn
 
     # On a CPU: no CUDA-only SDPA kernel, and attention in fp32. Upstream casts q/k/v (and the

@@ -239,6 +239,17 @@ class BagelConfig:
         return config.replace(**changes)
 
     @classmethod
+    def small_64m(cls, **changes) -> "BagelConfig":
+        """The benches' mid-size model (bench/sampler.py 'm64', grad_step.py, vs_pytorch.py):
+        ~39M LM parameters (64M with the embeddings), hidden 512, 8 layers, 8 / 2 heads."""
+        config = cls.tiny(
+            llm=dict(vocab_size=16384, hidden_size=512, intermediate_size=1408,
+                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
+            vit=dict(hidden_size=128, intermediate_size=256, num_attention_heads=2),
+        )  # fmt: skip
+        return config.replace(**changes)
+
+    @classmethod
     def bagel_7b(cls, **changes) -> "BagelConfig":
         """BAGEL-7B-MoT / ThinkMorph-7B, understanding-only by default (no gen expert built)."""
         config = cls(

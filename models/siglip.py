@@ -22,8 +22,14 @@ from flax import nnx
 
 from models import attention as attention_lib
 from models.configs import SiglipConfig
-from models.layers import (LayerNorm, Projection, compute_weight, normal_param, scan_layers,
-                           stack_layers)  # fmt: skip
+from models.layers import (
+    LayerNorm,
+    Projection,
+    compute_weight,
+    normal_param,
+    scan_layers,
+    stack_layers,  # fmt: skip
+)
 from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_MLP, constrain
 
 

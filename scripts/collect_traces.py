@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 
-
 import jax  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 

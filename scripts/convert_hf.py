@@ -21,7 +21,6 @@ import json
 import os
 import time
 
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402

@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from opsd_jax.evaluation import answers, run_settings  # noqa: E402
 from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
-from opsd_jax.training.metrics import escape_controls  # noqa: E402
-from scripts.evaluate import (  # noqa: E402
+from opsd_jax.evaluation.cli import (  # noqa: E402
     add_model_flags,
     add_sampling_flags,
     check_sampling_flags,
@@ -34,6 +32,7 @@ from scripts.evaluate import (  # noqa: E402
     load_model,
     sampling_settings,
 )
+from opsd_jax.training.metrics import escape_controls  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -16,14 +16,12 @@ Writes `<out>/kl_summary.json`, `<out>/kl_per_sample.jsonl` and `<out>/kl_histog
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
-
-import dataclasses
-
 from opsd_jax.evaluation import kl_diagnostic
-from scripts.evaluate import add_model_and_data_flags, setup
+from opsd_jax.evaluation.cli import add_model_and_data_flags, setup
 
 SETTINGS = {"VT": False, "noise VT": True}  # label -> noise_vt
 

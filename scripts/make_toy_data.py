@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-
 from opsd_jax.toy.data import toy_corpus_text, write_toy_data  # noqa: E402
 from opsd_jax.toy.tasks import ALL_TASKS, TASKS  # noqa: E402
 

@@ -12,7 +12,6 @@ import argparse
 import os
 from pathlib import Path
 
-
 from opsd_jax.io.tokenizer import transformers  # noqa: E402 - quiet import (see there)
 from opsd_jax.toy.model import DTYPES, write_toy_model  # noqa: E402
 

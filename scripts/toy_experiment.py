@@ -36,9 +36,9 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 from opsd_jax.toy import data as toy_data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TASK = "toy_majority"
 ARMS = ("opsd", "control")  # stage-2 arms; --offline adds "offline"

@@ -39,7 +39,7 @@ def _optimizer_config():
 
 
 def _abstract_params(mesh):
-    make_model = lambda: Bagel(BagelConfig.tiny(), rngs=nnx.Rngs(0))
+    make_model = lambda: Bagel(BagelConfig.tiny(), rngs=nnx.Rngs(0))  # noqa: E731
     _, abstract = mesh_lib.abstract_model(make_model, mesh)
     params, _ = nnx.split_state(abstract, nnx.Param, ...)
     return params
@@ -182,7 +182,7 @@ def _replicated():
 
 def _small_state(value: float) -> train_step.TrainState:
     sharding = _replicated()
-    put = lambda x: jax.device_put(np.asarray(x, np.float32), sharding)
+    put = lambda x: jax.device_put(np.asarray(x, np.float32), sharding)  # noqa: E731
     return train_step.TrainState(
         step=jax.device_put(np.int32(value), sharding),
         params={"w": put(np.full((4, 2), value))},

@@ -120,3 +120,35 @@ def test_outside_the_loop_and_the_entry_loop_chosen():
     outside = hbm_traffic.outside_loops(PROGRAM)
     assert [(k.name, k.read, k.written) for k in outside] == [("c2", 64 * ROW, 64 * ROW)]
     assert "layer" in hbm_traffic.describe(hbm_traffic.loop_traffic(PROGRAM))
+
+
+def test_a_pallas_kernel_is_named_and_its_reads_can_be_stated():
+    """A Triton custom call carries its kernel name; `with_reads` replaces what that kernel is
+    counted as reading (its operand is the whole cache, it reads a part) and nothing else."""
+    text = """HloModule m
+
+%body (p: (s32[], f32[4,1024])) -> (s32[], f32[4,1024]) {
+  %p = (s32[], f32[4,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %c = f32[4,1024] get-tuple-element(%p), index=1
+  %k = f32[4,8] custom-call(%c), custom_call_target="__gpu$xla.gpu.triton", backend_config={debug = false, name = "filled_cache_attention", num_warps = 4 : i32}
+  %g = f32[4,8] custom-call(%c), custom_call_target="__cublas$gemm"
+  ROOT %t = (s32[], f32[4,1024]) tuple(%i, %c)
+}
+
+%cond (p: (s32[], f32[4,1024])) -> pred[] {
+  %p = (s32[], f32[4,1024]) parameter(0)
+  ROOT %x = pred[] constant(true)
+}
+
+ENTRY %main (a: (s32[], f32[4,1024])) -> (s32[], f32[4,1024]) {
+  %a = (s32[], f32[4,1024]) parameter(0)
+  ROOT %w = (s32[], f32[4,1024]) while(%a), condition=%cond, body=%body
+}
+"""
+    kernels = hbm_traffic.loop_traffic(text)
+    names = {k.name: k.kernel_name for k in kernels}
+    assert names == {"k": "filled_cache_attention", "g": ""}, names
+    assert all(k.read == 4 * 1024 * 4 for k in kernels)  # the whole operand, as counted
+    stated = {k.name: k.read for k in hbm_traffic.with_reads(kernels, "filled_cache_attention", 96)}
+    assert stated == {"k": 96, "g": 4 * 1024 * 4}

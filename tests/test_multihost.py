@@ -161,8 +161,8 @@ def test_two_processes_train_like_one_process_and_restore(tmp_path):
 
 
 def test_pad_pack_adds_inert_padding_only():
-    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
     from models.pack import pack_sizes, pad_pack
+    from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
 
     special = SpecialTokens(im_start=1, im_end=2, vision_start=3, vision_end=4)
     image = Image(np.ones((4, 588), np.float32), np.arange(4, dtype=np.int32))

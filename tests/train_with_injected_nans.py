@@ -12,7 +12,6 @@ product: train.py has no injection hook.
 
 import os
 
-
 import jax
 import jax.numpy as jnp
 from absl import app

@@ -94,7 +94,7 @@ _SCALAR_NAMES = {"mean_completion_length": "completion_length"}
 
 def _group_metrics(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     n = len(records)
-    mean = lambda key: float(np.mean([float(r[key]) for r in records])) if n else 0.0
+    mean = lambda key: float(np.mean([float(r[key]) for r in records])) if n else 0.0  # noqa: E731
     return {
         "num_samples": n,
         "accuracy": mean("correct"),

@@ -23,7 +23,7 @@ def prompt_options_from_config(config: Mapping[str, Any], noise_vt: bool | None 
     """PromptOptions from a training config (the names of configs/common.py); empty texts keep
     our default wording, as in the trainer."""
     defaults = PromptOptions()
-    get = lambda key, default: config.get(key, default)
+    get = lambda key, default: config.get(key, default)  # noqa: E731
     return PromptOptions(
         use_system_prompt=get("use_system_prompt", defaults.use_system_prompt),
         system_prompt=get("system_prompt", "") or defaults.system_prompt,

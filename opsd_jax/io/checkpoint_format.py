@@ -54,7 +54,6 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-
 PARAMS = "params"
 EMA_PARAMS = "ema_params"
 OPT_STATE = "opt_state"

@@ -142,7 +142,7 @@ def save_hf(
             used.add(rule.target)
             produce = _ours_producer(value, rule, layer, DTYPES[info.dtype])
         else:
-            produce = lambda key=key: files.raw(key)
+            produce = lambda key=key: files.raw(key)  # noqa: E731
         entries[files.file_of[key].path.name].append((key, info.dtype, out_shape, produce))
     # Any parameter we hold must land somewhere; only the recomputable table may be absent.
     unwritten = [path for path in params if path not in used and path != "vit_pos_embed"]
@@ -279,7 +279,7 @@ def restore_for_export(
     config = read_config(source_hf_dir, llm=changes)
     if mesh is None:
         mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))
+    make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
     _, abstract_state = mesh_lib.abstract_model(make_model, mesh, rules)
     params = checkpoint.restore_model_params(ckpt, nnx.filter_state(abstract_state, nnx.Param), which=which)
     return flat_params(params)

@@ -284,7 +284,7 @@ def load_weights(
         raise HFCheckpointError(f"{hf_dir}: the model's vocabulary ({grown}) is smaller than the "
                                 f"checkpoint's ({source_vocab}); a table is never shrunk")  # fmt: skip
 
-    make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))
+    make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
     if mesh is None:
         graphdef, abstract_state = nnx.split(nnx.eval_shape(make_model))
         default_sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -321,7 +321,7 @@ def load_weights(
         layer_shape = tuple(spec.shape[1:] if rule.per_layer else spec.shape)
         if rule.vocab_axis is not None and grown != source_vocab:
             host = _grow_vocab(rule, files.array(keys[None]), layer_shape, source_vocab)
-            read = lambda layer, host=host: host
+            read = lambda layer, host=host: host  # noqa: E731
         else:
 
             def read(layer, rule=rule, keys=keys, layer_shape=layer_shape):

@@ -156,12 +156,6 @@ def use_mesh(mesh: jax.sharding.Mesh, rules=LOGICAL_RULES):
         yield mesh
 
 
-def logical_to_spec(names: tuple[str | None, ...], rules=LOGICAL_RULES) -> PartitionSpec:
-    """PartitionSpec for an array whose axes have these logical names (unknown -> replicated)."""
-    table = dict(rules)
-    return PartitionSpec(*(None if name is None else table.get(name) for name in names))
-
-
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 2) -> NamedSharding:
     """Leading (row) axis over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
