@@ -119,14 +119,27 @@ def _pallas_kernel(range_attention):
     return kernel
 
 
+def _without_heads(names):
+    return tuple(None if name in ("act_heads", "act_kv_heads") else name for name in names)
+
+
+def _head_names(q, q_names, k, kv_names):
+    """(q_names, kv_names), the head axes dropped from both unless the kv heads split the same
+    way as the query heads (else a device's query heads would miss their kv head)."""
+    q_spec = sharding.logical_spec(q.shape, q_names)
+    if q_spec is None:
+        return q_names, kv_names
+    kv_spec = sharding.logical_spec(k.shape, kv_names)
+    q_axis, kv_axis = q_names.index("act_heads"), kv_names.index("act_kv_heads")
+    if q_spec[q_axis] != kv_spec[kv_axis]:
+        return _without_heads(q_names), _without_heads(kv_names)
+    return q_names, kv_names
+
+
 def _arg_names(q, k):
-    """Logical names of the attention arguments. Heads are split only when the kv heads split
-    the same way as the query heads (else a device's query heads would miss their kv head)."""
-    heads, kv_heads = sharding.ROWS_HEADS, sharding.ROWS_KV_HEADS
-    q_spec = sharding.logical_spec(q.shape, heads)
-    kv_spec = sharding.logical_spec(k.shape, kv_heads)
-    if q_spec is not None and q_spec[2] != kv_spec[2]:
-        heads = kv_heads = ("act_batch", "act_length", None, None)
+    """Logical names of the attention arguments: rows over the batch axes, heads as
+    `_head_names` allows."""
+    heads, kv_heads = _head_names(q, sharding.ROWS_HEADS, k, sharding.ROWS_KV_HEADS)
     ids = sharding.ROWS_IDS
     return (heads, kv_heads, kv_heads, ids, ids, ids, ids)
 
@@ -471,13 +484,10 @@ def cache_attention(q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto
 
 
 def _cache_arg_names(q, k_cache):
-    """Logical names of cache_attention's arguments: rows over the batch axes; heads split only
-    when the kv heads split the same way (as in `_arg_names`)."""
-    heads = ("act_batch", "act_heads", None)
-    q_spec = sharding.logical_spec(q.shape, heads)
-    cache = (None, "act_batch", None, "act_kv_heads", None)
-    if q_spec is not None and q_spec[1] != sharding.logical_spec(k_cache.shape, cache)[3]:
-        heads, cache = ("act_batch", None, None), (None, "act_batch", None, None, None)
+    """Logical names of cache_attention's arguments (q [B, Hq, D], the [L, B, S, Hkv, D] caches,
+    the layer, the lengths): rows over the batch axes, heads as `_head_names` allows."""
+    heads, cache = _head_names(q, ("act_batch", "act_heads", None),
+                               k_cache, (None, "act_batch", None, "act_kv_heads", None))  # fmt: skip
     return (heads, cache, cache, (), ("act_batch",))
 
 

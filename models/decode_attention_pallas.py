@@ -41,6 +41,9 @@ _F32 = jnp.float32
 _LOG2_E = math.log2(math.e)
 BLOCK_K = 64  # key slots per loop step
 MIN_QUERY_ROWS = 16  # Triton's smallest dot tile
+# The kernel's name in the compiled program (a Triton custom call's backend config), by which
+# opsd_jax/parallel/hbm_traffic.py and bench/scale.py tell it from other custom calls.
+KERNEL_NAME = "filled_cache_attention"
 
 
 def supported(head_dim: int, num_slots: int, block_k: int = BLOCK_K) -> bool:
@@ -118,7 +121,3 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
     )(layer, lengths, grouped, k_cache, v_cache)
     return out[:, :, :group].reshape(batch, q_heads, head_dim)
 
-
-# The kernel's name in the compiled program (a Triton custom call's backend config), by which
-# opsd_jax/parallel/hbm_traffic.py knows that it reads only the filled part of its cache operands.
-KERNEL_NAME = "filled_cache_attention"
