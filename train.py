@@ -13,18 +13,16 @@ stages share the mesh, config and state, which helpers would only pass around.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import time
-from typing import NoReturn
 
 import jax
 import numpy as np
-from absl import app, flags, logging
+from absl import app, logging
 from flax import nnx
-from ml_collections import config_flags
 
 from models import pack as pack_lib
+from opsd_jax import run_config
 from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs, sources
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
@@ -34,7 +32,6 @@ from opsd_jax.data.opsd_packs import (
 )
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
-from opsd_jax.evaluation import run_settings
 from opsd_jax.evaluation.run_summary import RunSummary
 from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io import compile_cache, init_weights, run_lock
@@ -47,51 +44,9 @@ from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.toy import tasks as toy_tasks
-from opsd_jax.training import resume_changes, train_config, train_step
+from opsd_jax.training import resume_changes, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.training.stop_request import StopRequest
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.")
-flags.mark_flags_as_required(["config"])
-
-
-# ---- command line: a config error is one message and exit status 2, never a traceback ---------
-
-
-def config_error(message) -> NoReturn:
-    print(f"train.py: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing (app.run's flags_parser), with the config checked first.
-
-    ml_collections raises a bare AttributeError from inside its parser for an unknown
-    `--config.<key>` (one key at a time) and an IOError only when a missing config file is
-    first read; here every unknown key is named, with the nearest valid ones, and the rest of
-    absl's parse errors (a value of the wrong type, no --config) are printed without usage."""
-    argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)  # --flagfile, as absl does
-    path, keys = None, []
-    for i, arg in enumerate(argv):
-        if re.match(r"^--?config(=|$)", arg):  # --config=FILE or --config FILE
-            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1:] or [None])[0]
-        elif re.match(r"^--?(no)?config\.", arg):  # --config.KEY=VALUE, --[no]config.KEY
-            keys.append(arg.split("=", 1)[0].split(".", 1)[1])
-    if path:
-        try:
-            # Loading the (small) config file once more here is the price of naming every
-            # unknown key before absl stops at the first.
-            config = train_config.load_config_file(path)
-        except (FileNotFoundError, ValueError) as e:
-            config_error(e)
-        problems = train_config.unknown_keys(config, keys)
-        if problems:
-            config_error(f"unknown config keys for {path}:\n  --config." +
-                         "\n  --config.".join(problems))  # fmt: skip
-    try:
-        return flags.FLAGS(argv)
-    except flags.Error as e:
-        config_error(e)
 
 
 def say(*args) -> None:
@@ -103,14 +58,14 @@ def say(*args) -> None:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
-    config = _CONFIG.value
+    config = run_config.config_flag_value()
 
     # ---- config check: every bad value named before anything compiles ------------------------
-    train_config.resolve_paths(config)
+    run_config.resolve_paths(config)
     try:
-        train_config.validate(config)  # values only: no device may be touched before the init
-    except train_config.ConfigError as e:
-        config_error(e)
+        run_config.validate(config)  # values only: no device may be touched before the init
+    except run_config.ConfigError as e:
+        run_config.config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)
@@ -120,9 +75,9 @@ def main(argv):
         compile_cache.enable(cache_dir, every_program=jax.process_count() == 1)
     cache_counter = compile_cache.CacheCounter()
     try:
-        train_config.validate(config, jax.device_count(), jax.process_count())
-    except train_config.ConfigError as e:
-        config_error(e)
+        run_config.validate(config, jax.device_count(), jax.process_count())
+    except run_config.ConfigError as e:
+        run_config.config_error(e)
     num_processes, process_index = jax.process_count(), jax.process_index()
     if num_processes > 1:
         say(f"{num_processes} processes, {jax.local_device_count()} devices each")
@@ -136,19 +91,19 @@ def main(argv):
     try:
         run_lock.acquire_for_run(held, say=say)
     except run_lock.RunLockError as e:
-        config_error(e)
+        run_config.config_error(e)
     if config.toy_data:
         toy_assets.prepare_toy_assets(config)
     # Every data file opens and has the required columns, before anything is loaded or compiled.
-    data_check = train_config.data_config(config)
+    data_check = run_config.data_config(config)
     try:
         for spec in data_check.datasets:
             sources.check_dataset(spec, require_vt=data_check.require_vt)
     except (sources.DataError, FileNotFoundError) as e:
-        config_error(e)
+        run_config.config_error(e)
 
     # ---- mesh ----------------------------------------------------------------------------------
-    data_size, fsdp_size, tensor_size = train_config.mesh_shape(config, jax.device_count())
+    data_size, fsdp_size, tensor_size = run_config.mesh_shape(config, jax.device_count())
     mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size)
     say(f"mesh {dict(mesh.shape)} on {jax.device_count()} {jax.devices()[0].platform} device(s)")
     say(f"compilation cache: {cache_dir or 'off (compilation_cache_dir)'}")
@@ -168,12 +123,12 @@ def main(argv):
                                              config.to_dict(), resumed):  # fmt: skip
                 say(line)
         except resume_changes.ResumeConfigError as e:
-            config_error(e)
+            run_config.config_error(e)
         saved_teacher = checkpoint_lib.saved_teacher_mode(resumed)
 
     # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
-    runtime = train_config.model_runtime(config)  # "auto" attention -> this machine's backend
+    runtime = run_config.model_runtime(config)  # "auto" attention -> this machine's backend
     say(f"attention backend {runtime['attention_backend']}"
         + (" (auto)" if config.attention_backend == "auto" else ""))  # fmt: skip
     if resumed:
@@ -205,7 +160,7 @@ def main(argv):
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
     data = make_iterator(data_config, "train", process_block=local_per_micro)
-    options = run_settings.prompt_options_from_config(config)  # the same wording everywhere
+    options = run_config.prompt_options(config)  # the same wording everywhere
     encode = tokenizer.encode
 
     # ---- train state ----------------------------------------------------------------------------
@@ -258,14 +213,14 @@ def main(argv):
 
     # ---- the compiled train step ---------------------------------------------------------------
     sft, offline = config.mode == "sft", config.mode == "offline"
-    settings = train_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
+    settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = None
     if offline:  # the cached teacher, refused if made for another model
         try:
             manifest = offline_cache.check_manifest(config.offline_cache_dir, model_config,
                                                     tokenizer, options)  # fmt: skip
         except offline_cache.CacheError as e:
-            config_error(e)
+            run_config.config_error(e)
         cache_reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
         say(f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
             f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}")  # fmt: skip
@@ -275,7 +230,7 @@ def main(argv):
         loss_fn = train_step.make_offline_loss(graphdef, rest, settings)
     else:
         loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, config.teacher_mode)
-    step_fn = train_config.train_step_for(config, loss_fn, optimizer, abstract_state, frozen)
+    step_fn = run_config.train_step_for(config, loss_fn, optimizer, abstract_state, frozen)
     # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
     # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
     local_rows = config.rows_per_micro_batch // num_processes
@@ -402,7 +357,7 @@ def main(argv):
         # (prompt + completion; the row holds per_micro / rows samples).
         slots = (shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
                  if "student" in shapes else config.max_forward_tokens)  # fmt: skip
-        cache_dtype = run_settings.cache_dtype_for(config.compute_dtype)
+        cache_dtype = run_config.cache_dtype_for(config.compute_dtype)
         cache_bytes = layout_choice.cache_nbytes(model_config, accum * per_micro, slots,
                                                  cache_dtype)  # fmt: skip
         choice = decode_copy.choose_layout(model_config, nnx.merge_state(abstract_params, rest),
@@ -431,7 +386,7 @@ def main(argv):
                 max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
                 mesh=mesh, sampler_layout=decode_layout,
                 prompt_buckets=config.sample_prompt_buckets,
-                cache_dtype=run_settings.cache_dtype_for(config.compute_dtype),
+                cache_dtype=run_config.cache_dtype_for(config.compute_dtype),
             )  # fmt: skip
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
@@ -652,4 +607,4 @@ def run(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(run, flags_parser=parse_flags)
+    app.run(run, flags_parser=run_config.parse_flags)

@@ -40,15 +40,14 @@ import subprocess
 import sys
 import time
 
-# Run as a plain script from anywhere: make the repository root importable.
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import attention as attention_lib
+from models.attention import attention
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from models import attention as attention_lib  # noqa: E402
-from models.attention import attention  # noqa: E402
 
 MIB = 1 << 20
 SEGMENT_LEN = 4096

@@ -290,9 +290,10 @@ def section_grad_step(args):
     from configs import thinkmorph_7b
     from models.bagel import Bagel
     from models.configs import BagelConfig
+    from opsd_jax import run_config
     from opsd_jax.parallel import hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.training import train_config, train_step
+    from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
     llm = dict(compute_dtype="bfloat16", remat="full",
@@ -306,7 +307,7 @@ def section_grad_step(args):
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     student, teacher = bagel_packs(config, 1, student_len, teacher_len, entries, side,
                                    np.random.default_rng(0))  # fmt: skip
-    settings = train_config.loss_settings(recipe)
+    settings = run_config.loss_settings(recipe)
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
     from opsd_jax.parallel import gpu_target

@@ -34,8 +34,9 @@ def main():
 
     from models.bagel import Bagel
     from models.configs import BagelConfig
+    from opsd_jax import run_config
     from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-    from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+    from opsd_jax.data.opsd_packs import build_training_packs
     from opsd_jax.data.packing import SpecialTokens
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.training import train_step
@@ -62,12 +63,13 @@ def main():
                                      problem_image=image(12, 16), vt_images=[image(12, 12)],
                                      thoughts=["t0", "t1"]) for i in range(args.rows)]  # fmt: skip
     completions = [rng.integers(10, 1000, 96).tolist() for _ in range(args.rows)]
-    options = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+    options = run_config.prompt_options(dict(system_prompt="ab", reference_intro="c",
+                                             transition_prompt="d"))
     packs = build_training_packs(samples, completions, encode, options, special,
                                  num_rows=args.rows, max_forward_tokens=4096)  # fmt: skip
     tokens = int((packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum())
-    grad_step = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(
-        num_samples=args.rows), "ema")  # fmt: skip
+    settings = run_config.loss_settings({"samples_per_micro_batch": args.rows})
+    grad_step = train_step.make_grad_step(graphdef, rest, settings, "ema")
     with mesh_lib.use_mesh(mesh):
         put = lambda p: jax.tree.map(  # noqa: E731
             lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p)

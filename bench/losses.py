@@ -27,10 +27,10 @@ import statistics
 import time
 
 # Run as a plain script from anywhere: make the repository root importable.
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from opsd_jax.training import losses  # noqa: E402
+from opsd_jax.training import losses
 
 MIB = 1 << 20
 BETA, TEMPERATURE, CLIP = 0.5, 1.0, 0.05

@@ -27,23 +27,22 @@ import shutil
 import tempfile
 import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-from configs import offline_tiny  # noqa: E402
-from opsd_jax.data import offline_cache, offline_views, pack_shapes  # noqa: E402
-from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs  # noqa: E402
-from opsd_jax.data.pipeline import make_iterator  # noqa: E402
-from opsd_jax.evaluation import run_settings  # noqa: E402
-from opsd_jax.io.hf_load import load_hf  # noqa: E402
-from opsd_jax.parallel import distributed  # noqa: E402
-from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
-from opsd_jax.sampling import sampler  # noqa: E402
-from opsd_jax.toy import assets as toy_assets  # noqa: E402
-from opsd_jax.training import (  # noqa: E402
-    offline_collect,  # noqa: E402
-    train_config,
+from configs import offline_tiny
+from opsd_jax import run_config
+from opsd_jax.data import offline_cache, offline_views, pack_shapes
+from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs
+from opsd_jax.data.pipeline import make_iterator
+from opsd_jax.io.hf_load import load_hf
+from opsd_jax.parallel import distributed
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import sampler
+from opsd_jax.toy import assets as toy_assets
+from opsd_jax.training import (
+    offline_collect,
     train_step,
 )
 
@@ -84,11 +83,11 @@ def main():
         config.offline_cache_dir = os.path.join(args.results_dir, "teacher_cache")
     toy_assets.prepare_toy_assets(config)
     model, model_config, tokenizer = load_hf(
-        config.model_path, config_changes={"llm": train_config.model_runtime(config)})
+        config.model_path, config_changes={"llm": run_config.model_runtime(config)})
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    data_config = train_config.data_config(config).for_model(model_config)
-    options = run_settings.prompt_options_from_config(config)
+    data_config = run_config.data_config(config).for_model(model_config)
+    options = run_config.prompt_options(config)
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
 
     # ---- the cache --------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def main():
     copy = lambda: jax.tree.map(np.array, params)  # noqa: E731  (each arm donates its own)
     online_state = train_step.init_state(copy(), optimizer, "ema", jax.random.key(0))
     offline_state = train_step.init_state(copy(), optimizer, "self", jax.random.key(0))
-    settings = train_config.loss_settings(config, tokenizer.vocab_length)
+    settings = run_config.loss_settings(config, tokenizer.vocab_length)
     schedule = train_step.learning_rate_schedule(config)
     online_step = train_step.make_train_step(
         train_step.make_opsd_loss(graphdef, rest, settings, "ema"), optimizer,

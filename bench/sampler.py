@@ -22,18 +22,18 @@ import argparse
 import functools
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from flax.core import spmd  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.core import spmd
 
-from models.bagel import Bagel  # noqa: E402
-from models.configs import BagelConfig  # noqa: E402
-from opsd_jax.data.image_transform import patchify, vit_position_ids  # noqa: E402
-from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples  # noqa: E402
-from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
-from opsd_jax.sampling import decode_copy, sampler  # noqa: E402
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax.data.image_transform import patchify, vit_position_ids
+from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import decode_copy, sampler
 
 CONFIGS = {"tiny": BagelConfig.tiny, "m64": BagelConfig.small_64m}
 

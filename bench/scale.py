@@ -125,10 +125,11 @@ def main():
     from models.configs import BagelConfig
     from models.pack import Pack
     from models.sharding import logical_spec
+    from opsd_jax import run_config
     from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
-    from opsd_jax.training import train_config, train_step
+    from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
@@ -240,7 +241,7 @@ def main():
                       f"received per device  ({', '.join(dtypes)})")  # fmt: skip
         return memory, table, flops, found
 
-    grad_step = train_step.make_grad_step(graphdef, rest, train_config.loss_settings(recipe), "ema")
+    grad_step = train_step.make_grad_step(graphdef, rest, run_config.loss_settings(recipe), "ema")
 
     def compile_grad(teacher_len, student_len):
         student = pack(samples, student_len, args.student_patches, args.loss_entries)

@@ -18,25 +18,24 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-from configs import smoke  # noqa: E402
-from models import attention  # noqa: E402
-from opsd_jax.data import pack_shapes  # noqa: E402
-from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack  # noqa: E402
-from opsd_jax.data.pipeline import make_iterator  # noqa: E402
-from opsd_jax.evaluation import run_settings  # noqa: E402
-from opsd_jax.io.checkpoint import abstract_like  # noqa: E402
-from opsd_jax.io.hf_load import load_hf  # noqa: E402
-from opsd_jax.parallel import distributed  # noqa: E402
-from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
-from opsd_jax.sampling import sampler  # noqa: E402
-from opsd_jax.toy import assets as toy_assets  # noqa: E402
+from configs import smoke
+from models import attention
+from opsd_jax import run_config
+from opsd_jax.data import pack_shapes
+from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs, shaped_pack
+from opsd_jax.data.pipeline import make_iterator
+from opsd_jax.io.checkpoint import abstract_like
+from opsd_jax.io.hf_load import load_hf
+from opsd_jax.parallel import distributed
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.sampling import sampler
+from opsd_jax.toy import assets as toy_assets
 from opsd_jax.training import (
-    train_config,  # noqa: E402
-    train_step,  # noqa: E402
+    train_step,
 )
 
 
@@ -57,12 +56,12 @@ def main():
     toy_assets.prepare_toy_assets(config)
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     model, _, tokenizer = load_hf(config.model_path, mesh=mesh,
-                                  config_changes={"llm": train_config.model_runtime(config)})
+                                  config_changes={"llm": run_config.model_runtime(config)})
     special = tokenizer.special_tokens()
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    data_config = train_config.data_config(config).for_model(model.config)
+    data_config = run_config.data_config(config).for_model(model.config)
     data = make_iterator(data_config, "train")
-    options = run_settings.prompt_options_from_config(config)
+    options = run_config.prompt_options(config)
     optimizer = train_step.make_optimizer(config)
     rng = jax.random.key(0)
     abstract = train_step.abstract_state(abstract_like(params), optimizer, config.teacher_mode, rng)
@@ -70,9 +69,9 @@ def main():
                            train_step.shardings_of(abstract))  # fmt: skip
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     rows = config.rows_per_micro_batch
-    loss_fn = train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, run_config.loss_settings(config),
                                         config.teacher_mode)  # fmt: skip
-    step_fn = train_config.train_step_for(config, loss_fn, optimizer, abstract)
+    step_fn = run_config.train_step_for(config, loss_fn, optimizer, abstract)
     shapes = pack_shapes.pack_shapes(config)
     compiled, temp_memory = [], []
     for bucket in range(config.pack_length_buckets):

@@ -54,21 +54,22 @@ import sys
 import time
 import types
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-from configs import smoke  # noqa: E402
-from models.bagel import Bagel  # noqa: E402
-from models.configs import BagelConfig  # noqa: E402
-from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids  # noqa: E402
-from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs  # noqa: E402
-from opsd_jax.data.pack_shapes import PackShape, round_up  # noqa: E402
-from opsd_jax.data.packing import SpecialTokens  # noqa: E402
-from opsd_jax.io import hf_export, hf_layout  # noqa: E402
-from opsd_jax.parallel import distributed  # noqa: E402
-from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
-from opsd_jax.training import train_step  # noqa: E402
+from configs import smoke
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax import run_config
+from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
+from opsd_jax.data.opsd_packs import build_training_packs
+from opsd_jax.data.pack_shapes import PackShape, round_up
+from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.io import hf_export, hf_layout
+from opsd_jax.parallel import distributed
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
 
 STUDENT_TOKENS, TEACHER_TOKENS, COMPLETION = 410, 832, 128
 OPTIMIZER = types.SimpleNamespace(lr=1e-5, min_lr=1e-7, warmup_steps=0, total_steps=1000,
@@ -95,8 +96,8 @@ def build_case(vocab: int, multiple: int):
                                    problem_image=image(12, 16),
                                    vt_images=[image(16, 24)])  # fmt: skip
     completion = rng.integers(10, 1000, COMPLETION).tolist()
-    options = PromptOptions(system_prompt="a" * 20, reference_intro="c" * 20,
-                            transition_prompt="d" * 12)  # fmt: skip
+    options = run_config.prompt_options(dict(system_prompt="a" * 20, reference_intro="c" * 20,
+                                             transition_prompt="d" * 12))
     exact = build_training_packs([sample], [completion], encode, options, special, num_rows=1,
                                  max_forward_tokens=4096)  # fmt: skip
     sizes = {}
@@ -138,8 +139,8 @@ class Ours:
         self.state = jax.device_put(train_step.init_state(params, optimizer, "ema", rng),
                                     train_step.shardings_of(abstract))  # fmt: skip
         step = train_step.make_train_step(
-            train_step.make_opsd_loss(graphdef, rest, train_step.LossSettings(num_samples=1),
-                                      "ema"),
+            train_step.make_opsd_loss(
+                graphdef, rest, run_config.loss_settings({"samples_per_micro_batch": 1}), "ema"),
             optimizer, teacher_mode="ema", ema_decay=EMA_DECAY,
             schedule=train_step.learning_rate_schedule(OPTIMIZER),
             state_shardings=train_step.shardings_of(abstract))  # fmt: skip

@@ -2,8 +2,9 @@
 
 Configs in this folder start from `base_config()` and change what they need; the result is
 locked, so a misspelt key on the command line (`--config.lr_schedular=...`) is an error.
-opsd_jax/training/train_config.py checks the values (allowed choices, ranges, mesh divisibility)
-before anything compiles.
+This is the only place a default is written: opsd_jax/run_config turns a config into what the
+run uses (loss settings, prompt options, data config, model runtime) and checks the values
+(allowed choices, ranges, mesh divisibility) before anything compiles.
 """
 
 import ml_collections

@@ -29,6 +29,9 @@ _LAYER_MODULES = (MOT_LAYER, PLAIN_LAYER)
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 # The per-layer remat switch: "none" or a jax.checkpoint policy name from models/layers.py.
 REMAT_CHOICES = ("none",) + tuple(layers.REMAT_POLICIES)
+# Qwen2Config's runtime switches: how the model computes, never what (not in the checkpoint).
+# A run config has keys of the same names (opsd_jax/run_config/builds.py model_runtime).
+RUNTIME_FIELDS = ("compute_dtype", "attention_backend", "remat", "unroll_layers", "attention_block")
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:

@@ -20,19 +20,15 @@ from __future__ import annotations
 
 import time
 
-import jax  # noqa: E402
-from absl import app, flags, logging  # noqa: E402
+import jax
+from absl import app, flags, logging
 
-import train  # noqa: E402  (its --config flag, its config checks and the toy assets)
-from opsd_jax.data import offline_cache  # noqa: E402
-from opsd_jax.evaluation import run_settings  # noqa: E402
-from opsd_jax.io import init_weights  # noqa: E402
-from opsd_jax.parallel import mesh as mesh_lib  # noqa: E402
-from opsd_jax.toy import assets as toy_assets  # noqa: E402
-from opsd_jax.training import (
-    offline_collect,  # noqa: E402
-    train_config,  # noqa: E402
-)
+from opsd_jax import run_config
+from opsd_jax.data import offline_cache
+from opsd_jax.io import init_weights
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.toy import assets as toy_assets
+from opsd_jax.training import offline_collect
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")
@@ -42,21 +38,21 @@ _MAX_SAMPLES = flags.DEFINE_integer("max_samples", None, "stop after this many n
 def main(argv) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # as train.py: orbax's and jax's INFO lines are noise
-    config = train._CONFIG.value
+    config = run_config.config_flag_value()
     index, count = _PROCESS_INDEX.value, _PROCESS_COUNT.value
     if not 0 <= index < count:
-        train.config_error(f"--process_index={index} must be in [0, --process_count={count})")
-    train_config.resolve_paths(config)
+        run_config.config_error(f"--process_index={index} must be in [0, --process_count={count})")
+    run_config.resolve_paths(config)
     devices = jax.local_devices()  # each process collects alone, on its own devices
     try:
-        train_config.validate(config, len(devices), need_cache=False)
-    except train_config.ConfigError as e:
-        train.config_error(e)
+        run_config.validate(config, len(devices), need_cache=False)
+    except run_config.ConfigError as e:
+        run_config.config_error(e)
     if config.toy_data:
         toy_assets.write_toy_assets(config)
 
-    mesh = mesh_lib.make_mesh(*train_config.mesh_shape(config, len(devices)), devices=devices)
-    runtime = train_config.model_runtime(config)
+    mesh = mesh_lib.make_mesh(*run_config.mesh_shape(config, len(devices)), devices=devices)
+    runtime = run_config.model_runtime(config)
     t0 = time.perf_counter()
     # The student's starting weights are the teacher (the PyTorch collector loads the model
     # file; weights='ema' here caches the EMA weights instead).
@@ -64,8 +60,8 @@ def main(argv) -> None:
     tokenizer = start.tokenizer
     print(f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
           f"mesh {dict(mesh.shape)}", flush=True)  # fmt: skip
-    data_config = train_config.data_config(config).for_model(start.model_config)
-    options = run_settings.prompt_options_from_config(config)
+    data_config = run_config.data_config(config).for_model(start.model_config)
+    options = run_config.prompt_options(config)
     data = dict(datasets=[dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
                           for d in data_config.datasets],
                 heldout_fraction=data_config.heldout_fraction)  # fmt: skip
@@ -87,7 +83,7 @@ def main(argv) -> None:
             max_samples=_MAX_SAMPLES.value, log=lambda line: print(line, flush=True),
         )  # fmt: skip
     except offline_cache.CacheError as e:
-        train.config_error(e)
+        run_config.config_error(e)
     total, samples = offline_cache.cache_bytes(config.offline_cache_dir)
     print(f"[p{index}] done: {summary.written} samples written, {summary.already_done} were "
           f"cached before, skipped {summary.skipped or 'none'}, {summary.seconds:.1f}s; cache "
@@ -96,4 +92,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=train.parse_flags)
+    app.run(main, flags_parser=run_config.parse_flags)

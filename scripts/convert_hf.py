@@ -21,13 +21,13 @@ import json
 import os
 import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load  # noqa: E402
-from opsd_jax.io.safetensors_io import SafetensorsError, WeightDirectory  # noqa: E402
-from opsd_jax.parallel.mesh import make_mesh  # noqa: E402
+from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load
+from opsd_jax.io.safetensors_io import SafetensorsError, WeightDirectory
+from opsd_jax.parallel.mesh import make_mesh
 
 
 def hf_to_jax(args) -> None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from opsd_jax import run_config
 from opsd_jax.evaluation import evaluate as evaluation
-from opsd_jax.evaluation import run_settings
 from opsd_jax.evaluation.cli import (
     add_model_and_data_flags,
     add_sampling_flags,
@@ -55,8 +55,8 @@ def main(argv=None) -> None:
     result = evaluation.evaluate(
         model, samples, tokenizer, options=options, context=args.context,
         batch_size=args.batch_size, mesh=mesh,
-        sampler_layout=(config or {}).get("sampler_layout", "replicated"),
-        cache_dtype=run_settings.cache_dtype_for(args.compute_dtype), log=print,
+        sampler_layout=run_config.complete(config).sampler_layout,
+        cache_dtype=run_config.cache_dtype_for(args.compute_dtype), log=print,
         **sampling_settings(args, config),
     )  # fmt: skip
     result.summary["settings"].update(

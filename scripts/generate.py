@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from opsd_jax.evaluation import answers, run_settings  # noqa: E402
-from opsd_jax.evaluation import evaluate as evaluation  # noqa: E402
-from opsd_jax.evaluation.cli import (  # noqa: E402
+from opsd_jax import run_config
+from opsd_jax.evaluation import answers
+from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.evaluation.cli import (
     add_model_flags,
     add_sampling_flags,
     check_sampling_flags,
@@ -32,7 +33,7 @@ from opsd_jax.evaluation.cli import (  # noqa: E402
     load_model,
     sampling_settings,
 )
-from opsd_jax.training.metrics import escape_controls  # noqa: E402
+from opsd_jax.training.metrics import escape_controls
 
 
 def main(argv=None) -> None:
@@ -59,14 +60,14 @@ def main(argv=None) -> None:
         model, tokenizer, mesh = load_model(args, file_config, config, log=log)
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
-    config = config or {}
+    config = run_config.complete(config)
     transform = (image_transform_arg(args.image_size)
                  or (config.get("data") or {}).get("image_transform"))  # fmt: skip
     text, completions = evaluation.answer(
         model, tokenizer, image, args.question,
-        options=run_settings.prompt_options_from_config(config), image_transform=transform,
-        mesh=mesh, cache_dtype=run_settings.cache_dtype_for(args.compute_dtype),
-        sampler_layout=config.get("sampler_layout", "replicated"),
+        options=run_config.prompt_options(config), image_transform=transform,
+        mesh=mesh, cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
+        sampler_layout=config.sampler_layout,
         **sampling_settings(args, config),
     )  # fmt: skip
     print(escape_controls(text, keep="\n\t"), flush=True)

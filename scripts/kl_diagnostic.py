@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 
+from opsd_jax import run_config
 from opsd_jax.evaluation import kl_diagnostic
 from opsd_jax.evaluation.cli import add_model_and_data_flags, setup
 
@@ -47,8 +48,8 @@ def main(argv=None) -> None:
         model, tokenizer, samples, options, config, mesh = setup(args)
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
-    config = config or {}
-    max_forward_tokens = args.max_forward_tokens or config.get("max_forward_tokens", 10240)
+    config = run_config.complete(config)
+    max_forward_tokens = args.max_forward_tokens or config.max_forward_tokens
     settings = {"VT": False} if args.no_noise_control else SETTINGS
     results = {}
     for label, noise_vt in settings.items():

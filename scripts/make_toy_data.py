@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from opsd_jax.toy.data import toy_corpus_text, write_toy_data  # noqa: E402
-from opsd_jax.toy.tasks import ALL_TASKS, TASKS  # noqa: E402
+from opsd_jax.toy.data import toy_corpus_text, write_toy_data
+from opsd_jax.toy.tasks import ALL_TASKS, TASKS
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,8 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
-from opsd_jax.io.tokenizer import transformers  # noqa: E402 - quiet import (see there)
-from opsd_jax.toy.model import DTYPES, write_toy_model  # noqa: E402
+from opsd_jax.io.tokenizer import transformers
+from opsd_jax.toy.model import DTYPES, write_toy_model
 
 
 def main(argv=None) -> None:

@@ -156,18 +156,18 @@ class Evaluator:
     def __init__(self, model_dir: str, run_config: dict, eval_samples: int | None, batch_size=64):
         from flax import nnx
 
+        from opsd_jax import run_config as run_config_lib
         from opsd_jax.evaluation import evaluate as evaluation
-        from opsd_jax.evaluation import run_settings
         from opsd_jax.io.hf_load import load_hf
 
-        self.evaluation, self.run_settings = evaluation, run_settings
+        self.evaluation, self.run_config = evaluation, run_config_lib
         # Only the architecture: every accuracy restores a checkpoint's params into it, so the
         # HF weights are never read (the params stay abstract, with their shardings).
         model, _, self.tokenizer = load_hf(
             model_dir, config_changes={"llm": {"compute_dtype": "float32"}}, read_params=False
         )
         self.graphdef, self.abstract, self.rest = nnx.split(model, nnx.Param, ...)
-        data_config = run_settings.data_config_from(run_config).for_model(model.config)
+        data_config = run_config_lib.data_config(run_config).for_model(model.config)
         self.samples = evaluation.load_eval_samples(data_config, "eval", log=log)
         if eval_samples:
             self.samples = self.samples[:eval_samples]
@@ -184,7 +184,7 @@ class Evaluator:
 
         params = restore_model_params(step_dir, self.abstract, which="params")
         model = nnx.merge(self.graphdef, params, self.rest)
-        options = self.run_settings.prompt_options_from_config(run_config, noise_vt=noise_vt)
+        options = self.run_config.prompt_options(run_config, noise_vt=noise_vt)
         result = self.evaluation.evaluate(
             model,
             self.samples,

@@ -152,17 +152,17 @@ def test_every_config_key_is_one_setting_and_is_read_by_the_code():
 
 def test_the_offline_cache_follows_results_dir_unless_set(tmp_path):
     from configs import offline_tiny, smoke
-    from opsd_jax.training import train_config
+    from opsd_jax import run_config
 
     config = offline_tiny.get_config()
     with config.unlocked():
         config.results_dir = str(tmp_path / "run_a")
-    train_config.resolve_paths(config)
+    run_config.resolve_paths(config)
     assert config.offline_cache_dir == str(tmp_path / "run_a" / "teacher_cache")
     with config.unlocked():
         config.offline_cache_dir = str(tmp_path / "shared_cache")
-    train_config.resolve_paths(config)
+    run_config.resolve_paths(config)
     assert config.offline_cache_dir == str(tmp_path / "shared_cache")  # a set value is kept
     opsd = smoke.get_config()
-    train_config.resolve_paths(opsd)
+    run_config.resolve_paths(opsd)
     assert opsd.offline_cache_dir == ""  # an on-policy run has no cache

@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 
+import builders
 import numpy as np
 import pytest
 from PIL import Image
@@ -31,6 +32,9 @@ from opsd_jax.toy import data as toy
 from scripts import make_toy_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIELDS = builders.data_fields()
+ROUNDS = FIELDS["max_reference_rounds"]
+SOURCE = dict(heldout_fraction=FIELDS["heldout_fraction"], max_reference_rounds=ROUNDS)
 SMALL = ImageTransform(112, 56, 14)
 
 
@@ -45,7 +49,7 @@ def toy_dir(tmp_path_factory):
 
 def _config(datasets, **kwargs):
     kwargs.setdefault("image_transform", SMALL)
-    return DataConfig(datasets=tuple(datasets), **kwargs)
+    return builders.data_config(datasets, **kwargs)
 
 
 def _iterate(config, split="all", **kwargs):
@@ -97,21 +101,24 @@ def test_bad_rows_are_skipped_and_counted(corrupt_parquet):
 
 
 def test_decode_row_edge_cases(toy_dir):
-    record = open_source(DatasetSpec("m", os.path.join(toy_dir, "toy_maze")), "all")[0]
-    ok = decode_row(record, "m")
+    record = open_source(DatasetSpec("m", os.path.join(toy_dir, "toy_maze")), "all", **SOURCE)[0]
+    ok = decode_row(record, "m", max_reference_rounds=ROUNDS)
     assert isinstance(ok, RawSample) and ok.problem_image.size == (112, 112)
     assert isinstance(ok.full_text_only_thought, str)
     # A column absent from the file behaves like None.
     no_vt = {k: v for k, v in record.items() if k != "reasoning_image_0"}
-    assert decode_row(no_vt, "m").reason == "missing_vt_image"
-    assert isinstance(decode_row(no_vt, "m", require_vt=False), RawSample)
+    assert decode_row(no_vt, "m", max_reference_rounds=ROUNDS).reason == "missing_vt_image"
+    assert isinstance(decode_row(no_vt, "m", max_reference_rounds=ROUNDS, require_vt=False),
+                      RawSample)  # fmt: skip
     assert (
-        decode_row({k: v for k, v in record.items() if k != "pid"}, "m").reason == "missing_field"
+        decode_row({k: v for k, v in record.items() if k != "pid"}, "m",
+                   max_reference_rounds=ROUNDS).reason == "missing_field"  # fmt: skip
     )
-    assert decode_row(dict(record, answer=None), "m").reason == "missing_field"
+    no_answer = dict(record, answer=None)
+    assert decode_row(no_answer, "m", max_reference_rounds=ROUNDS).reason == "missing_field"
     # An image path that does not exist is a bad image, not an exception.
     missing = dict(record, problem_image_0={"bytes": None, "path": "nowhere.png"})
-    assert decode_row(missing, "m").reason == "bad_image"
+    assert decode_row(missing, "m", max_reference_rounds=ROUNDS).reason == "bad_image"
 
 
 # ----------------------------------------------------------------------------- checkpointed state
@@ -187,7 +194,7 @@ def test_heldout_split_is_stable_and_disjoint(toy_dir):
     spec = DatasetSpec("maze", os.path.join(toy_dir, "toy_maze"))
 
     def pids(split, frac):
-        source = open_source(spec, split, heldout_fraction=frac)
+        source = open_source(spec, split, heldout_fraction=frac, max_reference_rounds=ROUNDS)
         return [source[i]["pid"] for i in range(len(source))]
 
     train, held = pids("train", 0.25), pids("eval", 0.25)
@@ -200,7 +207,8 @@ def test_heldout_split_is_stable_and_disjoint(toy_dir):
     assert all(("_train_" in p) for p in train)
     # num_used_data caps after the split
     capped = open_source(
-        DatasetSpec("m", spec.path, num_used_data=5), "train", heldout_fraction=0.25
+        DatasetSpec("m", spec.path, num_used_data=5), "train", heldout_fraction=0.25,
+        max_reference_rounds=ROUNDS,
     )
     assert [capped[i]["pid"] for i in range(len(capped))] == train[:5]
 
@@ -209,8 +217,8 @@ def test_heldout_split_is_stable_and_disjoint(toy_dir):
 
 
 def test_jsonl_and_parquet_layouts_read_the_same(toy_dir):
-    parquet = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count")), "all"))
-    jsonl = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count_jsonl")), "all"))
+    parquet = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count")), "all", **SOURCE))
+    jsonl = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count_jsonl")), "all", **SOURCE))
     assert len(parquet) == len(jsonl) == 48
     for a, b in zip(parquet, jsonl):
         assert isinstance(a, RawSample) and isinstance(b, RawSample)
@@ -225,7 +233,7 @@ def test_parquet_random_access_across_row_groups(tmp_path):
     rows = toy.make_rows("toy_maze", "train", 11, seed=5)
     path = str(tmp_path / "train.parquet")
     toy.write_parquet(rows, path, row_group_size=3)
-    source = open_source(DatasetSpec("m", path), "all", row_group_cache=1)
+    source = open_source(DatasetSpec("m", path), "all", row_group_cache=1, **SOURCE)
     for i in [10, 0, 4, 3, 9, 1, 7]:
         assert source[i]["pid"] == rows[i]["pid"]
         assert source[i]["problem_image_0"]["bytes"] == rows[i]["problem_image_0"]["bytes"]
@@ -237,15 +245,17 @@ def test_config_from_dict(toy_dir):
     config = DataConfig.from_dict(
         {
             "datasets": {"maze": {"path": os.path.join(toy_dir, "toy_maze"), "weight": 2.0}},
-            "image_transform": "vit_thinkmorph_train",
-            "max_reference_rounds": 1,
+            **builders.data_fields(image_transform="vit_thinkmorph_train", max_reference_rounds=1),
         }
     )
     assert config.datasets == (DatasetSpec("maze", os.path.join(toy_dir, "toy_maze"), weight=2.0),)
     assert config.image_transform == ImageTransform.vit_thinkmorph_train()
-    assert DataConfig.from_dict({"datasets": [{"name": "a", "path": "p"}]}).datasets[0].name == "a"
+    assert DataConfig.from_dict(dict(builders.data_fields(), datasets=[{"name": "a", "path": "p"}])
+                                ).datasets[0].name == "a"  # fmt: skip
     with pytest.raises(TypeError):
-        DataConfig.from_dict({"datasets": [], "no_such_knob": 1})
+        DataConfig.from_dict(dict(builders.data_fields(), datasets=[], no_such_knob=1))
+    with pytest.raises(TypeError, match="heldout_fraction"):  # a field the run config sets
+        DataConfig.from_dict({"datasets": [], "max_reference_rounds": 1})
 
 
 # ------------------------------------------------------------------------------------------ mixture
@@ -335,7 +345,7 @@ def test_a_corrupt_parquet_file_is_an_error_naming_it(toy_dir, tmp_path):
     with pytest.raises(DataError, match=str(bad)):
         check_dataset(spec)
     with pytest.raises(DataError, match=str(bad)):  # and when a source opens it
-        open_source(spec, "train")
+        open_source(spec, "train", **SOURCE)
 
 
 def test_a_missing_required_column_is_an_error_naming_file_and_column(toy_dir, tmp_path):

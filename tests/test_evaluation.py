@@ -4,11 +4,11 @@ pipeline end to end on the toy data and toy model (real sampler), output files i
 import json
 from pathlib import Path
 
+import builders
 import numpy as np
 import pytest
 
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.data.pipeline import Sample
 from opsd_jax.evaluation import answers
 from opsd_jax.evaluation import evaluate as evaluation
@@ -92,7 +92,6 @@ def test_is_correct(prediction, reference, correct):
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """The toy data (2 held-out rows per task) and the toy model, written once for the module."""
-    from opsd_jax.data.data_config import DataConfig
     from opsd_jax.io.hf_load import load_hf
 
     root = tmp_path_factory.mktemp("eval_toy")
@@ -101,10 +100,9 @@ def toy(tmp_path_factory):
     model_dir = toy_model.write_toy_model(root / "model", corpus=corpus)
     model, _, tokenizer = load_hf(model_dir,
                                   config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip
-    data_config = DataConfig.from_dict({
-        "datasets": [{"name": name, "path": path} for name, path in data.items()],
-        "image_transform": {"max_size": 112, "min_size": 56, "stride": 14, "max_pixels": 112 * 112},
-    })  # fmt: skip
+    data_config = builders.data_config(
+        [{"name": name, "path": path} for name, path in data.items()],
+        image_transform={"max_size": 112, "min_size": 56, "stride": 14, "max_pixels": 112 * 112})
     # The toy heldout split: the test files' rows plus any train rows hashing below 5 %.
     samples = evaluation.load_eval_samples(data_config, "eval", max_per_dataset=2)
     return {"model": model, "tokenizer": tokenizer, "samples": samples, "root": root}
@@ -189,7 +187,7 @@ def test_contexts_give_the_right_prompts(toy):
     for context, noise in (("student", False), ("teacher", False), ("teacher", True)):
         seen = []
         evaluation.evaluate(None, samples, tokenizer, context=context, max_new_tokens=4,
-                            batch_size=2, options=PromptOptions(noise_vt=noise),
+                            batch_size=2, options=builders.prompt_options(noise_vt=noise),
                             sample_fn=scripted_sampler(["x", "y"], tokenizer, seen))  # fmt: skip
         packs[context, noise] = seen[0][0]
     student, teacher, noisy = (
@@ -267,7 +265,7 @@ def test_cli_writes_under_the_run_by_default(tmp_path, monkeypatch, capsys):
 
     (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "3" / "commit_success.txt").write_text("ok")
-    monkeypatch.setattr(evaluate_cli, "setup", lambda args: (None, None, [], PromptOptions(), None,
+    monkeypatch.setattr(evaluate_cli, "setup", lambda args: (None, None, [], builders.prompt_options(), None,
                                                              None))  # fmt: skip
     records = [{"dataset": "d", "correct": True, "completion_length": 1, "has_answer_tag": True,
                 "finished": True}]  # fmt: skip

@@ -25,13 +25,14 @@ from models import decode_attention_pallas
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from models.sharding import logical_spec
+from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
 from opsd_jax.data.opsd_packs import shaped_pack
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel import distributed, gpu_target, hbm_traffic, hlo_stats
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler
-from opsd_jax.training import train_config, train_step
+from opsd_jax.training import train_step
 
 SPECIAL = SpecialTokens(1020, 1021, 1022, 1023)  # the toy vocabulary's structural ids
 SMALL = 64  # elements: per-row scalars (tokens, log-probs, stop flags) may cross devices
@@ -72,9 +73,9 @@ def tiny_train_step(mesh, options):
     rest = host_rest(model_config)
     optimizer = train_step.make_optimizer(config)
     state = train_step.abstract_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    loss_fn = train_step.make_opsd_loss(graphdef, rest, train_config.loss_settings(config),
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, run_config.loss_settings(config),
                                         config.teacher_mode)  # fmt: skip
-    step = train_config.train_step_for(config, loss_fn, optimizer, state)
+    step = run_config.train_step_for(config, loss_fn, optimizer, state)
     shapes = pack_shapes.pack_shapes(config)
     batch = tuple(distributed.abstract_micro_batches(
         shaped_pack([], shapes[name][0], config.rows_per_micro_batch, SPECIAL, [], fixed=True),

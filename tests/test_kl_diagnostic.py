@@ -4,6 +4,7 @@ and the chunked per-entry KL equal to numpy's KL of the full [R, C, V] logits.""
 import dataclasses
 import functools
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
-from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.data.opsd_packs import build_training_packs
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.data.pipeline import Sample, reference_completion
 from opsd_jax.evaluation import kl_diagnostic
@@ -92,7 +93,7 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     tokenizer = CharTokenizer()
     data = samples(3)
     # Without VT images, intro and transition the teacher's context is the student's.
-    bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
+    bare = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
     no_vt = [dataclasses.replace(s, vt_images=[]) for s in data]
     same = kl_diagnostic.kl_diagnostic(model, no_vt, tokenizer, options=bare, batch_size=3)
     expected_tokens = [len(tokenizer.encode(reference_completion(s))) + 1
@@ -141,7 +142,7 @@ def test_chunked_entry_kl_equals_full_logits(model):
     tokenizer = CharTokenizer()
     data = samples(3)
     completions = [tokenizer.encode(reference_completion(s)) for s in data]
-    bare = PromptOptions(use_reference_intro=False, use_transition_prompt=False)
+    bare = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
     packs = build_training_packs(data, completions, tokenizer.encode, bare, SPECIAL,
                                  num_rows=3, max_forward_tokens=10240)  # fmt: skip
     chunked = kl_diagnostic.entry_kl(model, packs.student, packs.teacher, VOCAB_LIMIT,

@@ -7,6 +7,7 @@ all-reduce for the small replicated ones) may move; any collective whose shape i
 parameter's is an activation collective, which is a layout bug.
 """
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,12 +18,12 @@ from test_opsd_packs import SPECIAL, encode, sample
 from models import attention as attention_lib
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax.data.opsd_packs import build_training_packs
 from opsd_jax.parallel import hlo_stats
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d")
 SMALL = 64  # elements: scalars and per-sample loss sums may be all-reduced
 
 
@@ -55,7 +56,7 @@ def fsdp_setup():
 def test_grad_step_moves_only_bf16_weights_and_gradients(fsdp_setup):
     mesh, graphdef, params, rest, student, teacher = fsdp_setup
     grad_step = train_step.make_grad_step(
-        graphdef, rest, train_step.LossSettings(num_samples=8), "ema"
+        graphdef, rest, builders.loss_settings(num_samples=8), "ema"
     )
     with mesh_lib.use_mesh(mesh):
         text = hlo_stats.partitioned_hlo(grad_step.lower(params, params, student, teacher))

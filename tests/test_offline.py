@@ -12,6 +12,7 @@ import sys
 import time
 import types
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,14 +25,13 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data import offline_cache, offline_views
-from opsd_jax.data.opsd_packs import PromptOptions
 from opsd_jax.data.pack_shapes import PackShape
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import losses, offline_collect, train_step
 
 # The interleaved target (ThinkMorph's output split at the VT images); TEXT_ONLY: the reference
 # completion after the student prompt / the OPSD teacher context.
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d",
+OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d",
                         offline_target="interleaved")  # fmt: skip
 TEXT_ONLY = dataclasses.replace(OPTIONS, offline_target="text_only")
 
@@ -124,7 +124,6 @@ def _fake_step(params, teacher, text):
 
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
-    from opsd_jax.data.data_config import DataConfig
     from opsd_jax.toy import data as toy_data
 
     root = tmp_path_factory.mktemp("toy")
@@ -132,11 +131,10 @@ def toy_data(tmp_path_factory):
     toy_data.write_parquet(rows, str(root / "count" / "data" / "train-0.parquet"))
     rows = toy_data.make_rows("toy_maze", "train", 9, seed=0)
     toy_data.write_parquet(rows, str(root / "maze" / "data" / "train-0.parquet"))
-    config = DataConfig.from_dict(dict(
-        datasets=[dict(name="count", path=str(root / "count")),
-                  dict(name="maze", path=str(root / "maze"))],
+    config = builders.data_config(
+        [dict(name="count", path=str(root / "count")), dict(name="maze", path=str(root / "maze"))],
         image_transform=dict(max_size=112, min_size=56, stride=14, max_pixels=112 * 112),
-        heldout_fraction=0.0))  # fmt: skip
+        heldout_fraction=0.0)
     return config
 
 
@@ -312,7 +310,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         assert_close_to_scale(grad, expected_grad, rel=1e-6, err_msg=f"{norm}, vt={vt}")
     # The train step (defaults: full vocabulary, VT-weighted) against the online loss through
     # the student model: the parameter gradient.
-    settings = train_step.LossSettings(kd_weight=1.0, ce_weight=0.0, kd_temperature=tau,
+    settings = builders.loss_settings(kd_weight=1.0, ce_weight=0.0, kd_temperature=tau,
                                        num_samples=3, vocab_limit=vocab)  # fmt: skip
     grads, metrics = train_step.make_offline_grad_step(graphdef, rest, settings)(
         student_params, pack, cache)
@@ -498,7 +496,7 @@ def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_ru
 
 def test_offline_config_values_are_checked(tmp_path):
     from configs import offline_7b, offline_tiny, thinkmorph_7b
-    from opsd_jax.training import train_config
+    from opsd_jax import run_config
 
     config = offline_tiny.get_config()
     with config.unlocked():
@@ -506,7 +504,7 @@ def test_offline_config_values_are_checked(tmp_path):
         config.data.datasets = [dict(name="d", path=str(tmp_path))]
         config.offline_cache_dir = str(tmp_path)
     open(tmp_path / offline_cache.MANIFEST, "w").close()
-    train_config.validate(config, num_devices=1)
+    run_config.validate(config, num_devices=1)
     for key, value, message in [
         ("teacher_mode", "ema", "teacher_mode='ema' with mode='offline'"),
         ("kd_temperature", 0.0, "kd_temperature=0.0: must be > 0"),
@@ -519,13 +517,13 @@ def test_offline_config_values_are_checked(tmp_path):
         bad = config.copy_and_resolve_references()
         with bad.unlocked():
             bad[key] = value
-        with pytest.raises(train_config.ConfigError) as error:
-            train_config.validate(bad, num_devices=1)
+        with pytest.raises(run_config.ConfigError) as error:
+            run_config.validate(bad, num_devices=1)
         assert message in str(error.value)
     # The collector makes the cache: it only needs the directory named.
     with config.unlocked():
         config.offline_cache_dir = str(tmp_path / "new")
-    train_config.validate(config, num_devices=1, need_cache=False)
+    run_config.validate(config, num_devices=1, need_cache=False)
     # The 7B offline config is the paper recipe's data / optimiser / mesh with the PyTorch
     # offline trainer's loss, steps and collector settings.
     paper, offline = thinkmorph_7b.get_config().to_dict(), offline_7b.get_config().to_dict()

@@ -1,13 +1,14 @@
 """Student / teacher / prompt packs of Visual-OPSD against hand-written layouts."""
 
+import dataclasses
 import types
 
+import builders
 import numpy as np
 import pytest
 
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
 from opsd_jax.data.opsd_packs import (
-    PromptOptions,
     build_prompt_pack,
     build_training_packs,
     prompt_shape_bound,  # fmt: skip
@@ -16,7 +17,7 @@ from opsd_jax.data.packing import SpecialTokens
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 IMS, IME, VS, VE = 1000, 1001, 1002, 1003
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d",
+OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d",
                         instruction_suffix="!")  # fmt: skip
 
 
@@ -76,7 +77,7 @@ def test_prompt_pack_and_toggles():
     pack = build_prompt_pack([sample(), sample(question="qq")], encode, OPTIONS, SPECIAL)
     assert pack.num_rows == 2 and pack.segment_ids.max() == 1
     assert real(pack, 1)["tokens"][-5:] == [IMS, ord("q"), ord("q"), ord("!"), IME]
-    bare = PromptOptions(use_system_prompt=False, use_reference_intro=False,
+    bare = builders.prompt_options(use_system_prompt=False, use_reference_intro=False,
                          use_transition_prompt=False)  # fmt: skip
     packs = build_training_packs([sample()], [[7]], encode, bare, SPECIAL, num_rows=1,
                                  max_forward_tokens=64)  # fmt: skip
@@ -95,7 +96,7 @@ def test_prompt_pack_and_toggles():
         7,
         IME,
     ]
-    ablation = PromptOptions(use_system_prompt=False, use_reference_intro=False,
+    ablation = builders.prompt_options(use_system_prompt=False, use_reference_intro=False,
                              use_transition_prompt=False, privileged_thoughts=True,
                              privileged_answer=True)  # fmt: skip
     tokens = real(build_training_packs([sample()], [[7]], encode, ablation, SPECIAL, num_rows=1,
@@ -140,7 +141,7 @@ def test_truncation_keeps_both_packs_equal_and_drops_what_cannot_fit():
 
 
 def test_noise_vt_replaces_only_vt_pixels_and_is_seeded():
-    noisy = PromptOptions(**{**OPTIONS.__dict__, "noise_vt": True})
+    noisy = dataclasses.replace(OPTIONS, noise_vt=True)
     clean = build_training_packs([sample()], [[7]], encode, OPTIONS, SPECIAL, num_rows=1,
                                  max_forward_tokens=64)  # fmt: skip
     a = build_training_packs([sample()], [[7]], encode, noisy, SPECIAL, num_rows=1,

@@ -2,9 +2,9 @@
 
 import types
 
+import builders
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,12 +12,12 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax import run_config
 from opsd_jax.data.pipeline import reference_completion
 from opsd_jax.data.sft_packs import build_sft_packs, choose_vt
-from opsd_jax.training import train_config, train_step
+from opsd_jax.training import train_step
 
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d")
 
 
 def sample(pid, question="q", answer="A", thought="t", problem=(1, 2)):
@@ -85,13 +85,12 @@ def test_sft_step_reduces_ce_on_a_fixed_batch():
     model = Bagel(BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")),
                   rngs=nnx.Rngs(0))  # fmt: skip
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    config = ml_collections.ConfigDict(dict(
-        lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant", beta1=0.9,
-        beta2=0.95, eps=1e-8, max_grad_norm=1.0, freeze_vit=False, freeze_llm=False))  # fmt: skip
+    config = run_config.complete(dict(lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50,
+                                      lr_scheduler="constant", eps=1e-8))  # fmt: skip
     optimizer = train_step.make_optimizer(config)
     state = train_step.init_state(params, optimizer, "self", jax.random.key(0))
     assert state.teacher_params is None  # SFT keeps no teacher copy
-    loss_fn = train_step.make_sft_loss(graphdef, rest, train_step.LossSettings(num_samples=3))
+    loss_fn = train_step.make_sft_loss(graphdef, rest, builders.loss_settings(num_samples=3))
     step = train_step.make_train_step(loss_fn, optimizer, teacher_mode="self", ema_decay=0.0,
                                       schedule=train_step.learning_rate_schedule(config))  # fmt: skip
     pack = build_sft_packs(SAMPLES, encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=128,
@@ -115,7 +114,7 @@ def test_sft_config_values_are_checked(tmp_path):
     with config.unlocked():
         config.model_path, config.toy_data = str(tmp_path), False
         config.data.datasets = [dict(name="d", path=str(tmp_path))]
-    train_config.validate(config, num_devices=1)
+    run_config.validate(config, num_devices=1)
     for key, value, message in [
         ("mode", "rl", "mode='rl': allowed values are 'opsd', 'sft'"),
         ("teacher_mode", "ema", "teacher_mode='ema' with mode='sft'"),
@@ -125,7 +124,7 @@ def test_sft_config_values_are_checked(tmp_path):
         with bad.unlocked():
             bad[key] = value
         with pytest.raises(ValueError, match=None) as error:
-            train_config.validate(bad, num_devices=1)
+            run_config.validate(bad, num_devices=1)
         assert message in str(error.value)
     # The 7B SFT baseline is the paper recipe with mode 'sft': same data, optimiser, batch, steps.
     paper, sft = thinkmorph_7b.get_config().to_dict(), sft_7b.get_config().to_dict()

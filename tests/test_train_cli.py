@@ -16,7 +16,7 @@ import pytest
 from conftest import subprocess_env
 
 from configs import smoke
-from opsd_jax.training import train_config
+from opsd_jax import run_config
 from scripts import crash_drill
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -413,11 +413,11 @@ def _valid_config(tmp_path):
 )
 def test_bad_configs_are_named(tmp_path, key, value, message):
     config = _valid_config(tmp_path)
-    train_config.validate(config, num_devices=1)  # the base is valid
+    run_config.validate(config, num_devices=1)  # the base is valid
     with config.unlocked():
         config[key] = value
     with pytest.raises(ValueError) as error:
-        train_config.validate(config, num_devices=1)
+        run_config.validate(config, num_devices=1)
     assert message in str(error.value)
 
 
@@ -425,22 +425,22 @@ def test_dense_attention_is_refused_for_long_rows(tmp_path):
     config = _valid_config(tmp_path)
     with config.unlocked():
         config.attention_backend = "dense"
-    train_config.validate(config, num_devices=1)  # the tiny config's rows are short
+    run_config.validate(config, num_devices=1)  # the tiny config's rows are short
     with config.unlocked():
         config.pack_row_tokens = 10240
     with pytest.raises(ValueError, match="attention_backend='dense' with 10240-token rows"):
-        train_config.validate(config, num_devices=1)
+        run_config.validate(config, num_devices=1)
 
 
 def test_freeze_und_is_accepted_unless_nothing_is_left_to_train(tmp_path):
     config = _valid_config(tmp_path)
     with config.unlocked():
         config.freeze_und = True
-    train_config.validate(config, num_devices=1)  # trains lm_head alone
+    run_config.validate(config, num_devices=1)  # trains lm_head alone
     with config.unlocked():
         config.freeze_llm = True
     with pytest.raises(ValueError, match="freeze_und=True and freeze_llm=True: nothing left"):
-        train_config.validate(config, num_devices=1)
+        run_config.validate(config, num_devices=1)
 
 
 @pytest.mark.parametrize("damage", ["corrupt"])  # a missing column: tests/test_data.py
@@ -569,13 +569,13 @@ def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
     with config.unlocked():
         config.data.datasets = [dict(name="gone", path=str(tmp_path / "gone"))]
     with pytest.raises(ValueError, match=r"data.datasets\[0\] \(gone\): path .* does not exist"):
-        train_config.validate(config, num_devices=1)
+        run_config.validate(config, num_devices=1)
     config = _valid_config(tmp_path)
     with config.unlocked():
         config.samples_per_micro_batch = 8
         config.rows_per_micro_batch = 4
     with pytest.raises(ValueError, match="must be a multiple of data x fsdp = 8"):
-        train_config.validate(config, num_devices=8)
+        run_config.validate(config, num_devices=8)
     # Several processes: each feeds an equal share of every micro-batch.
     config = _valid_config(tmp_path)
     with config.unlocked():
@@ -583,9 +583,9 @@ def test_missing_dataset_and_mesh_divisibility_are_named(tmp_path):
         config.rows_per_micro_batch = 6
         config.num_replicate = 3
         config.num_shard = 2
-    train_config.validate(config, num_devices=6, num_processes=3)
+    run_config.validate(config, num_devices=6, num_processes=3)
     with pytest.raises(ValueError, match="samples_per_micro_batch=6 must be a multiple of the 4 "):
-        train_config.validate(config, num_devices=6, num_processes=4)
+        run_config.validate(config, num_devices=6, num_processes=4)
     assert isinstance(config, ml_collections.ConfigDict)
 
 
@@ -611,6 +611,6 @@ def test_shipped_configs_load_and_the_paper_recipe_is_exact(tmp_path):
         paper.data_root = str(tmp_path)
     for spec in paper.data.datasets:
         (tmp_path / spec["name"]).mkdir()
-    train_config.resolve_paths(paper)
-    train_config.validate(paper, num_devices=8)
-    train_config.validate(sanity.get_config(), num_devices=1)
+    run_config.resolve_paths(paper)
+    run_config.validate(paper, num_devices=8)
+    run_config.validate(sanity.get_config(), num_devices=1)

@@ -1,8 +1,8 @@
 """The OPSD train step: learning in every teacher mode, EMA, accumulation, mesh, freezing, LR."""
 
+import builders
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -12,20 +12,19 @@ from test_opsd_packs import SPECIAL, encode, sample
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
+from opsd_jax import run_config
+from opsd_jax.data.opsd_packs import build_training_packs
 from opsd_jax.data.pack_shapes import PackShape
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 
-OPTIONS = PromptOptions(system_prompt="ab", reference_intro="c", transition_prompt="d")
+OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d")
 
 
 def optim_config(**changes):
     values = dict(lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant",
-                  beta1=0.9, beta2=0.95, eps=1e-8, max_grad_norm=1.0, freeze_vit=False,
-                  freeze_llm=False)  # fmt: skip
-    values.update(changes)
-    return ml_collections.ConfigDict(values)
+                  eps=1e-8)  # fmt: skip
+    return run_config.complete(dict(values, **changes))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,7 @@ def test_loss_falls_on_a_repeated_batch(split_model, mode):
             tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])  # fmt: skip
     state = train_step.init_state(student, optimizer, mode, jax.random.key(0),
                                   teacher_source=jax.tree.map(jnp.copy, params))  # fmt: skip
-    settings = train_step.LossSettings(num_samples=2, jsd_top_k=0, jsd_token_clip=0.0)
+    settings = builders.loss_settings(num_samples=2, jsd_top_k=0, jsd_token_clip=0.0)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, mode)
     apply_update = train_step.make_apply_update(optimizer, mode, ema_decay=0.5)
     packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
@@ -89,8 +88,8 @@ def test_ema_update_math(split_model):
 
 def test_gradient_accumulation_equals_one_big_batch(split_model):
     graphdef, params, rest = split_model
-    two = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2), "self")
-    four = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=4), "self")
+    two = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2), "self")
+    four = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=4), "self")
     first = packs_for(SAMPLES[:2], COMPLETIONS[:2])
     second = packs_for(SAMPLES[2:], COMPLETIONS[2:])
     g1, _ = two(params, None, first.student, first.teacher)
@@ -107,7 +106,7 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     mesh = mesh_lib.make_mesh(num_replicate=2)
     config = optim_config()
     optimizer = train_step.make_optimizer(config)
-    settings = train_step.LossSettings(num_samples=8)
+    settings = builders.loss_settings(num_samples=8)
     samples = [sample(f"s{i}", "q" * (1 + i % 3)) for i in range(8)]
     packs = packs_for(samples, [[10 + i, 11] for i in range(8)], num_rows=8)
 
@@ -152,7 +151,7 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
     keys = jax.random.split(jax.random.key(3))
     student, teacher = (jax.random.normal(k, packs.student.loss_targets.shape + (vocab,))
                         for k in keys)  # fmt: skip
-    settings = train_step.LossSettings(jsd_loss_kind="tinker", num_samples=2)
+    settings = builders.loss_settings(jsd_loss_kind="tinker", num_samples=2)
     loss, metrics = train_step.completion_loss(student, teacher, packs.student, settings)
     _, diag = train_step.losses.tinker_loss(
         student, teacher, packs.student.loss_targets, packs.student.loss_mask,
@@ -161,7 +160,7 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
     assert float(metrics["tinker_surrogate"]) == float(diag["pytorch_surrogate"])
     assert float(metrics["tinker_surrogate"]) != float(loss)
     jsd_metrics = train_step.completion_loss(student, teacher, packs.student,
-                                             train_step.LossSettings(num_samples=2))[1]  # fmt: skip
+                                             builders.loss_settings(num_samples=2))[1]  # fmt: skip
     assert not {"tinker_k1", "tinker_surrogate"} & set(jsd_metrics)
 
 
@@ -184,7 +183,7 @@ def make_step(split_model, config, mode="ema", num_samples=2, **kwargs):
     optimizer = train_step.make_optimizer(config)
     frozen = train_step.frozen_groups(config)
     loss_fn = train_step.make_opsd_loss(
-        graphdef, rest, train_step.LossSettings(num_samples=num_samples), mode
+        graphdef, rest, builders.loss_settings(num_samples=num_samples), mode
     )
     step = train_step.make_train_step(
         loss_fn, optimizer, teacher_mode=mode, ema_decay=0.5, frozen=frozen,
@@ -202,7 +201,7 @@ def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(sp
     config = optim_config()
     step, state, optimizer, _ = make_step(split_model, config)
     micro = [fixed_packs(SAMPLES[:2], COMPLETIONS[:2]), fixed_packs(SAMPLES[2:], COMPLETIONS[2:])]
-    grad_step = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2),
+    grad_step = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2),
                                           "ema")  # fmt: skip
     ref_state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "ema",
                                       jax.random.key(0))  # fmt: skip
@@ -240,7 +239,7 @@ def test_frozen_vit_is_not_differentiated_and_stays_bit_identical(split_model):
     vit_before = jax.tree.map(np.asarray, state.params["vit_model"])
     llm_before = jax.tree.map(np.asarray, state.params["language_model"])
     one = [jax.tree.map(lambda x: x[0], packs) for packs in micro]
-    grad_step = train_step.make_grad_step(graphdef, rest, train_step.LossSettings(num_samples=2),
+    grad_step = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2),
                                           "self")  # fmt: skip
     grads, _ = grad_step(state.params, None, *one)
     trained = train_step.split_params(grads, ("vit_model",))[0]

@@ -5,6 +5,7 @@ get r*8 + c ids, an image or transform too large for the grid is an error naming
 the model never turns an out-of-range id into NaN.
 """
 
+import builders
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from PIL import Image
 
 from models.bagel import Bagel, sincos_2d_table
 from models.configs import BagelConfig
-from opsd_jax.data.data_config import DataConfig, DatasetSpec
+from opsd_jax.data.data_config import DatasetSpec
 from opsd_jax.data.image_transform import ImageTransform, prepare_vit_image
 from opsd_jax.data.pipeline import prepare_sample
 from opsd_jax.data.sources import RawSample
@@ -32,7 +33,7 @@ def picture(width, height):
 
 
 def data_config(**changes):
-    return DataConfig(datasets=(DatasetSpec("d", "unused"),), **changes)
+    return builders.data_config([DatasetSpec("d", "unused")], **changes)
 
 
 def test_the_grid_is_the_checkpoints(tmp_path):

@@ -18,6 +18,7 @@ from absl import app
 from jax.sharding import NamedSharding, PartitionSpec
 
 import train
+from opsd_jax import run_config
 from opsd_jax.training import train_step
 
 
@@ -89,4 +90,4 @@ _real_make_train_step = train_step.make_train_step
 train_step.make_train_step = _make_poisoned_train_step
 
 if __name__ == "__main__":
-    app.run(train.main, flags_parser=train.parse_flags)
+    app.run(train.main, flags_parser=run_config.parse_flags)

@@ -40,14 +40,16 @@ class DatasetSpec:
 class DataConfig:
     """Everything the data pipeline needs; `from_dict` accepts a plain dict or a ConfigDict."""
 
+    # What a run config sets (opsd_jax/run_config data_config; the defaults live there).
     datasets: tuple[DatasetSpec, ...]
-    max_reference_rounds: int = 8  # VT images read per sample (released data has 1)
-    heldout_fraction: float = 0.05  # share of train-file pids held out for evaluation
+    max_reference_rounds: int  # VT images read per sample (released data has 1)
+    heldout_fraction: float  # share of train-file pids held out for evaluation
+    seed: int
+    image_transform: ImageTransform
+    num_threads: int  # grain read threads (decode + image transform run there)
+    # Fixed here.
     max_question_chars: int = 8192  # cheap length guard; longer questions are skipped
     require_vt: bool = True  # a row without VT image is skipped (the teacher needs one)
-    seed: int = 0
-    image_transform: ImageTransform = dataclasses.field(default_factory=ImageTransform.vit_chat)
-    num_threads: int = 2  # grain read threads (decode + image transform run there)
     # Decoded images are big (a 980 px image is ~11 MB of float32 patches), so prefetch little;
     # grain's default (500) would hold gigabytes.
     prefetch_buffer_size: int = 4

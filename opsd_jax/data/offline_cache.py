@@ -63,6 +63,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
+from models import configs as model_configs
 from opsd_jax.data.opsd_packs import PromptOptions
 
 CACHE_FORMAT = "opsd-jax offline teacher cache 1"
@@ -96,8 +97,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 # Switches that change how the model computes, not what (a cache made with one fits the others).
-_RUNTIME_KEYS = ("compute_dtype", "attention_backend", "remat", "unroll_layers", "attention_block",
-                 "gen_token_capacity")  # fmt: skip
+# The gen expert's capacity is one too: OPSD never routes a token to the gen expert.
+_RUNTIME_KEYS = model_configs.RUNTIME_FIELDS + ("gen_token_capacity",)
 
 
 def _architecture(config: dict) -> dict:

@@ -54,22 +54,25 @@ DEFAULT_TRANSITION_PROMPT = (
 
 @dataclasses.dataclass(frozen=True)
 class PromptOptions:
-    use_system_prompt: bool = True
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    use_reference_intro: bool = True
-    reference_intro: str = DEFAULT_REFERENCE_INTRO
-    use_transition_prompt: bool = True
-    transition_prompt: str = DEFAULT_TRANSITION_PROMPT
-    instruction_suffix: str = ""
-    privileged_thoughts: bool = False  # ablation: put the reference text thoughts in the teacher
-    privileged_answer: bool = False  # ablation: put the reference answer in the teacher
-    noise_vt: bool = False
-    max_reference_rounds: int = 8
-    noise_seed: int = 0
+    """The prompt wording and views, made from a run config by opsd_jax/run_config
+    (`prompt_options`, where the defaults are; an empty text there is the wording above)."""
+
+    use_system_prompt: bool
+    system_prompt: str
+    use_reference_intro: bool
+    reference_intro: str
+    use_transition_prompt: bool
+    transition_prompt: str
+    instruction_suffix: str
+    privileged_thoughts: bool  # ablation: put the reference text thoughts in the teacher
+    privileged_answer: bool  # ablation: put the reference answer in the teacher
+    noise_vt: bool
+    max_reference_rounds: int
+    noise_seed: int
     # Offline mode's cached target (offline_cache.py): 'text_only' = the reference completion
     # (text-only thought, answer) after the student prompt / the teacher context, as SFT and
     # OPSD see it; 'interleaved' = ThinkMorph's output split at the VT images.
-    offline_target: str = "text_only"
+    offline_target: str
 
 
 Encode = Callable[[str], list[int]]

@@ -364,8 +364,8 @@ def open_source(
     spec: DatasetSpec,
     split: str = "train",
     *,
-    heldout_fraction: float = 0.05,
-    max_reference_rounds: int = 8,
+    heldout_fraction: float,
+    max_reference_rounds: int,
     row_group_cache: int = 4,
 ) -> ParquetSource | JsonlSource:
     """The random-access source of one dataset's rows in `split` (capped by num_used_data)."""
@@ -438,7 +438,7 @@ def decode_row(
     record: Mapping[str, Any],
     dataset: str,
     *,
-    max_reference_rounds: int = 8,
+    max_reference_rounds: int,
     max_question_chars: int = 8192,
     require_vt: bool = True,
 ) -> RawSample | Skipped:
@@ -503,11 +503,12 @@ def decode_row(
 
 
 def iter_samples(
-    spec: DatasetSpec, split: str = "all", **decode_kwargs
+    spec: DatasetSpec, split: str, *, heldout_fraction: float, max_reference_rounds: int,
+    **decode_kwargs
 ) -> Iterable[RawSample | Skipped]:
     """Every row of a dataset in file order, decoded (for scripts and evaluation; no grain)."""
-    max_rounds = decode_kwargs.get("max_reference_rounds", 8)
-    heldout = decode_kwargs.pop("heldout_fraction", 0.05)
-    source = open_source(spec, split, heldout_fraction=heldout, max_reference_rounds=max_rounds)
+    source = open_source(spec, split, heldout_fraction=heldout_fraction,
+                         max_reference_rounds=max_reference_rounds)  # fmt: skip
     for i in range(len(source)):
-        yield decode_row(source[i], spec.name, **decode_kwargs)
+        yield decode_row(source[i], spec.name, max_reference_rounds=max_reference_rounds,
+                         **decode_kwargs)  # fmt: skip

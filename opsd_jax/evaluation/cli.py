@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from opsd_jax import run_config
 from opsd_jax.data.sources import SPLITS
 from opsd_jax.evaluation import evaluate as evaluation
-from opsd_jax.evaluation import run_settings
+from opsd_jax.evaluation.model_loader import load_model as load_model_from
 from opsd_jax.io import checkpoint
 
 
@@ -53,10 +54,10 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
                         help="0 = greedy decoding; > 0 samples at this temperature")  # fmt: skip
     parser.add_argument("--max_new_tokens", type=int, default=None,
                         help="total over image-skip rounds (default: the config's "
-                        "sample_max_new_tokens, else 1024)")  # fmt: skip
+                        "sample_max_new_tokens)")  # fmt: skip
     parser.add_argument("--max_image_skips", type=int, default=None,
                         help="extra rounds after an <image_start> the model cannot draw "
-                        "(default: the config's sample_max_image_skips, else 0)")  # fmt: skip
+                        "(default: the config's sample_max_image_skips)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0,
                         help="random stream of sampling (with --temperature > 0)")  # fmt: skip
 
@@ -73,12 +74,12 @@ def check_sampling_flags(args) -> None:
 
 def sampling_settings(args, config) -> dict:
     """evaluation.evaluate / evaluation.answer keyword arguments from the sampling flags, the
-    run's config filling what the flags leave open."""
-    config = config or {}
+    run's config (or the defaults, configs/common.py) filling what the flags leave open."""
+    config = run_config.complete(config)
     return {
-        "max_new_tokens": args.max_new_tokens or config.get("sample_max_new_tokens", 1024),
+        "max_new_tokens": args.max_new_tokens or config.sample_max_new_tokens,
         "max_image_skips": (args.max_image_skips if args.max_image_skips is not None
-                            else config.get("sample_max_image_skips", 0)),
+                            else config.sample_max_image_skips),
         "do_sample": args.temperature > 0,
         "temperature": args.temperature or 1.0,
         "seed": args.seed,
@@ -100,14 +101,6 @@ def image_transform_arg(text: str | None):
     }
 
 
-def load_config_file(path) -> dict:
-    """A `configs/<name>.py` file's `get_config()` as a plain dict."""
-    from opsd_jax.training.train_config import load_config_file as load
-
-    config = load(path)
-    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
-
-
 def step_dir_of(path) -> str:
     """`--checkpoint`'s step directory (checkpoint.step_dir_of), its errors naming the flag."""
     try:
@@ -125,12 +118,12 @@ def run_dir_of(path) -> str:
 
 def load_config(args):
     """(the --config file's config or None, the config in use: that file's, else the one saved
-    with --checkpoint, else None), as plain dicts."""
-    file_config = load_config_file(args.config) if args.config else None
-    run_config = None
+    with --checkpoint, else None)."""
+    file_config = run_config.load_config_file(args.config) if args.config else None
+    saved_config = None
     if args.checkpoint:
-        run_config = checkpoint.saved_config(step_dir_of(args.checkpoint))
-    return file_config, file_config if file_config is not None else run_config
+        saved_config = checkpoint.saved_config(step_dir_of(args.checkpoint))
+    return file_config, file_config if file_config is not None else saved_config
 
 
 def load_model(args, file_config, config, log=print):
@@ -139,11 +132,11 @@ def load_model(args, file_config, config, log=print):
 
     model_dir = args.model_dir
     if model_dir is None and file_config is not None and not args.checkpoint:
-        model_dir = run_settings.model_dir_from_config(file_config)
+        model_dir = run_config.model_dir(file_config)
     # One compute dtype for the model and the sampler's cache: the flag, else the run's.
-    args.compute_dtype = args.compute_dtype or (config or {}).get("compute_dtype") or "bfloat16"
+    args.compute_dtype = args.compute_dtype or run_config.complete(config).compute_dtype
     mesh = make_mesh()
-    model, tokenizer, _ = run_settings.load_model(
+    model, tokenizer, _ = load_model_from(
         model_dir, args.checkpoint, which=args.params, compute_dtype=args.compute_dtype,
         mesh=mesh, weights=args.weights, log=log,
     )  # fmt: skip
@@ -158,11 +151,10 @@ def setup(args, log=print):
         raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
     file_config, config = load_config(args)
     # Data first: a wrong path fails before the (possibly long) model load.
-    data_config = run_settings.data_config_from(config, args.data,
-                                              image_transform_arg(args.image_size))  # fmt: skip
+    data_config = run_config.data_config(config, args.data, image_transform_arg(args.image_size))
     model, tokenizer, mesh = load_model(args, file_config, config, log=log)
     # The images' patches and position ids follow the model's ViT (patch size, position grid).
     samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
                                            args.num_samples, log=log)  # fmt: skip
-    options = run_settings.prompt_options_from_config(config or {}, noise_vt=args.noise_vt)
+    options = run_config.prompt_options(config, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh

@@ -8,7 +8,7 @@ Two contexts:
 * `student`: the prompt the policy sees at training and test time, [system?, problem image,
   question] (`opsd_packs.build_prompt_pack`);
 * `teacher`: the teacher's view with the privileged visual-thought (VT) images
-  (`opsd_packs.teacher_context_items`); with `PromptOptions(noise_vt=True)` the VT pixels are
+  (`opsd_packs.teacher_context_items`); with `noise_vt=True` (PromptOptions) the VT pixels are
   Gaussian noise, the paper's control. The gap between the two says how much the VT helps.
 
 Why here and not in the trainer: the same code runs from `scripts/evaluate.py` (an HF directory
@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
+from opsd_jax import run_config
 from opsd_jax.data.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.evaluation.answers import extract_answer, has_answer_tag, is_correct
@@ -146,7 +147,7 @@ def evaluate(
     samples: `opsd_jax.data.pipeline.Sample`s (see `load_eval_samples`).
     tokenizer: a `BagelTokenizer` (encode, decode, special_tokens(), vocab_length).
     options: the prompt options of the run (system prompt, VT toggles, noise_vt, ...);
-      None = PromptOptions() defaults.
+      None = the defaults (configs/common.py).
     do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
       `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
     mesh: shard the prompt rows over it (when `batch_size` divides) and sample on a decode copy
@@ -167,7 +168,7 @@ def evaluate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not samples:
         raise ValueError("evaluate(): no samples")
-    options = PromptOptions() if options is None else options
+    options = run_config.prompt_options({}) if options is None else options
     sampling = dict(options=options, context=context, max_new_tokens=max_new_tokens,
                     do_sample=do_sample, temperature=temperature, max_image_skips=max_image_skips,
                     rng=jax.random.key(seed), mesh=mesh, cache_dtype=cache_dtype,
@@ -274,7 +275,7 @@ def answer(model, tokenizer, image, question: str, *, options: PromptOptions | N
                     vt_images=[], thoughts=[], full_text_only_thought=None)  # fmt: skip
     sampled = _decode_model(model, mesh, sampler_layout)
     completions = sample_prompts(
-        sampled, [sample], tokenizer, options=PromptOptions() if options is None else options,
+        sampled, [sample], tokenizer, options=run_config.prompt_options({}) if options is None else options,
         context="student", max_new_tokens=max_new_tokens, do_sample=do_sample,
         temperature=temperature, max_image_skips=max_image_skips, rng=jax.random.key(seed),
         row_ids=[0], mesh=mesh, cache_dtype=cache_dtype,

@@ -4,7 +4,7 @@ What: for every sample, the reference solution (`reference_completion`: the text
 the answer, in the completion format `<think>...</think><answer>...</answer>`) is scored
 teacher-forced in two contexts, the teacher's (with the VT images) and the student's (without);
 at every completion position we take the full-vocabulary KL(teacher ‖ student) in float32, and
-K_gen is its mean over tokens. Run once more with `PromptOptions(noise_vt=True)` it gives the
+K_gen is its mean over tokens. Run once more with `noise_vt=True` (PromptOptions) it gives the
 control: how much any extra image moves the model, whatever its content. A K_gen well above the
 noise control says the VT carries information the student lacks, i.e. there is something to
 distil.
@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from models.pack import Pack
+from opsd_jax import run_config
 from opsd_jax.data.opsd_packs import PromptOptions, build_training_packs
 from opsd_jax.data.pipeline import reference_completion
 from opsd_jax.parallel import distributed
@@ -170,7 +171,7 @@ def kl_diagnostic(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not samples:
         raise ValueError("kl_diagnostic(): no samples")
-    options = PromptOptions() if options is None else options
+    options = run_config.prompt_options({}) if options is None else options
     special = tokenizer.special_tokens()
     records: list[dict[str, Any]] = []
     tokens_by_dataset: dict[str, list[np.ndarray]] = collections.defaultdict(list)

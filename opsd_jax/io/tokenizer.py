@@ -23,10 +23,10 @@ from pathlib import Path
 # and irrelevant, since we only take its tokenizer. Advisory warnings only; a user's own
 # setting wins.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-import transformers  # noqa: E402
-from tokenizers import AddedToken  # noqa: E402
+import transformers
+from tokenizers import AddedToken
 
-from opsd_jax.data.packing import SpecialTokens  # noqa: E402
+from opsd_jax.data.packing import SpecialTokens
 
 # BAGEL's structural tokens, under the names its `add_special_tokens` returns them.
 BAGEL_SPECIAL_TOKENS = {

@@ -22,9 +22,18 @@ def prepare_toy_assets(config) -> None:
         distributed.barrier("toy assets")
 
 
+def toy_data_dir(results_dir: str) -> str:
+    """Where a toy run writes its data sets (one folder per task)."""
+    return os.path.join(results_dir, "toy", "data")
+
+
+def toy_model_dir(results_dir: str) -> str:
+    """Where a toy run without a model_path writes its toy model (BAGEL HF layout)."""
+    return os.path.join(results_dir, "toy", "model")
+
+
 def write_toy_assets(config) -> None:
-    root = os.path.join(config.results_dir, "toy")
-    data_dir = os.path.join(root, "data")
+    data_dir = toy_data_dir(config.results_dir)
     tasks = toy_data.tasks_for([spec["name"] for spec in config.data.datasets])
     if not all(os.path.isdir(os.path.join(data_dir, task)) for task in tasks):
         print(f"writing the toy data set to {data_dir}")
@@ -34,7 +43,7 @@ def write_toy_assets(config) -> None:
             dict(spec, path=os.path.join(data_dir, spec["name"])) for spec in config.data.datasets
         ]
     if not config.model_path:
-        model_dir = os.path.join(root, "model")
+        model_dir = toy_model_dir(config.results_dir)
         if not os.path.isfile(os.path.join(model_dir, "llm_config.json")):
             print(f"writing the toy model (BAGEL layout) to {model_dir}")
             corpus = toy_data.toy_corpus_text(seed=config.global_seed,

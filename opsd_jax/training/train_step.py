@@ -47,26 +47,27 @@ LR_SCHEDULERS = ("cosine", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
-    """Static (compile-time) loss knobs, named as in the PyTorch trainer."""
+    """Static (compile-time) loss knobs, named as in the PyTorch trainer. Made from a run
+    config by opsd_jax/run_config (`loss_settings`), where their defaults are."""
 
-    jsd_weight: float = 1.0
-    ce_weight: float = 0.0
-    jsd_loss_kind: str = "jsd"
-    jsd_beta: float = 0.5
-    jsd_temperature: float = 1.0
-    jsd_top_k: int = 256
-    jsd_token_clip: float = 0.05
-    jsd_clip_mode: str = "entry"
-    reduction: str = "seq_mean"
-    num_samples: int = 1  # samples per micro-batch (per-sample reduction)
-    # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
-    # as the sampler masks them (losses.mask_vocab); None keeps the whole table.
-    vocab_limit: int | None = None
+    jsd_weight: float
+    ce_weight: float
+    jsd_loss_kind: str
+    jsd_beta: float
+    jsd_temperature: float
+    jsd_top_k: int
+    jsd_token_clip: float
+    jsd_clip_mode: str
+    reduction: str
+    num_samples: int  # samples per micro-batch (per-sample reduction)
     # Offline mode (a cached teacher, opsd_jax/data/offline_cache.py): the PyTorch offline trainer's.
-    kd_weight: float = 0.5
-    kd_temperature: float = 2.0
-    kd_use_vt_weights: bool = True
-    kd_student_norm: str = "full"
+    kd_weight: float
+    kd_temperature: float
+    kd_use_vt_weights: bool
+    kd_student_norm: str
+    # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
+    # as the sampler masks them (models/vocab.mask_vocab); None keeps the whole table.
+    vocab_limit: int | None = None
 
 
 @flax.struct.dataclass
@@ -112,7 +113,7 @@ def frozen_groups(config, params=None) -> tuple[str, ...]:
     """
     groups = [name for name, frozen in (("vit_model", config.freeze_vit),
                                         ("language_model", config.freeze_llm)) if frozen]  # fmt: skip
-    if config.get("freeze_und", False):
+    if config.freeze_und:
         if params is None:
             raise ValueError("frozen_groups: freeze_und needs the params' group names")
         raw = _raw(params)

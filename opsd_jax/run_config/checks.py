@@ -1,23 +1,22 @@
-"""Validation of a training config: every bad value is named before anything compiles.
+"""The checks of a run config: every bad value is named before anything compiles.
 
 `validate(config, num_devices, num_processes)` collects all problems and raises one ConfigError
 listing each with its key and the allowed values, so a long job never dies at step 0 (or step
-500) on a typo in a value. `unknown_keys(config, keys)` names every command-line key the config
-does not have, with the nearest valid names (the locked ConfigDict refuses them too, but one at
-a time, from deep inside ml_collections' flag parser). Without `num_devices` the
-device-dependent checks (mesh, batch divisibility) are left out: train.py runs that first,
-because no device may be touched before `jax.distributed.initialize`.
+500) on a typo in a value. Without `num_devices` the device-dependent checks (mesh, batch
+divisibility) are left out: train.py runs that first, because no device may be touched before
+`jax.distributed.initialize`. (Unknown keys are named earlier, on the command line:
+command_line.py.)
 """
 
 from __future__ import annotations
 
-import difflib
 import os
 
 from models import attention, configs
 from opsd_jax.data import offline_cache, pack_shapes
 from opsd_jax.io import hf_load
 from opsd_jax.parallel import mesh
+from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, train_step
 
 MODES = ("opsd", "sft", "offline")
@@ -93,85 +92,6 @@ _RANGES = (
 
 class ConfigError(ValueError):
     """A bad training config; the message names every problem (train.py prints it as it is)."""
-
-
-def load_config_file(path: str | os.PathLike):
-    """A `configs/<name>.py` file's `get_config()` (a ConfigDict), imported as a module;
-    `file.py:argument` calls `get_config(argument)`, as ml_collections' --config does."""
-    import importlib.util
-
-    path, *argument = os.fspath(path).split(":", 1)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--config {path}: no such file")
-    spec = importlib.util.spec_from_file_location(f"_config_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise ValueError(f"--config {path}: defines no get_config()")
-        return module.get_config(*argument)
-    except SyntaxError as e:
-        raise ValueError(f"--config {e.filename or path}:{e.lineno}: {e.msg}") from None
-    except (ValueError, FileNotFoundError):
-        raise
-    except Exception as e:  # a mistake inside the config file: name its line, not our stack
-        import traceback
-
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(path)]  # fmt: skip
-        where = f"{path}:{frames[-1].lineno}" if frames else path
-        raise ValueError(f"--config {where}: {type(e).__name__}: {e}") from None
-
-
-def config_keys(config, prefix: str = "") -> list[str]:
-    """Every key of a ConfigDict as a dotted path, nested ones included (`data.datasets`)."""
-    keys = []
-    for key, value in config.items():
-        keys.append(prefix + key)
-        if hasattr(value, "items"):
-            keys += config_keys(value, prefix + key + ".")
-    return keys
-
-
-def unknown_keys(config, keys) -> list[str]:
-    """One line per key (`jsd_bta`, `data.image_transform.max_sise`) that `config` lacks, with
-    the nearest valid names."""
-    from ml_collections.config_flags import config_path  # the path syntax the flags accept
-
-    known = config_keys(config)
-    problems = []
-    for key in keys:
-        try:
-            config_path.get_value(key, config)
-            continue
-        except (AttributeError, KeyError, IndexError, ValueError):
-            pass
-        close = difflib.get_close_matches(key, known, n=3)
-        hint = (f"did you mean {', '.join(close)}?" if close else
-                "nothing similar (configs/common.py lists every key)")  # fmt: skip
-        problems.append(f"{key}: no such key; {hint}")
-    return problems
-
-
-def mesh_shape(config, num_devices: int) -> tuple[int, int, int]:
-    """(data, fsdp, tensor) sizes the config asks for on `num_devices` devices."""
-    data, tensor = config.num_replicate, config.num_tensor
-    fsdp = config.num_shard if config.num_shard != -1 else num_devices // max(data * tensor, 1)
-    return data, fsdp, tensor
-
-
-def resolve_paths(config) -> None:
-    """Paths the config leaves to the run, filled in place: relative dataset paths are read
-    under `data_root`; an offline run's empty `offline_cache_dir` is `<results_dir>/teacher_cache`
-    (so two offline runs with their own results_dir never share a cache by accident)."""
-    with config.unlocked():
-        if config.data_root:
-            config.data.datasets = [
-                dict(spec, path=os.path.join(config.data_root, dict(spec).get("path", "")))
-                for spec in config.data.datasets
-            ]
-        if config.mode == "offline" and not config.offline_cache_dir:
-            config.offline_cache_dir = os.path.join(config.results_dir, "teacher_cache")
 
 
 def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
@@ -276,54 +196,3 @@ def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
                             f"must be a multiple of data x fsdp = {data * fsdp} with several "
                             "processes (the sampler's prompt rows are sharded over them)")  # fmt: skip
     return problems
-
-
-def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSettings:
-    """The loss knobs; `vocab_limit` is the tokenizer length (the sampler's limit too)."""
-    return train_step.LossSettings(
-        jsd_weight=config.jsd_weight,
-        ce_weight=config.ce_weight,
-        jsd_loss_kind=config.jsd_loss_kind,
-        jsd_beta=config.jsd_beta,
-        jsd_temperature=config.jsd_temperature,
-        jsd_top_k=config.jsd_top_k,
-        jsd_token_clip=config.jsd_token_clip,
-        jsd_clip_mode=config.jsd_clip_mode,
-        reduction=config.loss_reduction,
-        num_samples=config.samples_per_micro_batch,
-        vocab_limit=vocab_limit,
-        kd_weight=config.kd_weight,
-        kd_temperature=config.kd_temperature,
-        kd_use_vt_weights=config.kd_use_vt_weights,
-        kd_student_norm=config.kd_student_norm,
-    )
-
-
-def model_runtime(config) -> dict:
-    """The model's runtime options (the `llm` config changes every loader takes): compute dtype,
-    the attention backend ('auto' resolved for this machine), its tile, remat and the layer loop.
-    One place, so train.py, the collector and the benches build the model alike."""
-    return dict(compute_dtype=config.compute_dtype,
-                attention_backend=attention.resolve_backend(config.attention_backend),
-                remat=config.remat, unroll_layers=config.unroll_layers,
-                attention_block=config.attention_block)  # fmt: skip
-
-
-def data_config(config):
-    """The training DataConfig: `config.data` with the top-level `max_reference_rounds` (VT
-    images per sample, also the teacher prompt's) and `global_seed`; call `.for_model` next."""
-    from opsd_jax.data.data_config import DataConfig
-
-    return DataConfig.from_dict(dict(config.data.to_dict(),
-                                     max_reference_rounds=config.max_reference_rounds,
-                                     seed=config.global_seed))  # fmt: skip
-
-
-def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str, ...] = ()):
-    """The one compiled train step as the config sets it up (teacher mode, EMA decay, learning
-    rate schedule, bad-step limit), its state laid out like `abstract_state`."""
-    return train_step.make_train_step(
-        loss_fn, optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
-        schedule=train_step.learning_rate_schedule(config), frozen=frozen,
-        max_bad_steps=config.max_consecutive_bad_steps,
-        state_shardings=train_step.shardings_of(abstract_state))  # fmt: skip

@@ -1,0 +1,47 @@
+"""A run's config, from the command line to the objects it becomes, in one place.
+
+configs/common.py holds every key with its only default; configs/<name>.py change some. Here:
+
+- command_line.py: `parse_flags` (the config file read once, every unknown `--config.KEY`
+  named with the nearest valid keys), `config_flag_value`, `config_error`, `load_config_file`;
+- checks.py: `validate`, every bad value named before anything compiles (`ConfigError`);
+- builds.py: what a config becomes, one function each: `complete` (any config, a saved one or a
+  few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
+  `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
+  `cache_dtype_for`,
+  `train_step_for`.
+
+train.py, the scripts, the benches and the evaluation all build through these, so a key means
+the same thing everywhere.
+"""
+
+from opsd_jax.run_config.builds import (
+    cache_dtype_for,
+    complete,
+    data_config,
+    data_fields,
+    defaults,
+    loss_settings,
+    mesh_shape,
+    model_dir,
+    model_runtime,
+    prompt_options,
+    resolve_paths,
+    train_step_for,
+)
+from opsd_jax.run_config.checks import MODES, ConfigError, validate
+from opsd_jax.run_config.command_line import (
+    config_error,
+    config_flag_value,
+    config_keys,
+    load_config_file,
+    parse_flags,
+    unknown_keys,
+)
+
+__all__ = [
+    "MODES", "ConfigError", "cache_dtype_for", "complete", "config_error", "config_flag_value",
+    "config_keys", "data_config", "data_fields", "defaults", "load_config_file",
+    "loss_settings", "mesh_shape", "model_dir", "model_runtime", "parse_flags",
+    "prompt_options", "resolve_paths", "train_step_for", "unknown_keys", "validate",
+]

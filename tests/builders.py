@@ -1,0 +1,28 @@
+"""The tests' short way to a run's objects: each at the defaults of configs/common.py (through
+opsd_jax/run_config, as a run makes it), with the fields a test names changed."""
+
+import dataclasses
+
+from opsd_jax import run_config
+
+
+def loss_settings(**changes):
+    """A LossSettings at the defaults, `changes` (its own field names) applied."""
+    return dataclasses.replace(run_config.loss_settings({}), **changes)
+
+
+def prompt_options(**changes):
+    """PromptOptions at the defaults (our wording), `changes` applied."""
+    return dataclasses.replace(run_config.prompt_options({}), **changes)
+
+
+def data_fields(**changes) -> dict:
+    """The DataConfig fields a run config sets, at the defaults (no datasets), `changes` applied."""
+    return dict(run_config.data_fields({}), **changes)
+
+
+def data_config(datasets, **changes):
+    """A DataConfig of `datasets` (DatasetSpecs or dicts; paths are not checked) at the defaults."""
+    from opsd_jax.data.data_config import DataConfig
+
+    return DataConfig.from_dict(dict(data_fields(**changes), datasets=list(datasets)))
