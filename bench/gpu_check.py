@@ -377,7 +377,7 @@ def section_decode(args):
     prompt_len, new_tokens = (64, 16) if args.dry_run else (4096, 256)
     slots = sampler.cache_slots_for(prompt_len, new_tokens)
     cache_shape = (lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim)
-    settings = sampler._RoundSettings(1.0, True, lm.vocab_size - 4, lm.vocab_size - 3,
+    settings = sampler.RoundSettings(1.0, True, lm.vocab_size - 4, lm.vocab_size - 3,
                                       lm.vocab_size, new_tokens + 1)  # fmt: skip
     rules = mesh_lib.DECODE_RULES
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
@@ -406,7 +406,7 @@ def section_decode(args):
         put = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
             x.shape, x.dtype,
             sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()))
-        return sampler._decode_round.lower(
+        return sampler.decode_round.lower(
             graphdef, copy, jax.tree.map(put, abstract_state), put(abstract_key),
             put(jax.ShapeDtypeStruct((batch,), jnp.int32)), settings, rules)  # fmt: skip
 
@@ -421,7 +421,7 @@ def section_decode(args):
                and "embed_tokens" not in jax.tree_util.keystr(p))  # fmt: skip
     with mesh_lib.use_mesh(view, rules):
         row_ids = jnp.arange(batch, dtype=jnp.int32)
-        compiled = sampler._decode_round.lower(graphdef, weights, fresh_state(),
+        compiled = sampler.decode_round.lower(graphdef, weights, fresh_state(),
                                                jax.random.key(0), row_ids, settings,
                                                rules).compile()  # fmt: skip
         times, tokens = [], 0

@@ -60,7 +60,7 @@ def timed(fn, repeats):
 @functools.partial(jax.jit, static_argnums=(0, 3), donate_argnums=(2,))
 def bare_decode_steps(graphdef, params, state, steps):
     """`steps` plain decode steps in the same kind of jitted loop as the sampler's: the forward
-    with its in-place cache write (sampler._feed), feeding a fixed token; no sampling, no stop
+    with its in-place cache write (sampler.feed_tokens), feeding a fixed token; no sampling, no stop
     logic, no token bookkeeping."""
     tokens = jnp.full(state.kv_length.shape, 5, jnp.int32)
 
@@ -69,7 +69,7 @@ def bare_decode_steps(graphdef, params, state, steps):
 
     def body(carry):
         params, state, step, acc = carry
-        logits, state = sampler._feed(nnx.merge(graphdef, params), state, tokens, state.active)
+        logits, state = sampler.feed_tokens(nnx.merge(graphdef, params), state, tokens, state.active)
         # max over the vocabulary: the whole lm_head is computed, as when sampling.
         return params, state, step + 1, acc + jnp.max(logits, axis=-1).astype(jnp.float32)
 
@@ -95,7 +95,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     lm_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.language_model, nnx.Param)))
     vocab = config.llm.vocab_size
     special = SpecialTokens(*range(vocab - 4, vocab))
-    settings = sampler._RoundSettings(
+    settings = sampler.RoundSettings(
         temperature=1.0, do_sample=True, bos_id=special.im_start, eos_id=special.im_end,
         vocab_limit=vocab - 4, max_steps=new_tokens + 1,
     )  # fmt: skip
@@ -118,13 +118,13 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         row_ids = jnp.arange(batch, dtype=jnp.int32)
 
         def prefill(params=params):
-            return sampler._prefill(graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules)
+            return sampler.prefill_rows(graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules)
 
         def decode(params=params):
             state = prefill(params)
             jax.block_until_ready(state)
             start = time.perf_counter()
-            state = sampler._decode_round(graphdef, params, state, jax.random.key(1), row_ids,
+            state = sampler.decode_round(graphdef, params, state, jax.random.key(1), row_ids,
                                           settings, rules)  # fmt: skip
             jax.block_until_ready(state)
             return time.perf_counter() - start, int(state.length.sum())
@@ -143,7 +143,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         steps = generated / batch + 1  # every row also feeds <|im_start|>
 
         state = prefill()
-        lowered = sampler._decode_round.lower(graphdef, params, state, jax.random.key(1), row_ids,
+        lowered = sampler.decode_round.lower(graphdef, params, state, jax.random.key(1), row_ids,
                                               settings, rules)  # fmt: skip
         round_temp = lowered.compile().memory_analysis().temp_size_in_bytes
         cache = state.cache

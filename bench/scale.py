@@ -295,7 +295,7 @@ def main():
     rows = samples * accum
     slots = sampler.cache_slots_for(args.prompt_len, new_tokens, rounds - 1)
     cache_shape = (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim)
-    settings = sampler._RoundSettings(temperature=1.0, do_sample=True, bos_id=1, eos_id=2,
+    settings = sampler.RoundSettings(temperature=1.0, do_sample=True, bos_id=1, eos_id=2,
                                       vocab_limit=llm.vocab_size, max_steps=new_tokens + 1)  # fmt: skip
     model_state = nnx.merge_state(abstract_state.params, abstract_rest)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -323,7 +323,7 @@ def main():
 
         prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler._prefill.lower(graphdef, copy, prompt, new_tokens, slots,
+            lowered = sampler.prefill_rows.lower(graphdef, copy, prompt, new_tokens, slots,
                                              jnp.dtype(jnp.bfloat16), mesh_lib.DECODE_RULES)  # fmt: skip
             prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
         prefill_memory, _, prefill_flops, _ = report(
@@ -331,7 +331,7 @@ def main():
             f"{args.prompt_patches} patches; cache of {slots} slots)", prefill_compiled,
             prefill_text, seconds)  # fmt: skip
 
-        view_cache = on_view(cache_shape, jnp.bfloat16, sampler._CACHE_NAMES)
+        view_cache = on_view(cache_shape, jnp.bfloat16, sampler.CACHE_NAMES)
         view_state = sampler.DecodeState(
             cache=(view_cache, view_cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
             tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
@@ -340,7 +340,7 @@ def main():
         view_key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
             view, jax.sharding.PartitionSpec()))  # fmt: skip
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler._decode_round.lower(graphdef, copy, view_state, view_key,
+            lowered = sampler.decode_round.lower(graphdef, copy, view_state, view_key,
                                                   rows_of(jnp.int32), settings,
                                                   mesh_lib.DECODE_RULES)  # fmt: skip
             compiled, text, seconds = compile_program(lowered, view)

@@ -52,10 +52,10 @@ def round_collectives(graphdef, state, pack, do_sample=False):
     """The collectives of one compiled decode round, under the active mesh and rules."""
     rules = tuple(spmd.get_logical_axis_rules())
     slots = pack.row_length + NEW_TOKENS + 2
-    decode_state = sampler._prefill(graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules)
-    settings = sampler._RoundSettings(1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end,
+    decode_state = sampler.prefill_rows(graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules)
+    settings = sampler.RoundSettings(1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end,
                                       VOCAB_LIMIT, NEW_TOKENS + 1)  # fmt: skip
-    lowered = sampler._decode_round.lower(graphdef, state, decode_state, jax.random.key(0),
+    lowered = sampler.decode_round.lower(graphdef, state, decode_state, jax.random.key(0),
                                           jnp.arange(8, dtype=jnp.int32), settings, rules)  # fmt: skip
     return hlo_stats.collectives(hlo_stats.partitioned_hlo(lowered))
 

@@ -128,7 +128,7 @@ class SamplerPrograms:
     decode_weight_bytes: int
     decode_lowered: object
     layer_weight_shapes: set  # one layer's projection matrices (sorted dims, 1s dropped)
-    decode_inputs: tuple  # _decode_round's arguments after the graphdef (abstract)
+    decode_inputs: tuple  # decode_round's arguments after the graphdef (abstract)
     layer_cache_elements: int  # one layer's K (or V) cache on one device
     layers: int
 
@@ -162,11 +162,11 @@ def h100_sampler() -> SamplerPrograms:
     prompt = jax.tree.map(lambda x: rows_of(x.dtype, *x.shape[1:]), prompt)
     rules = mesh_lib.DECODE_RULES
     with mesh_lib.use_mesh(view, rules):
-        lowered = sampler._prefill.lower(graphdef, copy, prompt, new_tokens, slots,
+        lowered = sampler.prefill_rows.lower(graphdef, copy, prompt, new_tokens, slots,
                                          jnp.dtype(jnp.bfloat16), rules)  # fmt: skip
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
     cache = on_view((llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
-                    jnp.bfloat16, sampler._CACHE_NAMES)  # fmt: skip
+                    jnp.bfloat16, sampler.CACHE_NAMES)  # fmt: skip
     decode_state = sampler.DecodeState(
         cache=(cache, cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
         tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
@@ -175,10 +175,10 @@ def h100_sampler() -> SamplerPrograms:
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
         view, jax.sharding.PartitionSpec()))  # fmt: skip
-    settings = sampler._RoundSettings(1.0, True, SPECIAL.im_start, SPECIAL.im_end,
+    settings = sampler.RoundSettings(1.0, True, SPECIAL.im_start, SPECIAL.im_end,
                                       llm.vocab_size, new_tokens + 1)  # fmt: skip
     with mesh_lib.use_mesh(view, rules):
-        lowered = sampler._decode_round.lower(graphdef, copy, decode_state, key,
+        lowered = sampler.decode_round.lower(graphdef, copy, decode_state, key,
                                               rows_of(jnp.int32), settings, rules)  # fmt: skip
         decode, decode_text = hlo_stats.compile_and_read(lowered, options)
     # The weights one decode step must read: the LM's layers, final norm and lm_head (of the
@@ -304,7 +304,7 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
         compute_dtype="bfloat16", attention_backend="chunked")), gpu_target.make_mesh("h100", 2))  # fmt: skip
     view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        lowered = sampler._decode_round.lower(graphdef, *h100_sampler.decode_inputs)
+        lowered = sampler.decode_round.lower(graphdef, *h100_sampler.decode_inputs)
         before, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
     copied = layer_cache_copies(before.as_text(), h100_sampler.layer_cache_elements)
     assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(before.as_text()))

@@ -192,17 +192,17 @@ def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_pat
 def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
     manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
                                            logprob_dtype="float16", max_forward_tokens=64)  # fmt: skip
-    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
+    offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
     runtime = dict(remat="none", unroll_layers=True, attention_block=128)
     offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime),
                                  _Tokenizer(), OPTIONS)  # runtime switches do not matter
     # ... not even when an older manifest recorded them.
     older = dict(manifest, model_config=dict(manifest["model_config"], llm=dict(
         manifest["model_config"]["llm"], unroll_layers=False, attention_block=512)))  # fmt: skip
-    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), older)
+    offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), older)
     offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime), _Tokenizer(),
                                  OPTIONS)  # fmt: skip
-    offline_cache._write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
+    offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
     with pytest.raises(offline_cache.CacheError, match="tokenizer.sha256"):
         offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(100), OPTIONS)
     with pytest.raises(offline_cache.CacheError, match="num_hidden_layers"):

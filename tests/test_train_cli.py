@@ -176,7 +176,7 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
              if "Compiling " in line]  # fmt: skip
     # The sampler, for a prompt length it has not met (and the held-out evaluation's greedy
     # rounds, with its sampling key folded once): no training program.
-    sampling = ("jit(_prefill)", "jit(_decode_round)", "jit(_threefry_fold_in)")
+    sampling = ("jit(prefill_rows)", "jit(decode_round)", "jit(_threefry_fold_in)")
     assert all(name in sampling for name in later), later
 
 

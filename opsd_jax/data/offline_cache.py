@@ -148,18 +148,18 @@ def make_manifest(model_config, tokenizer, options: PromptOptions, *, top_k: int
     }
 
 
-def _differences(saved: dict, current: dict, prefix="") -> list[str]:
+def differences(saved: dict, current: dict, prefix="") -> list[str]:
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
+            out += differences(a, b, f"{prefix}{key}.")
         elif a != b:
             out.append(f"{prefix}{key}: cache {a!r}, now {b!r}")
     return out
 
 
-def _write_json_atomic(path: str, value) -> None:
+def write_json_atomic(path: str, value) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
@@ -190,7 +190,7 @@ def check_manifest(directory: str, model_config, tokenizer, options: PromptOptio
                "prompt": prompt_settings(options)}  # fmt: skip
     saved = {k: manifest.get(k) for k in current}
     saved["model_config"] = _architecture(saved["model_config"])
-    problems = _differences(saved, current)
+    problems = differences(saved, current)
     if problems:
         raise CacheError(f"{os.path.join(directory, MANIFEST)} was made with another model config,"
                          " tokenizer or prompt than this run; make a new cache (scripts/"
@@ -287,7 +287,7 @@ class ShardWriter:
             entry = {"file": name, "keys": columns["key"], "bytes": os.path.getsize(path)}
         progress = dict(self.progress, shards=self.progress["shards"] + ([entry] if entry else []),
                         skipped=dict(self.progress["skipped"], **self._skipped))  # fmt: skip
-        _write_json_atomic(_progress_path(self.directory, self.process), progress)
+        write_json_atomic(_progress_path(self.directory, self.process), progress)
         self.progress, self._rows, self._skipped = progress, [], {}
 
 

@@ -19,7 +19,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from opsd_jax.io.checkpoint_format import (
-    _READ_ONLY,
     ATOMICITY,
     COMMIT_MARKER,
     CONFIG,
@@ -29,24 +28,25 @@ from opsd_jax.io.checkpoint_format import (
     META,
     OPT_STATE,
     PARAMS,
+    READ_ONLY,
     TMP_MARKER,
     CheckpointError,
-    _check_saved,
-    _complete_steps,
-    _default_sharding,
-    _flat_arrays,
-    _gather_json,
-    _jsonable,
-    _key_name,
-    _locate,
-    _looks_like_step,
-    _nest,
-    _path,
-    _place,
-    _rebuild,
-    _restore_targets,
-    _step_dirs,
     abstract_like,
+    check_saved,
+    complete_steps,
+    default_sharding,
+    epath_of,
+    flat_arrays,
+    gather_json,
+    jsonable,
+    key_name,
+    locate,
+    looks_like_step,
+    nest,
+    place_like,
+    rebuild,
+    restore_targets,
+    step_dirs,
 )
 from opsd_jax.parallel.distributed import to_host
 
@@ -86,9 +86,9 @@ class Checkpointer:
     ):
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
-        self.directory = _path(directory)
+        self.directory = epath_of(directory)
         self.save_every = int(save_every)
-        _, incomplete = _step_dirs(self.directory)
+        _, incomplete = step_dirs(self.directory)
         if incomplete:
             log.warning("%s: incomplete checkpoints (an interrupted save), never restored and "
                         "removed now: %s", self.directory, incomplete)  # fmt: skip
@@ -122,7 +122,7 @@ class Checkpointer:
             return False
         if step in self._manager.all_steps():
             return False
-        config_json = _jsonable(config, "config", strict=False)
+        config_json = jsonable(config, "config", strict=False)
         teacher_mode = config_json.get("teacher_mode") if isinstance(config_json, dict) else None
         rng = None
         if state.rng is not None:
@@ -131,11 +131,11 @@ class Checkpointer:
                 "key_data": to_host(jax.random.key_data(state.rng)).tolist(),
             }
         items = {
-            PARAMS: ocp.args.StandardSave(_nest(_flat_arrays(state.params))),
-            OPT_STATE: ocp.args.StandardSave(_nest(_flat_arrays(state.opt_state))),
+            PARAMS: ocp.args.StandardSave(nest(flat_arrays(state.params))),
+            OPT_STATE: ocp.args.StandardSave(nest(flat_arrays(state.opt_state))),
         }
         if state.teacher_params is not None:
-            items[EMA_PARAMS] = ocp.args.StandardSave(_nest(_flat_arrays(state.teacher_params)))
+            items[EMA_PARAMS] = ocp.args.StandardSave(nest(flat_arrays(state.teacher_params)))
         meta = {
             "format_version": FORMAT_VERSION,
             "step": int(to_host(state.step)),
@@ -146,7 +146,7 @@ class Checkpointer:
         items[META] = ocp.args.JsonSave(meta)
         items[CONFIG] = ocp.args.JsonSave(config_json)
         if data_state is not None:
-            states = _gather_json(_jsonable(data_state, "data_state", strict=True))
+            states = gather_json(jsonable(data_state, "data_state", strict=True))
             items[DATA] = ocp.args.JsonSave({"process_count": len(states), "states": states})
         # force=True: the save decision is ours (should_save), not orbax's interval policy.
         return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
@@ -159,7 +159,7 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         """Complete steps on disk, ascending. Read from the disk: the manager's own list also
         holds the step it is saving right now."""
-        return _complete_steps(self.directory)
+        return complete_steps(self.directory)
 
     def restore(
         self,
@@ -174,9 +174,9 @@ class Checkpointer:
         (a checkpoints root or one step directory of it) reads another run's checkpoints.
         """
         self.wait_until_finished()
-        root, step = _locate(self.directory if directory is None else directory, step)
+        root, step = locate(self.directory if directory is None else directory, step)
         step_dir = root / str(step)
-        default = _default_sharding(abstract_state)
+        default = default_sharding(abstract_state)
         trees = {PARAMS: abstract_state.params, OPT_STATE: abstract_state.opt_state}
         if abstract_state.teacher_params is not None:
             if not (step_dir / EMA_PARAMS).is_dir():
@@ -186,10 +186,10 @@ class Checkpointer:
                     f"or the 'self' teacher"
                 )
             trees[EMA_PARAMS] = abstract_state.teacher_params
-        targets = {name: _restore_targets(tree, name, default) for name, tree in trees.items()}
+        targets = {name: restore_targets(tree, name, default) for name, tree in trees.items()}
         for name, flat in targets.items():
-            _check_saved(step_dir / name, flat, name)
-        items = {name: ocp.args.StandardRestore(_nest(flat)) for name, flat in targets.items()}
+            check_saved(step_dir / name, flat, name)
+        items = {name: ocp.args.StandardRestore(nest(flat)) for name, flat in targets.items()}
         items[META] = ocp.args.JsonRestore()
         items[CONFIG] = ocp.args.JsonRestore()
         has_data = (step_dir / DATA).is_dir()
@@ -200,7 +200,7 @@ class Checkpointer:
             self._manager.reload()  # steps written by another process since we started
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         else:
-            with ocp.CheckpointManager(root, options=_READ_ONLY) as manager:
+            with ocp.CheckpointManager(root, options=READ_ONLY) as manager:
                 restored = manager.restore(step, args=ocp.args.Composite(**items))
 
         meta = restored[META]
@@ -217,20 +217,20 @@ class Checkpointer:
                 )
             # The raw key data is placed (replicated like the target), then wrapped on device.
             rng = jax.random.wrap_key_data(
-                _place(data, abstract_state.rng), impl=meta["rng"]["impl"]
+                place_like(data, abstract_state.rng), impl=meta["rng"]["impl"]
             )
         state = abstract_state.replace(
-            step=_place(np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step),
-            params=_rebuild(abstract_state.params, restored[PARAMS]),
-            opt_state=_rebuild(abstract_state.opt_state, restored[OPT_STATE]),
+            step=place_like(np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step),
+            params=rebuild(abstract_state.params, restored[PARAMS]),
+            opt_state=rebuild(abstract_state.opt_state, restored[OPT_STATE]),
             teacher_params=(
                 None
                 if abstract_state.teacher_params is None
-                else _rebuild(abstract_state.teacher_params, restored[EMA_PARAMS])
+                else rebuild(abstract_state.teacher_params, restored[EMA_PARAMS])
             ),
             rng=rng,
             # Not saved: a restarted run counts consecutive non-finite steps afresh.
-            bad_steps=_place(np.zeros((), np.int32), abstract_state.bad_steps),
+            bad_steps=place_like(np.zeros((), np.int32), abstract_state.bad_steps),
         )
         data_state = _own_data_state(restored[DATA], step_dir) if has_data else None
         return state, data_state, restored[CONFIG]
@@ -270,10 +270,10 @@ def _params_item_dir(path: str | os.PathLike, which: str) -> epath.Path:
     params-only export (`save_model_params`)."""
     if which not in (PARAMS, EMA_PARAMS):
         raise ValueError(f"which={which!r}; allowed: {(PARAMS, EMA_PARAMS)}")
-    source = _path(path)
-    if (source / which).is_dir() and not _looks_like_step(source):
+    source = epath_of(path)
+    if (source / which).is_dir() and not looks_like_step(source):
         return source / which  # not a training step (e.g. a params-only export)
-    root, step = _locate(source, None)
+    root, step = locate(source, None)
     step_dir = root / str(step)
     if not (step_dir / which).is_dir():
         present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
@@ -290,7 +290,7 @@ def saved_param_shapes(path: str | os.PathLike, *, which: str = PARAMS) -> dict[
     finally:
         handler.close()
     return {
-        ".".join(_key_name(k) for k in names): tuple(meta.shape)
+        ".".join(key_name(k) for k in names): tuple(meta.shape)
         for names, meta in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
 
@@ -304,24 +304,24 @@ def restore_model_params(path: str | os.PathLike, abstract_params, *, which: str
     state start afresh, and for exporting trained params to HF.
     """
     item_dir = _params_item_dir(path, which)
-    flat = _restore_targets(abstract_params, which, _default_sharding(abstract_params))
-    _check_saved(item_dir, flat, which)
+    flat = restore_targets(abstract_params, which, default_sharding(abstract_params))
+    check_saved(item_dir, flat, which)
     handler = ocp.StandardCheckpointHandler()
     try:
-        restored = handler.restore(item_dir, args=ocp.args.StandardRestore(_nest(flat)))
+        restored = handler.restore(item_dir, args=ocp.args.StandardRestore(nest(flat)))
     finally:
         handler.close()
-    return _rebuild(abstract_params, restored)
+    return rebuild(abstract_params, restored)
 
 
 def save_model_params(params, directory: str | os.PathLike, *, which: str = PARAMS) -> epath.Path:
     """`params` (an nnx.State of Params, or a nested dict of arrays) as a params-only export
     `<directory>/<which>`, in the layout of a training step's item: `restore_model_params` and
     `saved_param_shapes` read both alike."""
-    item_dir = _path(directory) / which
+    item_dir = epath_of(directory) / which
     checkpointer = ocp.StandardCheckpointer()
     try:
-        checkpointer.save(item_dir, _nest(_flat_arrays(params)))
+        checkpointer.save(item_dir, nest(flat_arrays(params)))
         checkpointer.wait_until_finished()
     finally:
         checkpointer.close()
@@ -331,19 +331,19 @@ def save_model_params(params, directory: str | os.PathLike, *, which: str = PARA
 def step_dir_of(path: str | os.PathLike) -> str:
     """The complete step directory a user means by `path`: a step directory itself, else the
     latest complete step of `path` or of its `checkpoints/` folder (a run directory)."""
-    source = _path(path)
+    source = epath_of(path)
     if not source.is_dir():
         raise FileNotFoundError(f"checkpoint {source}: no such directory")
     run_checkpoints = source / "checkpoints"
-    if not _looks_like_step(source) and not _step_dirs(source)[0] and run_checkpoints.is_dir():
+    if not looks_like_step(source) and not step_dirs(source)[0] and run_checkpoints.is_dir():
         source = run_checkpoints
-    root, step = _locate(source, None)
+    root, step = locate(source, None)
     return os.fspath(root / str(step))
 
 
 def _json_item(path: str | os.PathLike, item: str):
     """One JSON item of a step directory (or of a root's latest complete step); None if absent."""
-    root, step = _locate(path, None)
+    root, step = locate(path, None)
     item_dir = root / str(step) / item
     if not item_dir.is_dir():
         return None

@@ -73,7 +73,7 @@ class CheckpointError(ValueError):
 # --------------------------------------------------------------------------- directory layout
 
 
-def _path(directory: str | os.PathLike) -> epath.Path:
+def epath_of(directory: str | os.PathLike) -> epath.Path:
     text = os.fspath(directory)
     # Local paths are made absolute (orbax wants that); gs:// and similar stay as given.
     return epath.Path(text if "://" in text else os.path.abspath(text))
@@ -83,11 +83,11 @@ def _path(directory: str | os.PathLike) -> epath.Path:
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 # For listing and reading another run's steps (save_interval_steps=0: a read-only manager
 # saves nothing, and orbax warns when it has to say so itself).
-_READ_ONLY = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
+READ_ONLY = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
                                           atomicity_options=ATOMICITY)  # fmt: skip
 
 
-def _complete_steps(root: epath.Path) -> list[int]:
+def complete_steps(root: epath.Path) -> list[int]:
     """The complete steps under `root`, ascending: the step directories orbax's commit-file
     protocol calls finalized (none if there is no directory)."""
     if not root.is_dir():
@@ -104,14 +104,14 @@ def _incomplete_names(root: epath.Path, complete: list[int]) -> list[str]:
         (entry.name.isdigit() and int(entry.name) not in complete) or TMP_MARKER in entry.name))
 
 
-def _step_dirs(root: epath.Path) -> tuple[list[int], list[str]]:
+def step_dirs(root: epath.Path) -> tuple[list[int], list[str]]:
     """(complete steps ascending, names of incomplete step directories) under `root`."""
-    complete = _complete_steps(root)
+    complete = complete_steps(root)
     return complete, _incomplete_names(root, complete)
 
 
 def _no_checkpoint_error(root: epath.Path) -> FileNotFoundError:
-    _, incomplete = _step_dirs(root)
+    _, incomplete = step_dirs(root)
     extra = f" (incomplete, ignored: {incomplete})" if incomplete else ""
     if not root.exists():
         return FileNotFoundError(f"checkpoint directory {root} does not exist")
@@ -119,7 +119,7 @@ def _no_checkpoint_error(root: epath.Path) -> FileNotFoundError:
 
 
 def _check_step(root: epath.Path, step: int) -> None:
-    complete, incomplete = _step_dirs(root)
+    complete, incomplete = step_dirs(root)
     if step in complete:
         return
     if str(step) in incomplete:
@@ -130,24 +130,24 @@ def _check_step(root: epath.Path, step: int) -> None:
     raise FileNotFoundError(f"{root}: no checkpoint for step {step}; available steps: {complete}")
 
 
-def _looks_like_step(path: epath.Path) -> bool:
+def looks_like_step(path: epath.Path) -> bool:
     """A `<root>/<step>` directory (complete or not) rather than a checkpoints root."""
     return path.name.isdigit() and any(
         (path / name).exists() for name in (COMMIT_MARKER, "_CHECKPOINT_METADATA", PARAMS, META)
     )
 
 
-def _locate(directory: str | os.PathLike, step: int | None) -> tuple[epath.Path, int]:
+def locate(directory: str | os.PathLike, step: int | None) -> tuple[epath.Path, int]:
     """(checkpoints root, complete step) for a root or a step directory, and an optional step."""
-    path = _path(directory)
-    if _looks_like_step(path):
+    path = epath_of(directory)
+    if looks_like_step(path):
         if step is not None and step != int(path.name):
             raise ValueError(f"step={step} contradicts the step directory {path}")
         root, step = path.parent, int(path.name)
     else:
         root = path
         if step is None:
-            complete, _ = _step_dirs(root)
+            complete, _ = step_dirs(root)
             if not complete:
                 raise _no_checkpoint_error(root)
             step = complete[-1]
@@ -166,14 +166,14 @@ def _is_array_like(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _key_name(key) -> str:
+def key_name(key) -> str:
     for attr in ("key", "name", "idx"):
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
 
 
-def _flat_arrays(tree) -> dict[tuple[str, ...], Any]:
+def flat_arrays(tree) -> dict[tuple[str, ...], Any]:
     """{path names: array} of every array in `tree`; an nnx Variable counts as its value.
 
     Leaves that hold no array (optax's MaskedNode inside a Param, EmptyState, None) are left out:
@@ -183,14 +183,14 @@ def _flat_arrays(tree) -> dict[tuple[str, ...], Any]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)[0]:
         value = leaf.get_value() if _is_variable(leaf) else leaf
         if _is_array_like(value):
-            names = tuple(_key_name(k) for k in path)
+            names = tuple(key_name(k) for k in path)
             if names in flat:
                 raise CheckpointError(f"two leaves map to the same name {'/'.join(names)}")
             flat[names] = value
     return flat
 
 
-def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict:
+def nest(flat: Mapping[tuple[str, ...], Any]) -> dict:
     nested: dict = {}
     for names, value in flat.items():
         node = nested
@@ -208,7 +208,7 @@ def _get(tree, names: tuple[str, ...]):
     return tree
 
 
-def _rebuild(target, restored: Mapping) -> Any:
+def rebuild(target, restored: Mapping) -> Any:
     """`target`'s tree (same classes, Variables, empty states) with arrays from `restored`."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_variable)
     out = []
@@ -217,7 +217,7 @@ def _rebuild(target, restored: Mapping) -> Any:
         if not _is_array_like(value):
             out.append(leaf)
             continue
-        new = _get(restored, tuple(_key_name(k) for k in path))
+        new = _get(restored, tuple(key_name(k) for k in path))
         if _is_variable(leaf):  # same Variable class and metadata, new value
             new = jax.tree_util.tree_unflatten(jax.tree.structure(leaf), [new])
         out.append(new)
@@ -232,7 +232,7 @@ def abstract_like(tree):
     )
 
 
-def _default_sharding(*trees) -> NamedSharding | None:
+def default_sharding(*trees) -> NamedSharding | None:
     """Replicated on the mesh of the first NamedSharding found in `trees` (for lone scalars)."""
     for tree in trees:
         for leaf in jax.tree.leaves(tree):
@@ -242,12 +242,12 @@ def _default_sharding(*trees) -> NamedSharding | None:
     return None
 
 
-def _restore_targets(
+def restore_targets(
     tree, item: str, default: NamedSharding | None
 ) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
     """{names: ShapeDtypeStruct with the sharding to restore into} for one item's target."""
     targets, unplaced = {}, []
-    for names, leaf in _flat_arrays(tree).items():
+    for names, leaf in flat_arrays(tree).items():
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and len(leaf.shape) == 0 and default is not None:
             sharding = default  # a scalar (e.g. an optimizer count): replicate it
@@ -263,7 +263,7 @@ def _restore_targets(
     return targets
 
 
-def _check_saved(item_dir: epath.Path, targets: Mapping[tuple[str, ...], Any], item: str) -> None:
+def check_saved(item_dir: epath.Path, targets: Mapping[tuple[str, ...], Any], item: str) -> None:
     """One error naming every missing, unexpected and mis-shaped array of an item."""
     # The item's handler directly: the item directory has no checkpoint-level metadata file
     # for a StandardCheckpointer to read (it would log a warning for each call).
@@ -273,7 +273,7 @@ def _check_saved(item_dir: epath.Path, targets: Mapping[tuple[str, ...], Any], i
     finally:
         handler.close()
     saved = {
-        tuple(_key_name(k) for k in path): meta
+        tuple(key_name(k) for k in path): meta
         for path, meta in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
     missing = [n for n in targets if n not in saved]
@@ -300,14 +300,14 @@ def _check_saved(item_dir: epath.Path, targets: Mapping[tuple[str, ...], Any], i
 # --------------------------------------------------------------------------- JSON values
 
 
-def _jsonable(value, where: str, strict: bool):
+def jsonable(value, where: str, strict: bool):
     """Plain JSON types; `strict=False` stores anything else as its str (configs only)."""
     if hasattr(value, "to_dict") and callable(value.to_dict):  # ml_collections.ConfigDict
         value = value.to_dict()
     if isinstance(value, Mapping):
-        return {str(k): _jsonable(v, f"{where}.{k}", strict) for k, v in value.items()}
+        return {str(k): jsonable(v, f"{where}.{k}", strict) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v, f"{where}[{i}]", strict) for i, v in enumerate(value)]
+        return [jsonable(v, f"{where}[{i}]", strict) for i, v in enumerate(value)]
     if isinstance(value, np.generic):
         value = value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -317,7 +317,7 @@ def _jsonable(value, where: str, strict: bool):
     return str(value)
 
 
-def _gather_json(value) -> list:
+def gather_json(value) -> list:
     """Every process's JSON value, in process order (each host iterates its own data slice)."""
     if jax.process_count() == 1:
         return [value]
@@ -331,7 +331,7 @@ def _gather_json(value) -> list:
     return [json.loads(bytes(row[: int(n)]).decode()) for row, n in zip(rows, sizes.reshape(-1))]
 
 
-def _place(value: np.ndarray, like) -> jax.Array:
+def place_like(value: np.ndarray, like) -> jax.Array:
     """A host value (the same on every process) as an array sharded like `like`."""
     sharding = getattr(like, "sharding", None)
     if sharding is None:

@@ -48,7 +48,7 @@ def head_counts(model_config) -> tuple[int, ...]:
 
 
 def cache_nbytes(model_config, rows: int, slots: int, dtype) -> int:
-    """The sampler's K and V cache (sampler._prefill: [layers, rows, slots, kv heads, head dim]
+    """The sampler's K and V cache (sampler.prefill_rows: [layers, rows, slots, kv heads, head dim]
     each) of `rows` rows at `slots` capacity."""
     llm = model_config.llm
     return (2 * llm.num_hidden_layers * rows * slots * llm.num_key_value_heads * llm.head_dim

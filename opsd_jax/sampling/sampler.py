@@ -80,7 +80,7 @@ class DecodeState:
 
 
 # Logical names of the decode state's axes: rows over the batch axes, kv heads as the rules say.
-_CACHE_NAMES = (None, "act_batch", None, "act_kv_heads", None)  # [L, B, S, Hkv, Dh]
+CACHE_NAMES = (None, "act_batch", None, "act_kv_heads", None)  # [L, B, S, Hkv, Dh]
 
 
 def _pinned(state: DecodeState) -> DecodeState:
@@ -88,14 +88,14 @@ def _pinned(state: DecodeState) -> DecodeState:
     gather each step's tokens) or let the cache follow the weights' layout."""
     rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return DecodeState(
-        cache=tuple(constrain(x, _CACHE_NAMES) for x in state.cache),
+        cache=tuple(constrain(x, CACHE_NAMES) for x in state.cache),
         **{f.name: rows(getattr(state, f.name))
            for f in dataclasses.fields(state) if f.name != "cache"},
     )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
-class _RoundSettings:
+class RoundSettings:
     """Static (compile-time) sampling settings."""
 
     temperature: float
@@ -157,7 +157,7 @@ SAMPLER_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
 # rules and the decode rules.
 @functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6),
                    compiler_options=SAMPLER_COMPILER_OPTIONS)
-def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype,
+def prefill_rows(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype,
              rules=()):  # fmt: skip
     del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
@@ -181,7 +181,7 @@ def _prefill(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int
     ))
 
 
-def _feed(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
+def feed_tokens(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
     """Write `tokens` (one per row, rows where `write`) into the cache; logits after them."""
     num_slots = state.cache[0].shape[2]
     slots = jnp.where(write, state.kv_length, num_slots)  # out of range: no write
@@ -198,13 +198,13 @@ def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: 
     """Append `token` to the cache of `rows` (it counts against their budget)."""
     del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
-    _, state = _feed(model, state, jnp.broadcast_to(token, rows.shape), rows)
+    _, state = feed_tokens(model, state, jnp.broadcast_to(token, rows.shape), rows)
     return _pinned(state.replace(budget=state.budget - rows, active=rows))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,),
                    compiler_options=SAMPLER_COMPILER_OPTIONS)
-def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: _RoundSettings,
+def decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: RoundSettings,
                   rules=()):  # fmt: skip
     """Feed <|im_start|> to the active rows, then sample until every row has stopped."""
     del rules  # in the cache key only
@@ -239,7 +239,7 @@ def _decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: 
         # is merged from values of the loop's own trace, as NNX transforms require.
         params, state, feed, step = carry
         model = nnx.merge(graphdef, params)
-        logits, state = _feed(model, state, feed, state.active)
+        logits, state = feed_tokens(model, state, feed, state.active)
         token, logprob = choose(logits, step)
         is_eos = token == settings.eos_id
         keep = state.active & ~is_eos & (state.budget > 0)
@@ -314,9 +314,9 @@ def _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_to
     batch = prompt_pack.num_rows
     rules = tuple(spmd.get_logical_axis_rules())
     cache_slots = cache_slots_for(prompt_pack.row_length, max_new_tokens, max_image_skips)
-    state = _prefill(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
+    state = prefill_rows(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
                      jnp.dtype(cache_dtype), rules)  # fmt: skip
-    settings = _RoundSettings(
+    settings = RoundSettings(
         temperature=float(temperature), do_sample=bool(do_sample), bos_id=special.im_start,
         eos_id=special.im_end, vocab_limit=int(vocab_limit), max_steps=max_new_tokens + 1,
     )  # fmt: skip
@@ -326,7 +326,7 @@ def _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_to
     rounds = np.ones(batch, np.int32)
     round_start = np.zeros(batch, np.int64)
     for round_index in range(max_image_skips + 1):
-        state = _decode_round(graphdef, params, state, jax.random.fold_in(rng, round_index),
+        state = decode_round(graphdef, params, state, jax.random.fold_in(rng, round_index),
                               row_ids, settings, rules)  # fmt: skip
         if round_index == max_image_skips:
             break

@@ -19,10 +19,10 @@ from opsd_jax.data.offline_cache import (
     TOO_LONG,
     CacheError,
     ShardWriter,
-    _differences,
-    _write_json_atomic,
+    differences,
     done_keys,
     read_manifest,
+    write_json_atomic,
 )
 from opsd_jax.data.offline_views import build_offline_packs, sample_entries
 from opsd_jax.data.opsd_packs import PromptOptions
@@ -96,12 +96,12 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, MANIFEST)
     if os.path.exists(path):
-        problems = _differences(read_manifest(directory), manifest)
+        problems = differences(read_manifest(directory), manifest)
         if problems:
             raise CacheError(f"{path}: this cache was made with other settings; use another "
                              "directory or the same settings:\n  " + "\n  ".join(problems))  # fmt: skip
     else:
-        _write_json_atomic(path, manifest)
+        write_json_atomic(path, manifest)
     writer = ShardWriter(directory, process_index, manifest["logprob_dtype"], shard_samples,
                          on_commit)  # fmt: skip
     done = done_keys(directory)

@@ -1,6 +1,6 @@
 """Offline distillation losses: a teacher cached once (its top-k log-probs per completion entry,
 opsd_jax/data/offline_cache.py), the student trained against it without a teacher forward. The
-conventions (masks, samples, reductions, diagnostics) are losses.py's.
+conventions (masks, samples, reductions, diagnostics) are the package's (__init__.py).
 """
 
 from __future__ import annotations
@@ -9,23 +9,23 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from opsd_jax.training.loss_kernels import (
+from opsd_jax.training.losses.kernels import (
     DEFAULT_CHUNK_ROWS,
-    _as_leading_rows,
-    _base_diagnostics,
-    _check_choice,
-    _check_common,
-    _check_vocab_limit,
-    _chunked_entries,
-    _compute_dtype,
-    _divergence_entries,
-    _flat_sample_ids,
-    _jsd_rows,
-    _loop_over_chunks,
-    _reduce,
-    _static_number,
-    _top_k_ids,
+    as_leading_rows,
+    base_diagnostics,
+    check_choice,
+    check_common,
+    check_vocab_limit,
+    chunked_entries,
+    compute_dtype,
+    divergence_entries,
+    flat_sample_ids,
+    jsd_rows,
+    loop_over_chunks,
     mask_vocab,
+    reduce_entries,
+    static_number,
+    top_k_ids,
 )
 
 STUDENT_NORMS = ("full", "top_k")
@@ -43,22 +43,22 @@ def teacher_cache_entries(teacher_logits, reference_logits, mask, top_k, *,
     weight when the reference is the same model without the VT images). Entries with mask
     False give 0 / id 0. Chunked over C like the losses, so no [C, V] fp32 tensor exists.
     """
-    teacher = _as_leading_rows(lax.stop_gradient(teacher_logits), mask)
-    reference = _as_leading_rows(lax.stop_gradient(reference_logits), mask)
-    valid = _as_leading_rows(mask, mask).astype(bool)
-    vocab_limit = _check_vocab_limit(vocab_limit, teacher.shape[-1])
+    teacher = as_leading_rows(lax.stop_gradient(teacher_logits), mask)
+    reference = as_leading_rows(lax.stop_gradient(reference_logits), mask)
+    valid = as_leading_rows(mask, mask).astype(bool)
+    vocab_limit = check_vocab_limit(vocab_limit, teacher.shape[-1])
     vocab = teacher.shape[-1] if vocab_limit is None else vocab_limit
     if not 0 < top_k <= vocab:
         raise ValueError(f"top_k must be in [1, {vocab}] (the usable vocabulary), got {top_k}")
 
     def chunk(t, r, ok):
-        dtype = _compute_dtype(t.dtype)
+        dtype = compute_dtype(t.dtype)
         exact = mask_vocab(jnp.where(ok[..., None], t.astype(dtype), 0.0), vocab_limit)
-        ids = _top_k_ids(exact, top_k)
+        ids = top_k_ids(exact, top_k)
         logp = jnp.take_along_axis(exact, ids, axis=-1) - jax.nn.logsumexp(exact, axis=-1,
                                                                            keepdims=True)
         # Forward KL(teacher || reference) at tau 1, unclipped: the beta = 0 generalized JSD row.
-        kl, _ = _jsd_rows(r, t, ok, beta=0.0, temperature=1.0, clip=0.0, clip_mode="entry",
+        kl, _ = jsd_rows(r, t, ok, beta=0.0, temperature=1.0, clip=0.0, clip_mode="entry",
                           vocab_limit=vocab_limit)  # fmt: skip
         keep = ok[..., None]
         # A KL is >= 0; fp32 cancellation gives ~-1e-9 where the views agree (before the first
@@ -66,14 +66,14 @@ def teacher_cache_entries(teacher_logits, reference_logits, mask, top_k, *,
         kl = jnp.maximum(kl, 0.0)
         return (jnp.where(keep, logp, 0.0), jnp.where(keep, ids, 0).astype(jnp.int32), kl)
 
-    top_logprobs, top_ids, kl = _loop_over_chunks(chunk, chunk_rows, (teacher, reference, valid))
+    top_logprobs, top_ids, kl = loop_over_chunks(chunk, chunk_rows, (teacher, reference, valid))
     shape = mask.shape
     return (top_logprobs.reshape(shape + (top_k,)), top_ids.reshape(shape + (top_k,)),
             kl.reshape(shape))  # fmt: skip
 
 
 def _lse_rows(logits, valid, *, temperature, vocab_limit):
-    dtype = _compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     scaled = mask_vocab(jnp.where(valid[..., None], logits.astype(dtype), 0.0), vocab_limit)
     return jnp.where(valid, jax.nn.logsumexp(scaled / temperature, axis=-1), 0.0), ()
 
@@ -124,43 +124,43 @@ def cached_top_k_kl(
 
     Returns (loss, diagnostics) with the common keys.
     """
-    num_samples = _check_common(student_logits, mask, reduction, chunk_rows,
+    num_samples = check_common(student_logits, mask, reduction, chunk_rows,
                                 {"weights": weights}, sample_ids, num_samples)  # fmt: skip
-    _check_choice("student_norm", student_norm, STUDENT_NORMS)
+    check_choice("student_norm", student_norm, STUDENT_NORMS)
     if teacher_top_ids.shape != teacher_top_logprobs.shape or \
             teacher_top_ids.shape[:-1] != mask.shape:  # fmt: skip
         raise ValueError(f"teacher_top_logprobs {teacher_top_logprobs.shape} and teacher_top_ids "
                          f"{teacher_top_ids.shape} must both be {mask.shape} + (k,)")  # fmt: skip
-    temperature = _static_number("temperature", temperature)
+    temperature = static_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    vocab_limit = _check_vocab_limit(vocab_limit, student_logits.shape[-1])
+    vocab_limit = check_vocab_limit(vocab_limit, student_logits.shape[-1])
 
-    student = _as_leading_rows(student_logits, mask)
-    valid = _as_leading_rows(mask, mask).astype(bool)
+    student = as_leading_rows(student_logits, mask)
+    valid = as_leading_rows(mask, mask).astype(bool)
     keep = valid[..., None]
-    ids = jnp.where(keep, _as_leading_rows(teacher_top_ids, mask), 0).astype(jnp.int32)
-    dtype = _compute_dtype(student.dtype)
+    ids = jnp.where(keep, as_leading_rows(teacher_top_ids, mask), 0).astype(jnp.int32)
+    dtype = compute_dtype(student.dtype)
     student_top = jnp.where(keep, jnp.take_along_axis(student, ids, axis=-1).astype(dtype), 0.0)
     student_top = student_top / temperature
     if student_norm == "full":
-        lse, _ = _chunked_entries(
+        lse, _ = chunked_entries(
             lambda z, ok: _lse_rows(z, ok, temperature=temperature, vocab_limit=vocab_limit),
             chunk_rows, student, valid,
         )  # fmt: skip
         student_logp = student_top - lse[..., None]
     else:
         student_logp = student_top - jax.nn.logsumexp(student_top, axis=-1, keepdims=True)
-    teacher = jnp.where(keep, _as_leading_rows(teacher_top_logprobs, mask).astype(dtype), 0.0)
+    teacher = jnp.where(keep, as_leading_rows(teacher_top_logprobs, mask).astype(dtype), 0.0)
     teacher = lax.stop_gradient(teacher) / temperature
     teacher_logp = teacher - jax.nn.logsumexp(teacher, axis=-1, keepdims=True)
-    rows = jnp.sum(_divergence_entries(student_logp, teacher_logp, 0.0), axis=-1)
+    rows = jnp.sum(divergence_entries(student_logp, teacher_logp, 0.0), axis=-1)
 
     valid = valid.reshape(-1)
     per_entry = jnp.where(valid, rows.reshape(-1), 0.0) * temperature**2
-    flat_ids = _flat_sample_ids(mask, sample_ids)
+    flat_ids = flat_sample_ids(mask, sample_ids)
     if weights is not None:
         scale = _normalise_weights(weights.reshape(-1), valid, flat_ids, num_samples)
         per_entry = per_entry * scale
-    loss, sample_mean, sample_count = _reduce(per_entry, valid, flat_ids, num_samples, reduction)
-    return loss, _base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
+    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    return loss, base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)

@@ -1,41 +1,6 @@
-"""OPSD distillation losses: generalized JSD, the sampled-token ("tinker") loss and completion CE.
-This is the one namespace the trainer uses for losses: it also re-exports the offline-mode
-losses (offline_losses.py) and the public helpers of loss_kernels.py.
-
-The student and the teacher are run teacher-forced on the same sampled completion; row t of the
-loss compares their next-token distributions (see shared/reference/opsd_loss_spec.md, section a).
-All three losses take logits already gathered at the completion rows, shape [..., C, V] (bf16 in
-training, fp32/fp64 in tests), and a `mask` [..., C] of valid entries.
-
-How they stay within memory at C ~ 4k rows and V ~ 152k (chunks over the vocabulary, a
-sharded top-k): loss_kernels.py.
-
-Conventions shared by all losses
---------------------------------
-* Hyper-parameters (beta, temperature, top_k, clip, clip_mode, reduction, chunk_rows,
-  num_samples, ...) are Python values, static under `jax.jit` (pass them by keyword through
-  `functools.partial` or `static_argnames`). The beta endpoints 0 and 1 are decided in Python.
-* The teacher is a constant: no gradient flows into `teacher_logits`.
-* Computation runs in fp32 (fp64 when the logits are fp64, for gradient checks).
-* Invalid entries (mask False) contribute exactly 0 and may hold any values, including NaN or
-  -inf: their rows are replaced by zeros before any arithmetic.
-* Samples. `sample_ids` [..., C] int says which sample each entry belongs to (a packed row may
-  hold several samples; ids are global, 0 <= id < num_samples, and `num_samples` is then
-  required). With `sample_ids=None` every leading row (each index of the flattened leading dims)
-  is one sample and num_samples = prod(leading dims). Valid entries with an out-of-range id are
-  left out of `seq_mean` and of the per-sample values, but still count for `token_*`.
-* Reductions over the per-entry values l_t (0 where invalid):
-  - 'seq_mean' (default; the PyTorch seed's behaviour): mean over each sample's valid entries,
-    then mean over the samples that have at least one valid entry;
-  - 'token_mean': sum over valid entries / number of valid entries (OPSD's micro-batch mean);
-  - 'token_sum': plain sum (Tinker's convention; divide by a global token count yourself for a
-    gradient-accumulation-invariant mean).
-  An input without any valid entry gives loss 0.
-* Every loss returns `(loss, diagnostics)`. The diagnostics always contain
-  'per_token' [..., C] (l_t in loss units, 0 where invalid), 'per_sample' [num_samples] (mean of
-  l_t over the sample's valid entries, 0 for a sample without any), 'sample_count'
-  [num_samples] (its number of valid entries, float32) and 'num_tokens' (valid entries). Scalar
-  statistics are plain means over valid entries whatever the reduction.
+"""The online OPSD losses: generalized JSD, the sampled-token ("tinker") loss and completion CE.
+The conventions all losses share (masks, samples, reductions, diagnostics) are the package's
+(__init__.py); the chunked machinery they run on is kernels.py.
 """
 
 from __future__ import annotations
@@ -47,39 +12,24 @@ import warnings
 import jax.numpy as jnp
 from jax import lax
 
-from opsd_jax.training.loss_kernels import (
+from opsd_jax.training.losses.kernels import (
     CLIP_MODES,
     DEFAULT_CHUNK_ROWS,
-    REDUCTIONS,
-    _as_leading_rows,
-    _base_diagnostics,
-    _check_choice,
-    _check_common,
-    _check_vocab_limit,
-    _chunked_entries,
-    _flat_sample_ids,
-    _jsd_rows,
-    _loop_over_chunks,
-    _reduce,
-    _static_number,
-    _teacher_top_k,
-    _valid_mean,
-    mask_vocab,
+    as_leading_rows,
+    base_diagnostics,
+    check_choice,
+    check_common,
+    check_vocab_limit,
+    chunked_entries,
+    flat_sample_ids,
+    jsd_rows,
+    loop_over_chunks,
+    reduce_entries,
+    static_number,
+    teacher_top_k,
     token_logprobs,
+    valid_mean,
 )
-from opsd_jax.training.offline_losses import (
-    STUDENT_NORMS,
-    cached_top_k_kl,
-    teacher_cache_entries,
-)
-
-# The losses' public names, including those defined in loss_kernels.py / offline_losses.py.
-__all__ = [
-    "CLIP_MODES", "DEFAULT_CHUNK_ROWS", "REDUCTIONS", "STUDENT_NORMS", "cached_top_k_kl",
-    "completion_ce", "generalized_jsd", "mask_vocab", "teacher_cache_entries", "tinker_loss",
-    "token_logprobs",
-]
-
 
 # ----------------------------------------------------------------------------------------------
 # Public losses
@@ -137,7 +87,7 @@ def generalized_jsd(
       if token_ids is given, 'k1_reverse_kl' (mean over valid entries of log p(y) - log q(y) at
       temperature tau over the full vocabulary, without the tau**2 factor).
     """
-    num_samples = _check_common(
+    num_samples = check_common(
         student_logits,
         mask,
         reduction,
@@ -151,14 +101,14 @@ def generalized_jsd(
             f"teacher_logits must have the student's shape {student_logits.shape}, "
             f"got {teacher_logits.shape}"
         )
-    _check_choice("clip_mode", clip_mode, CLIP_MODES)
-    beta = _static_number("beta", beta)
+    check_choice("clip_mode", clip_mode, CLIP_MODES)
+    beta = static_number("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must lie in [0, 1], got {beta}")
-    temperature = _static_number("temperature", temperature)
+    temperature = static_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    clip = _static_number("clip", clip)
+    clip = static_number("clip", clip)
     if math.isnan(clip):
         raise ValueError("clip must be a number (<= 0 or inf disables it), got nan")
     try:
@@ -170,28 +120,28 @@ def generalized_jsd(
     if math.isinf(clip):
         clip = 0.0
 
-    vocab_limit = _check_vocab_limit(vocab_limit, student_logits.shape[-1])
+    vocab_limit = check_vocab_limit(vocab_limit, student_logits.shape[-1])
     vocab = student_logits.shape[-1] if vocab_limit is None else vocab_limit
-    student = _as_leading_rows(student_logits, mask)
-    teacher = _as_leading_rows(lax.stop_gradient(teacher_logits), mask)
-    valid = _as_leading_rows(mask, mask).astype(bool)
+    student = as_leading_rows(student_logits, mask)
+    teacher = as_leading_rows(lax.stop_gradient(teacher_logits), mask)
+    valid = as_leading_rows(mask, mask).astype(bool)
     row_options = {"beta": beta, "temperature": temperature, "clip": clip, "clip_mode": clip_mode}
 
     if 0 < top_k < vocab:
         # Teacher-only work (selection, gathered logits, captured mass) is a constant; only the
         # student's gather below is differentiated, and its gradient is a scatter of [L, C, k].
-        top_ids, teacher_top, topk_mass = _loop_over_chunks(
-            lambda t, ok: _teacher_top_k(t, ok, top_k, temperature, vocab_limit), chunk_rows,
+        top_ids, teacher_top, topk_mass = loop_over_chunks(
+            lambda t, ok: teacher_top_k(t, ok, top_k, temperature, vocab_limit), chunk_rows,
             (teacher, valid),
         )  # fmt: skip
         student_top = jnp.take_along_axis(student, lax.stop_gradient(top_ids), axis=-1)
         # The support holds only ids below vocab_limit (k < vocab_limit): nothing to mask.
-        rows, clipped = _jsd_rows(student_top, teacher_top, valid, **row_options)
+        rows, clipped = jsd_rows(student_top, teacher_top, valid, **row_options)
         support = top_k
-        mass = _valid_mean(topk_mass, valid)
+        mass = valid_mean(topk_mass, valid)
     else:
-        rows, clipped = _chunked_entries(
-            lambda s, t, ok: _jsd_rows(s, t, ok, vocab_limit=vocab_limit, **row_options),
+        rows, clipped = chunked_entries(
+            lambda s, t, ok: jsd_rows(s, t, ok, vocab_limit=vocab_limit, **row_options),
             chunk_rows, student, teacher, valid,
         )  # fmt: skip
         support = vocab
@@ -199,15 +149,15 @@ def generalized_jsd(
 
     valid = valid.reshape(-1)
     per_entry = rows.reshape(-1) * temperature**2
-    flat_ids = _flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = _reduce(per_entry, valid, flat_ids, num_samples, reduction)
-    diagnostics = _base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
+    flat_ids = flat_sample_ids(mask, sample_ids)
+    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    diagnostics = base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
     # In float: valid entries x vocabulary can exceed the int32 range.
     num_valid = jnp.maximum(jnp.sum(valid), 1).astype(rows.dtype)
     clip_denominator = num_valid * (support if clip_mode == "entry" else 1)
     diagnostics["clip_fraction"] = jnp.sum(clipped) / clip_denominator
     diagnostics["teacher_topk_mass"] = mass
-    diagnostics["negative_fraction"] = _valid_mean((per_entry < 0).astype(rows.dtype), valid)
+    diagnostics["negative_fraction"] = valid_mean((per_entry < 0).astype(rows.dtype), valid)
     if token_ids is not None:
         log_p = token_logprobs(
             lax.stop_gradient(student_logits),
@@ -221,7 +171,7 @@ def generalized_jsd(
             teacher_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows,
             vocab_limit=vocab_limit,
         )  # fmt: skip
-        diagnostics["k1_reverse_kl"] = _valid_mean(
+        diagnostics["k1_reverse_kl"] = valid_mean(
             lax.stop_gradient(log_p - log_q).reshape(-1), valid
         )
     return loss, diagnostics
@@ -271,7 +221,7 @@ def tinker_loss(
       'advantage_mean' and 'advantage_clip_fraction', all over valid entries, and
       'pytorch_surrogate' (-reduce(A * log p(y)), no gradient).
     """
-    num_samples = _check_common(
+    num_samples = check_common(
         student_logits,
         mask,
         reduction,
@@ -285,14 +235,14 @@ def tinker_loss(
             f"teacher_logits must have the student's shape {student_logits.shape}, "
             f"got {teacher_logits.shape}"
         )
-    temperature = _static_number("temperature", temperature)
+    temperature = static_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    kl_coef = _static_number("kl_coef", kl_coef)
-    advantage_clip = _static_number("advantage_clip", advantage_clip)
+    kl_coef = static_number("kl_coef", kl_coef)
+    advantage_clip = static_number("advantage_clip", advantage_clip)
     if (
         sample_temperature is not None
-        and _static_number("sample_temperature", sample_temperature) != temperature
+        and static_number("sample_temperature", sample_temperature) != temperature
     ):
         warnings.warn(
             f"tinker_loss: loss temperature {temperature} differs from the sampling temperature "
@@ -325,18 +275,18 @@ def tinker_loss(
         advantage = jnp.clip(raw_advantage, -advantage_clip, advantage_clip)
     per_entry = jnp.where(valid, -ratio * advantage, 0.0)
 
-    flat_ids = _flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = _reduce(per_entry, valid, flat_ids, num_samples, reduction)
-    diagnostics = _base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
+    flat_ids = flat_sample_ids(mask, sample_ids)
+    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    diagnostics = base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
     stats = lax.stop_gradient
-    diagnostics["k1_reverse_kl"] = _valid_mean(stats(behaviour - log_q), valid)
-    diagnostics["importance_ratio_mean"] = _valid_mean(stats(ratio), valid)
+    diagnostics["k1_reverse_kl"] = valid_mean(stats(behaviour - log_q), valid)
+    diagnostics["importance_ratio_mean"] = valid_mean(stats(ratio), valid)
     diagnostics["importance_ratio_max"] = jnp.max(jnp.where(valid, stats(ratio), 0.0))
-    diagnostics["advantage_mean"] = _valid_mean(advantage, valid)
+    diagnostics["advantage_mean"] = valid_mean(advantage, valid)
     clipped = (advantage != raw_advantage).astype(ratio.dtype)
-    diagnostics["advantage_clip_fraction"] = _valid_mean(clipped, valid)
+    diagnostics["advantage_clip_fraction"] = valid_mean(clipped, valid)
     surrogate = jnp.where(valid, -advantage * stats(log_p), 0.0)
-    diagnostics["pytorch_surrogate"] = _reduce(surrogate, valid, flat_ids, num_samples,
+    diagnostics["pytorch_surrogate"] = reduce_entries(surrogate, valid, flat_ids, num_samples,
                                                reduction)[0]  # fmt: skip
     return loss, diagnostics
 
@@ -359,7 +309,7 @@ def completion_ce(
     temperature: plain log-softmax (over ids below `vocab_limit`, see `mask_vocab`). Returns
     (loss, diagnostics) with the common keys.
     """
-    num_samples = _check_common(
+    num_samples = check_common(
         student_logits,
         mask,
         reduction,
@@ -372,6 +322,6 @@ def completion_ce(
     log_p = token_logprobs(student_logits, token_ids, mask, chunk_rows=chunk_rows,
                            vocab_limit=vocab_limit).reshape(-1)  # fmt: skip
     per_entry = jnp.where(valid, -log_p, 0.0)
-    flat_ids = _flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = _reduce(per_entry, valid, flat_ids, num_samples, reduction)
-    return loss, _base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
+    flat_ids = flat_sample_ids(mask, sample_ids)
+    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    return loss, base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)

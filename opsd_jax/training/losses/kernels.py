@@ -1,8 +1,8 @@
-"""The machinery the losses share (losses.py, offline_losses.py): argument checks, chunked work
-over the vocabulary with a recomputing backward pass, the sharded top-k, the per-entry divergence
-terms, token log-probabilities and the reductions. Names with a leading underscore are internal to
-the losses package-wide; `token_logprobs` and the constants are public, and so is `mask_vocab`
-(models/vocab.py, which the sampler uses too; losses.py re-exports them).
+"""The machinery the losses share (online.py, offline.py): argument checks, chunked work over
+the vocabulary with a recomputing backward pass, the sharded top-k, the per-entry divergence
+terms, token log-probabilities and the reductions. Names without a leading underscore are used
+by the package's other modules; of them only `token_logprobs` and the constants are part of the
+package's public API (__init__.py). Names with one are this module's own.
 
 Why chunks: at C ~ 4k loss rows and V ~ 152k, one fp32 [C, V] tensor is 2.5 GB and a naive JSD
 (log-softmax of both sides, mixture, entries, their gradients) needs ~30 GB of temporaries for
@@ -49,7 +49,7 @@ DEFAULT_CHUNK_ROWS = 128
 # ----------------------------------------------------------------------------------------------
 
 
-def _static_number(name, value):
+def static_number(name, value):
     """`value` as a Python float; a traced value cannot decide Python branches, so reject it."""
     try:
         return float(value)
@@ -59,14 +59,14 @@ def _static_number(name, value):
         ) from err
 
 
-def _check_choice(name, value, allowed):
+def check_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
 
 
-def _check_common(logits, mask, reduction, chunk_rows, per_entry, sample_ids, num_samples):
+def check_common(logits, mask, reduction, chunk_rows, per_entry, sample_ids, num_samples):
     """Shape and option checks shared by the losses; returns the resolved number of samples."""
-    _check_choice("reduction", reduction, REDUCTIONS)
+    check_choice("reduction", reduction, REDUCTIONS)
     if logits.ndim < 2:
         raise ValueError(f"logits must have shape [..., C, V], got shape {logits.shape}")
     if logits.shape[-1] == 0 or math.prod(logits.shape[:-1]) == 0:
@@ -96,7 +96,7 @@ def _check_common(logits, mask, reduction, chunk_rows, per_entry, sample_ids, nu
     return num_samples
 
 
-def _check_vocab_limit(vocab_limit, vocab):
+def check_vocab_limit(vocab_limit, vocab):
     """`vocab_limit` as an int in [1, V], or None."""
     if vocab_limit is None:
         return None
@@ -109,7 +109,7 @@ def _check_vocab_limit(vocab_limit, vocab):
     return min(vocab_limit, vocab)
 
 
-def _compute_dtype(dtype):
+def compute_dtype(dtype):
     """fp32 for bf16/fp16/fp32 logits, fp64 for fp64 ones (used by gradient checks)."""
     return jnp.promote_types(dtype, jnp.float32)
 
@@ -142,7 +142,7 @@ def _write_entries(array, update, start):
     return lax.dynamic_update_slice_in_dim(array, update, start, axis=ENTRY_AXIS)
 
 
-def _loop_over_chunks(entry_fn, chunk, arrays):
+def loop_over_chunks(entry_fn, chunk, arrays):
     """entry_fn applied to C-chunks of `arrays` (all [L, C, ...]); outputs are [L, C, ...]."""
     num_entries = arrays[0].shape[ENTRY_AXIS]
     chunk = min(chunk, num_entries)
@@ -163,7 +163,7 @@ def _loop_over_chunks(entry_fn, chunk, arrays):
     return lax.fori_loop(0, num_chunks, body, init)
 
 
-def _chunked_entries(entry_fn: Callable, chunk: int, diff_input, *const_inputs):
+def chunked_entries(entry_fn: Callable, chunk: int, diff_input, *const_inputs):
     """Evaluate `entry_fn(diff_chunk, *const_chunks) -> (values [L, n], aux)` over C-chunks.
 
     `values` is differentiable with respect to `diff_input` only; `aux` (a pytree of
@@ -175,10 +175,10 @@ def _chunked_entries(entry_fn: Callable, chunk: int, diff_input, *const_inputs):
 
     @jax.custom_vjp
     def run(diff, *consts):
-        return _loop_over_chunks(entry_fn, chunk, (diff, *consts))
+        return loop_over_chunks(entry_fn, chunk, (diff, *consts))
 
     def run_fwd(diff, *consts):
-        return _loop_over_chunks(entry_fn, chunk, (diff, *consts)), (diff, consts)
+        return loop_over_chunks(entry_fn, chunk, (diff, *consts)), (diff, consts)
 
     def run_bwd(residuals, cotangents):
         diff, consts = residuals
@@ -211,7 +211,7 @@ def _chunked_entries(entry_fn: Callable, chunk: int, diff_input, *const_inputs):
     return run(diff_input, *const_inputs)
 
 
-def _as_leading_rows(array, mask):
+def as_leading_rows(array, mask):
     """[..., C, (V)] -> [L, C, (V)] with L = prod(leading dims); a free reshape."""
     return array.reshape((-1, mask.shape[-1]) + array.shape[mask.ndim :])
 
@@ -248,7 +248,7 @@ def _log_mixture(student_logp, teacher_logp, beta):
     return safe_high + jnp.log1p(jnp.exp(low - safe_high))
 
 
-def _divergence_entries(student_logp, teacher_logp, beta):
+def divergence_entries(student_logp, teacher_logp, beta):
     """Per-entry contributions e_i whose sum over the support is the generalized JSD.
 
     beta == 0: q (log q - log p), summing to KL(teacher || student) (forward);
@@ -273,20 +273,20 @@ def _clip_above(value, cap):
     return jnp.where(value > cap, cap, value)
 
 
-def _jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode, vocab_limit=None):
+def jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode, vocab_limit=None):
     """Generalized JSD of each loss row over the last axis, before the temperature**2 factor.
 
     `student` and `teacher` are [..., n, K] logits over the support (a top-k slice or the full
     vocabulary), `valid` [..., n]. Returns (row values [..., n], clipped counts [..., n]);
     invalid rows give 0 for both.
     """
-    dtype = _compute_dtype(student.dtype)
+    dtype = compute_dtype(student.dtype)
     keep = valid[..., None]
     student = mask_vocab(jnp.where(keep, student.astype(dtype), 0.0), vocab_limit) / temperature
     teacher = mask_vocab(jnp.where(keep, teacher.astype(dtype), 0.0), vocab_limit) / temperature
     student_logp = student - jax.nn.logsumexp(student, axis=-1, keepdims=True)
     teacher_logp = teacher - jax.nn.logsumexp(teacher, axis=-1, keepdims=True)
-    entries = _divergence_entries(student_logp, teacher_logp, beta)
+    entries = divergence_entries(student_logp, teacher_logp, beta)
     clipped = jnp.zeros(valid.shape, dtype)
     if clip > 0 and clip_mode == "entry":
         over = entries > clip
@@ -301,7 +301,7 @@ def _jsd_rows(student, teacher, valid, *, beta, temperature, clip, clip_mode, vo
 
 
 @functools.partial(custom_partitioning, static_argnums=(1,))
-def _top_k_ids(values, k):
+def top_k_ids(values, k):
     """Ids of the k largest entries along the last axis, [..., V] -> [..., k].
 
     lax.top_k alone is all-gathered by the SPMD partitioner when its batch dims are sharded
@@ -322,7 +322,7 @@ def _top_k_partition(k, mesh, arg_shapes, result_shape):
     return mesh, lambda values: lax.top_k(values, k)[1], sharding, (sharding,)
 
 
-_top_k_ids.def_partition(
+top_k_ids.def_partition(
     partition=_top_k_partition,
     infer_sharding_from_operands=lambda k, mesh, arg_shapes, result_shape: _top_k_sharding(
         mesh, arg_shapes[0]
@@ -332,7 +332,7 @@ _top_k_ids.def_partition(
 )
 
 
-def _teacher_top_k(teacher, valid, k, temperature, vocab_limit=None):
+def teacher_top_k(teacher, valid, k, temperature, vocab_limit=None):
     """For a chunk of teacher rows [..., n, V]: top-k ids, the logits there, the mass they hold.
 
     The selection uses the input (bf16) logits. Each chunk is upcast exactly before lax.top_k
@@ -340,10 +340,10 @@ def _teacher_top_k(teacher, valid, k, temperature, vocab_limit=None):
     slower); the cast is monotone and exact, so the selected set is the same. Ids at or past
     `vocab_limit` are -inf, so they are never selected (k < vocab_limit) and hold no mass.
     """
-    dtype = _compute_dtype(teacher.dtype)
+    dtype = compute_dtype(teacher.dtype)
     keep = valid[..., None]
     exact = mask_vocab(jnp.where(keep, teacher.astype(dtype), 0.0), vocab_limit)
-    ids = _top_k_ids(exact, k)
+    ids = top_k_ids(exact, k)
     top_logits = jnp.take_along_axis(teacher, ids, axis=-1)
     scaled = exact / temperature
     log_mass = jax.nn.logsumexp(jnp.take_along_axis(scaled, ids, axis=-1), axis=-1)
@@ -358,7 +358,7 @@ def _teacher_top_k(teacher, valid, k, temperature, vocab_limit=None):
 
 
 def _token_logprob_rows(logits, token_ids, valid, *, temperature, vocab_limit=None):
-    dtype = _compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype)
     scaled = mask_vocab(jnp.where(valid[..., None], logits.astype(dtype), 0.0), vocab_limit)
     scaled = scaled / temperature
     ids = jnp.clip(jnp.where(valid, token_ids, 0), 0, logits.shape[-1] - 1)
@@ -377,33 +377,33 @@ def token_logprobs(logits, token_ids, mask=None, *, temperature=1.0, chunk_rows=
     it only (see `mask_vocab`), as the sampler's does.
     """
     mask = jnp.ones(logits.shape[:-1], bool) if mask is None else mask
-    _check_common(logits, mask, "token_sum", chunk_rows, {"token_ids": token_ids}, None, None)
-    temperature = _static_number("temperature", temperature)
+    check_common(logits, mask, "token_sum", chunk_rows, {"token_ids": token_ids}, None, None)
+    temperature = static_number("temperature", temperature)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    vocab_limit = _check_vocab_limit(vocab_limit, logits.shape[-1])
+    vocab_limit = check_vocab_limit(vocab_limit, logits.shape[-1])
 
     def row_fn(z, ids, ok):
         return _token_logprob_rows(z, ids, ok, temperature=temperature, vocab_limit=vocab_limit)
 
-    logp, _ = _chunked_entries(
+    logp, _ = chunked_entries(
         row_fn,
         chunk_rows,
-        _as_leading_rows(logits, mask),
-        _as_leading_rows(token_ids, mask),
-        _as_leading_rows(mask, mask).astype(bool),
+        as_leading_rows(logits, mask),
+        as_leading_rows(token_ids, mask),
+        as_leading_rows(mask, mask).astype(bool),
     )
     return logp.reshape(mask.shape)
 
 
-def _flat_sample_ids(mask, sample_ids):
+def flat_sample_ids(mask, sample_ids):
     if sample_ids is None:
         # One sample per leading row: entry (r, c) belongs to sample r.
         return jnp.arange(mask.size, dtype=jnp.int32) // mask.shape[-1]
     return sample_ids.reshape(-1).astype(jnp.int32)
 
 
-def _reduce(per_entry, valid, sample_ids, num_samples, reduction):
+def reduce_entries(per_entry, valid, sample_ids, num_samples, reduction):
     """(loss, per_sample_mean [S], sample_count [S]) from flat per-entry values and validity."""
     count = valid.astype(per_entry.dtype)
     in_range = valid & (sample_ids >= 0) & (sample_ids < num_samples)
@@ -422,11 +422,11 @@ def _reduce(per_entry, valid, sample_ids, num_samples, reduction):
     return loss, sample_mean, sample_count.astype(jnp.float32)
 
 
-def _valid_mean(values, valid):
+def valid_mean(values, valid):
     return jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
 
 
-def _base_diagnostics(per_entry, valid, mask, sample_mean, sample_count):
+def base_diagnostics(per_entry, valid, mask, sample_mean, sample_count):
     return {
         "per_token": per_entry.reshape(mask.shape),
         "per_sample": sample_mean,
