@@ -7,14 +7,20 @@ config check -> distributed init -> mesh -> model + tokenizer -> data -> train s
 
 Why one long `main()` (over the ~400 lines a module should keep to): it *is* that sequence, each
 stage a few calls into opsd_jax, so a reader follows a run top to bottom without jumping; the
-stages share the mesh, config and state, which helpers would only pass around.
+stages share the mesh, config and state, which helpers would only pass around. What differs by
+mode lives in the package: the config in opsd_jax/run_config, the loss in
+training/train_step.make_loss, each step's micro-batches in training/step_batches.py (OPSD, SFT,
+offline: one interface). A dispatched step is a `DispatchedStep` until it is logged; the run's
+end is a `RunEnd`, its closing lines.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,12 +29,10 @@ from flax import nnx
 
 from models import pack as pack_lib
 from opsd_jax import run_config
-from opsd_jax.data import offline_cache, offline_views, pack_shapes, sft_packs, sources
+from opsd_jax.data import offline_cache, pack_shapes, sources
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
-    build_training_packs,
     prompt_shape_bound,
-    shaped_pack,
 )
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
@@ -46,6 +50,7 @@ from opsd_jax.toy import assets as toy_assets
 from opsd_jax.toy import tasks as toy_tasks
 from opsd_jax.training import resume_changes, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
+from opsd_jax.training.step_batches import step_batches_for
 from opsd_jax.training.stop_request import StopRequest
 
 
@@ -224,12 +229,7 @@ def main(argv):
         cache_reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
         say(f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
             f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}")  # fmt: skip
-    if sft:
-        loss_fn = train_step.make_sft_loss(graphdef, rest, settings)
-    elif offline:
-        loss_fn = train_step.make_offline_loss(graphdef, rest, settings)
-    else:
-        loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, config.teacher_mode)
+    loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, config.teacher_mode)
     step_fn = run_config.train_step_for(config, loss_fn, optimizer, abstract_state, frozen)
     # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
     # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
@@ -240,27 +240,21 @@ def main(argv):
         for j in range(accum * local_per_micro)
     ])  # fmt: skip
     shapes = pack_shapes.pack_shapes(config)  # pack name -> its shape in each length bucket
-    pack_names = (config.mode,) if sft or offline else ("student", "teacher")
+    # The mode's micro-batches (OPSD, SFT or offline), one interface: opsd_jax/training/step_batches.py
+    batches = step_batches_for(
+        config.mode, config, shapes, encode, options, special, mesh, cache_reader=cache_reader,
+        local_samples=local_per_micro, local_rows=local_rows, sample_offset=sample_offset)  # fmt: skip
     # Every length bucket compiled ahead of time, before step 1: nothing compiles in the loop.
     compiled_steps = []
     for bucket in range(config.pack_length_buckets):
-        parts = [shaped_pack([], shapes[name][bucket], local_rows, special, [], fixed=True)
-                 for name in pack_names]  # fmt: skip
-        if offline:  # the cached teacher at each loss entry: fixed [rows, entries, top-k] too
-            entries = shapes["offline"][bucket].loss_entries
-            parts.append(offline_views.empty_cache(local_rows, entries, cache_reader.top_k))
-        batch = tuple(distributed.abstract_micro_batches(part, accum, mesh) for part in parts)
         t0, read_before = time.perf_counter(), cache_counter.read
         with mesh_lib.use_mesh(mesh):
-            compiled_steps.append(step_fn.lower(abstract_state, batch).compile())
+            compiled_steps.append(step_fn.lower(abstract_state, batches.abstract_batch(bucket))
+                                  .compile())  # fmt: skip
         cached = " (read from the compilation cache)" if cache_counter.read > read_before else ""
-        sizes = ", ".join(f"{name} {s.row_length} tokens / {s.patches} patches"
-                          for name, s in ((n, shapes[n][bucket]) for n in pack_names))  # fmt: skip
-        if offline:
-            sizes += f", cached teacher top-{cache_reader.top_k}"
         say(f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
-            f"({sizes}), {shapes[pack_names[0]][bucket].loss_entries} loss entries per row: "
-            f"{time.perf_counter() - t0:.1f} s{cached}")  # fmt: skip
+            f"({batches.describe(bucket)}), {shapes[batches.pack_names[0]][bucket].loss_entries} "
+            f"loss entries per row: {time.perf_counter() - t0:.1f} s{cached}")  # fmt: skip
 
     def on_mesh(pack):
         return distributed.put_rows(pack, mesh, sample_offset=sample_offset)
@@ -279,76 +273,6 @@ def main(argv):
               f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'")  # fmt: skip
     say(f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
           f"per step, {recipe}")  # fmt: skip
-
-    def add_mean(sums, key, value):
-        sums[key] = sums.get(key, 0.0) + value / accum
-
-    def opsd_micro(step, micro, samples, completions, sums, first_bucket):
-        """One OPSD micro-batch: aligned student/teacher packs (tokens counted)."""
-        chunk = slice(micro * local_per_micro, (micro + 1) * local_per_micro)
-        packs = build_training_packs(
-            samples[chunk], completions[chunk], encode, options, special, num_rows=local_rows,
-            max_forward_tokens=config.max_forward_tokens,
-            shapes={name: shapes[name][first_bucket:] for name in pack_names},
-        )  # fmt: skip
-        tokens = int((packs.student.segment_ids > 0).sum())
-        tokens += int((packs.teacher.segment_ids > 0).sum())
-        for name, fraction in packs.padding_fraction.items():
-            add_mean(sums, f"pack/{name}_padding", fraction)
-        sums["pack/truncated"] = sums.get("pack/truncated", 0.0) + packs.num_truncated
-        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
-        return (packs.student, packs.teacher), first_bucket + packs.bucket, tokens
-
-    def sft_micro(step, micro, samples, completions, sums, first_bucket):
-        """One SFT micro-batch: CE pack (student or VT context per sample)."""
-        del completions  # SFT samples nothing
-        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-        use_vt = sft_packs.choose_vt(len(chunk), config.sft_vt_fraction, config.global_seed,
-                                     step * accum + micro)  # fmt: skip
-        packs = sft_packs.build_sft_packs(
-            chunk, encode, options, special, num_rows=local_rows,
-            max_forward_tokens=config.max_forward_tokens, use_vt=use_vt,
-            shapes=shapes["sft"][first_bucket:],
-        )  # fmt: skip
-        add_mean(sums, "pack/sft_padding", packs.padding_fraction)
-        add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
-        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + packs.num_dropped
-        return (packs.pack,), first_bucket + packs.bucket, int((packs.pack.segment_ids > 0).sum())
-
-    def offline_micro(step, micro, samples, completions, sums, first_bucket):
-        """One offline micro-batch: the text-only pack + the cached teacher at its entries."""
-        del step, completions  # nothing is sampled
-        chunk = samples[micro * local_per_micro : (micro + 1) * local_per_micro]
-        batch = offline_views.offline_batch(
-            chunk, cache_reader, encode, options, special, num_rows=local_rows,
-            max_forward_tokens=config.max_forward_tokens, shapes=shapes["offline"][first_bucket:],
-        )  # fmt: skip
-        add_mean(sums, "pack/offline_padding", batch.padding_fraction)
-        sums["pack/dropped"] = sums.get("pack/dropped", 0.0) + batch.num_dropped
-        return ((batch.pack, batch.cache), first_bucket + batch.bucket,
-                int((batch.pack.segment_ids > 0).sum()))  # fmt: skip
-
-    def pack_step(step, samples, completions):
-        """Every micro-batch of a step packed in one length bucket (the step's arrays are
-        stacked), all processes alike; -> (bucket, micro-batches on the mesh, sums, tokens)."""
-        micro_step = {"sft": sft_micro, "offline": offline_micro}.get(config.mode, opsd_micro)
-
-        def pack_all(first_bucket):
-            sums = {}
-            out = [micro_step(step, m, samples, completions, sums, first_bucket)
-                   for m in range(accum)]  # fmt: skip
-            return [packs for packs, _, _ in out], max(b for _, b, _ in out), sums, out
-
-        micro_packs, bucket, sums, out = pack_all(0)
-        if config.pack_length_buckets > 1:
-            bucket = int(distributed.all_processes(bucket).max())
-            if any(b != bucket for _, b, _ in out):
-                micro_packs, _, sums, out = pack_all(bucket)
-        tokens = sum(t for _, _, t in out)
-        batch = tuple(distributed.put_micro_batches([p[i] for p in micro_packs], mesh,
-                                                    sample_offset=sample_offset)
-                      for i in range(len(micro_packs[0])))  # fmt: skip
-        return bucket, batch, sums, tokens
 
     # ---- the sampler's decode layout ('auto': the least projected rollout time that fits) -----
     decode_layout = config.sampler_layout
@@ -429,45 +353,41 @@ def main(argv):
         if logged is None or not (cut or dropped):
             return
         for line in pack_shapes.cut_report(cut, dropped, unreported["samples"],
-                                           {n: shapes[n][-1] for n in pack_names}):  # fmt: skip
+                                           batches.largest_shapes()):  # fmt: skip
             logger.log_note(step, line)
         unreported.update({"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0})
 
-    def finish(done: dict, state) -> None:
+    def save(done: DispatchedStep, state) -> None:
+        checkpointer.save(done.step, state, data_state=done.data_state, config=config.to_dict(),
+                          force=True)  # fmt: skip
+
+    def finish(done: DispatchedStep, state) -> None:
         """Log a dispatched step once the next one runs (the host never waits on the step it
-        just dispatched); stop the run after too many non-finite steps in a row. `state` is the
-        latest dispatched one, saved if the run stops here."""
+        just dispatched). Past max_consecutive_bad_steps non-finite steps in a row: save, then
+        stop. The step after this one was dispatched already, but it changed nothing (the
+        compiled step halts past the limit, step counter included), so `state` is still that of
+        the last good step: saving it loses no good training."""
         nonlocal last_good_step
-        step = done["step"]
-        metrics = {k: float(distributed.to_host(v)) for k, v in done["metrics"].items()}
+        metrics = {k: float(distributed.to_host(v)) for k, v in done.metrics.items()}
         bad_steps = int(metrics.pop("bad_steps"))
         if metrics["nonfinite"] > 0:
             logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
-                            "samples %s", step, bad_steps, done["pids"])  # fmt: skip
+                            "samples %s", done.step, bad_steps, done.pids)  # fmt: skip
             if bad_steps > config.max_consecutive_bad_steps:
-                # The step after this one was dispatched already, but it changed nothing (the
-                # compiled step halts past the limit, step counter included): the state is
-                # still that of the last good step. Save it, so no good training is lost.
-                checkpointer.save(step, state, data_state=done["data_state"],
-                                  config=config.to_dict(), force=True)  # fmt: skip
+                save(done, state)
                 checkpointer.wait_until_finished()
-                raise RuntimeError(
-                    f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
-                    f"max_consecutive_bad_steps={config.max_consecutive_bad_steps}); stopping. "
-                    f"Saved step {step} in {checkpoint_dir}: its params, optimizer state and "
-                    f"EMA are those after step {last_good_step}, the last good step. Lower lr or "
-                    f"check the data (the skipped samples are logged above)."
-                )
+                raise TooManyBadSteps(bad_steps, config.max_consecutive_bad_steps, done.step,
+                                      checkpoint_dir, last_good_step)  # fmt: skip
         else:
-            last_good_step = step
-        scalars = dict(done["scalars"], **metrics)
-        logged = logger.log_step(step, scalars, samples=accum * per_micro,
-                                 tokens=done["tokens"])  # fmt: skip
-        report_cut_samples(step, scalars, logged)
+            last_good_step = done.step
+        scalars = dict(done.scalars, **done.eval_scalars, **metrics)
+        logged = logger.log_step(done.step, scalars, samples=accum * per_micro,
+                                 tokens=done.tokens)  # fmt: skip
+        report_cut_samples(done.step, scalars, logged)
         if logged is not None:
-            summary.add_logged(step, logged)
-        if logged is not None and done["completion"] is not None:
-            logger.log_text(step, "completion", tokenizer.decode(done["completion"]))
+            summary.add_logged(done.step, logged)
+        if logged is not None and done.completion is not None:
+            logger.log_text(done.step, "completion", tokenizer.decode(done.completion))
 
     if eval_samples and config.eval_at_start and start_step == 0:  # the baseline of every curve
         with logger.phase("eval"):
@@ -514,28 +434,28 @@ def main(argv):
                 student.delete()
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
         with logger.phase("pack"):  # offline: the cache read too
-            bucket, batch, scalars, tokens = pack_step(step, samples, own_completions)
-        with logger.phase("step"):
-            state, metrics = compiled_steps[bucket](state, batch)  # dispatched, not awaited
-        scalars.update(data.metrics())
+            packed = batches.pack(step, samples, own_completions)
+        with logger.phase("step"):  # dispatched, not awaited
+            state, metrics = compiled_steps[packed.bucket](state, packed.batch)
+        scalars = dict(packed.scalars, **data.metrics())
         if completions is not None:
             scalars["completion_length"] = float(completions.lengths.mean())
             scalars["completion_finished"] = float(completions.finished.mean())
             scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
-        done = dict(step=step + 1, metrics=metrics, scalars=scalars, pids=[s.pid for s in samples],
-                    tokens=int(distributed.all_processes(tokens).sum()),
-                    data_state=data.get_state(),
-                    completion=None if completions is None else completions.row(0))  # fmt: skip
+        done = DispatchedStep(
+            step=step + 1, metrics=metrics, scalars=scalars, pids=[s.pid for s in samples],
+            tokens=int(distributed.all_processes(packed.tokens).sum()),
+            data_state=data.get_state(),
+            completion=None if completions is None else completions.row(0))  # fmt: skip
         if pending is not None:
             finish(pending, state)
         pending = done
         if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
-            with logger.phase("eval"):
-                scalars.update(run_evaluation(step + 1, state.params))
+            with logger.phase("eval"):  # logged with the step, when it is finished
+                done.eval_scalars.update(run_evaluation(step + 1, state.params))
         stopping = stop.requested()
         if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
-            checkpointer.save(step + 1, state, data_state=done["data_state"],
-                              config=config.to_dict(), force=True)  # fmt: skip
+            save(done, state)
         if stopping:
             checkpointer.wait_until_finished()
             finish(pending, state)
@@ -552,24 +472,72 @@ def main(argv):
     checkpointer.close()
     logger.close()
     counts = distributed.all_processes([data.num_yielded, *data.skipped.values()]).sum(axis=0)
-    skipped = {r: int(n) for r, n in zip(data.skipped, counts[1:]) if n}
+    end = RunEnd(first_step=start_step, last_step=stopped_at or config.total_steps,
+                 stopped=stopped_at is not None, samples_used=int(counts[0]),
+                 skipped_rows={r: int(n) for r, n in zip(data.skipped, counts[1:]) if n})  # fmt: skip
     if cache_dir:
         say(cache_counter.describe(cache_dir))
-    say(f"data: {int(counts[0])} samples used; skipped rows: "
-        f"{', '.join(f'{r} {n}' for r, n in skipped.items()) or 'none'}")  # fmt: skip
-    if stopped_at is None:
-        say(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, logs in "
-            f"{config.results_dir}")  # fmt: skip
-    chance = (toy_tasks.chance_accuracy([s["name"] for s in config.data.datasets])
-              if config.toy_data else None)  # fmt: skip
-    for line in summary.lines(chance):
+    for line in end.lines(config, checkpoint_dir, summary):
         say(line)
     if distributed.is_main() and (summary.evals or summary.losses):
         png = os.path.join(config.results_dir, "summary.png")
-        summary.plot(png, title=f"{config.results_dir}: {config.mode}, steps {start_step}.."
-                     f"{stopped_at or config.total_steps}", chance=chance)  # fmt: skip
+        summary.plot(png, title=f"{config.results_dir}: {config.mode}, steps {end.first_step}.."
+                     f"{end.last_step}", chance=chance_of(config))  # fmt: skip
         say(f"accuracy and loss over the steps: {png}")
     say(next_commands(config, checkpoint_dir))
+
+
+@dataclasses.dataclass
+class DispatchedStep:
+    """A step dispatched to the devices and not yet logged (its metrics are still device
+    arrays): `finish` logs it once the next step is dispatched."""
+
+    step: int  # the step number it completes (1-based)
+    metrics: dict  # the compiled step's metrics (device scalars)
+    scalars: dict  # host-side figures: packing, data, completions
+    pids: list  # the samples it trained on (named when the step is non-finite)
+    tokens: int  # real tokens packed, over all processes
+    data_state: Any  # the data iterator after this step (saved with it)
+    completion: Any  # the first sampled completion's token ids (OPSD), for the text log
+    eval_scalars: dict = dataclasses.field(default_factory=dict)  # held-out evaluation at it
+
+
+class TooManyBadSteps(RuntimeError):
+    """More non-finite steps in a row than max_consecutive_bad_steps (the run saved first)."""
+
+    def __init__(self, bad_steps, limit, step, checkpoint_dir, last_good_step):
+        super().__init__(
+            f"{bad_steps} consecutive steps with a non-finite loss or gradient (limit "
+            f"max_consecutive_bad_steps={limit}); stopping. Saved step {step} in "
+            f"{checkpoint_dir}: its params, optimizer state and EMA are those after step "
+            f"{last_good_step}, the last good step. Lower lr or check the data (the skipped "
+            f"samples are logged above).")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnd:
+    """How a run ended: its closing lines come from here."""
+
+    first_step: int  # where this run started (0, or the step it resumed at)
+    last_step: int  # where it ended: total_steps, or the step a signal stopped it after
+    stopped: bool  # stopped early by a signal (a checkpoint of last_step was saved)
+    samples_used: int  # over all processes
+    skipped_rows: dict  # reason -> rows the data pipeline skipped
+
+    def lines(self, config, checkpoint_dir: str, summary: RunSummary) -> list[str]:
+        skipped = ", ".join(f"{r} {n}" for r, n in self.skipped_rows.items()) or "none"
+        lines = [f"data: {self.samples_used} samples used; skipped rows: {skipped}"]
+        if not self.stopped:
+            lines.append(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, "
+                         f"logs in {config.results_dir}")  # fmt: skip
+        return lines + list(summary.lines(chance_of(config)))
+
+
+def chance_of(config) -> float | None:
+    """The toy tasks' chance accuracy (a toy run's summary shows it), else None."""
+    if not config.toy_data:
+        return None
+    return toy_tasks.chance_accuracy([s["name"] for s in config.data.datasets])
 
 
 def next_commands(config, checkpoint_dir: str) -> str:

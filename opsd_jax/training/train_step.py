@@ -283,6 +283,15 @@ def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
     return loss_fn
 
 
+def make_loss(mode: str, graphdef, rest, settings: LossSettings, teacher_mode: str) -> Loss:
+    """The loss of a training mode: 'opsd' (student vs teacher), 'sft' or 'offline'."""
+    if mode == "sft":
+        return make_sft_loss(graphdef, rest, settings)
+    if mode == "offline":
+        return make_offline_loss(graphdef, rest, settings)
+    return make_opsd_loss(graphdef, rest, settings, teacher_mode)
+
+
 def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
     """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics) of one OPSD
     micro-batch (the body of the train step's scan; for tests and compiled-program checks)."""

@@ -1,0 +1,190 @@
+"""One optimizer step's micro-batches, for each training mode behind one interface.
+
+train.py hands a step's samples (and, in OPSD, the student's sampled completions) to the mode's
+`StepBatches`; it packs every micro-batch at the fixed shapes (opsd_jax/data/pack_shapes.py),
+all of a step's in one length bucket that every process agrees on, stacks them and puts them
+on the mesh. The same object gives the abstract batches the train step is compiled for.
+
+- `OpsdBatches`: aligned student / teacher packs of each sampled completion;
+- `SftBatches`: one CE pack (each sample in the student or, for `sft_vt_fraction` of them,
+  the VT context);
+- `OfflineBatches`: the text-only pack and the cached teacher at its loss entries.
+
+Each process packs its own share of every micro-batch: samples [offset, offset + local) of it,
+in `local_rows` rows (micro-batches are laid out process-major, see parallel/distributed.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from opsd_jax.data import offline_views, sft_packs
+from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
+from opsd_jax.parallel import distributed
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedStep:
+    """A step's micro-batches, ready for the compiled step of `bucket`."""
+
+    bucket: int  # the length bucket (index into the config's pack shapes)
+    batch: tuple  # one entry per pack: its micro-batches stacked [micro, rows, ...], on the mesh
+    scalars: dict[str, float]  # what packing did: padding shares (means), cut / dropped (sums)
+    tokens: int  # real tokens this process packed
+
+
+class StepBatches:
+    """What every mode shares: the bucket agreement, the stacking and the compile shapes."""
+
+    pack_names: tuple[str, ...]
+
+    def __init__(self, config, shapes: dict, encode, options, special, mesh, *,
+                 local_samples: int, local_rows: int, sample_offset: int):  # fmt: skip
+        self.config, self.shapes, self.encode = config, shapes, encode
+        self.options, self.special, self.mesh = options, special, mesh
+        self.accum = config.gradient_accumulation_steps
+        self.local_samples, self.local_rows = local_samples, local_rows
+        self.sample_offset = sample_offset
+
+    def pack(self, step: int, samples: list, completions: list | None = None) -> PackedStep:
+        """Every micro-batch of the step in one length bucket (the first that fits all of them
+        on every process: a micro-batch packed at a smaller one is packed again)."""
+        packed, buckets, sums, tokens = self._pack_all(step, samples, completions, 0)
+        bucket = max(buckets)
+        if self.config.pack_length_buckets > 1:
+            bucket = int(distributed.all_processes(bucket).max())
+            if any(b != bucket for b in buckets):
+                packed, _, sums, tokens = self._pack_all(step, samples, completions, bucket)
+        batch = tuple(
+            distributed.put_micro_batches([parts[i] for parts in packed], self.mesh,
+                                          sample_offset=self.sample_offset)
+            for i in range(len(packed[0])))  # fmt: skip
+        return PackedStep(bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens))
+
+    def abstract_batch(self, bucket: int) -> tuple:
+        """The global, sharded shapes of `pack`'s batch in `bucket` (to compile the step)."""
+        return tuple(distributed.abstract_micro_batches(part, self.accum, self.mesh)
+                     for part in self.empty_parts(bucket))  # fmt: skip
+
+    def empty_parts(self, bucket: int) -> list:
+        """One micro-batch's parts with nothing in them, at `bucket`'s shapes."""
+        return [shaped_pack([], self.shapes[name][bucket], self.local_rows, self.special, [],
+                            fixed=True) for name in self.pack_names]  # fmt: skip
+
+    def describe(self, bucket: int) -> str:
+        """The sizes of `bucket`'s packs, for the compile line."""
+        return ", ".join(f"{name} {self.shapes[name][bucket].row_length} tokens / "
+                         f"{self.shapes[name][bucket].patches} patches"
+                         for name in self.pack_names)  # fmt: skip
+
+    def largest_shapes(self) -> dict:
+        """Each pack's largest shape (the cut report names the sizes to raise)."""
+        return {name: self.shapes[name][-1] for name in self.pack_names}
+
+    def micro(self, step: int, micro: int, samples: list, completions: list | None,
+              first_bucket: int, sums: dict) -> tuple[tuple, int, int]:  # fmt: skip
+        """One micro-batch -> (its parts, the bucket it fits, tokens); adds to `sums`."""
+        raise NotImplementedError
+
+    def _pack_all(self, step, samples, completions, first_bucket):
+        sums: dict[str, float] = {}
+        packed, buckets, tokens = [], [], []
+        for m in range(self.accum):
+            chunk = slice(m * self.local_samples, (m + 1) * self.local_samples)
+            parts, bucket, count = self.micro(
+                step, m, samples[chunk], None if completions is None else completions[chunk],
+                first_bucket, sums)  # fmt: skip
+            packed.append(parts)
+            buckets.append(bucket)
+            tokens.append(count)
+        return packed, buckets, sums, tokens
+
+    def _add_mean(self, sums: dict, key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value / self.accum
+
+    @staticmethod
+    def _add(sums: dict, key: str, value: float) -> None:
+        sums[key] = sums.get(key, 0.0) + value
+
+
+class OpsdBatches(StepBatches):
+    """Visual-OPSD: the student's view and the teacher's (VT images before the completion)."""
+
+    pack_names = ("student", "teacher")
+
+    def micro(self, step, micro, samples, completions, first_bucket, sums):
+        del step, micro  # the packs depend only on the samples and their completions
+        packs = build_training_packs(
+            samples, completions, self.encode, self.options, self.special,
+            num_rows=self.local_rows, max_forward_tokens=self.config.max_forward_tokens,
+            shapes={name: self.shapes[name][first_bucket:] for name in self.pack_names},
+        )  # fmt: skip
+        tokens = int((packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum())
+        for name, fraction in packs.padding_fraction.items():
+            self._add_mean(sums, f"pack/{name}_padding", fraction)
+        self._add(sums, "pack/truncated", packs.num_truncated)
+        self._add(sums, "pack/dropped", packs.num_dropped)
+        return (packs.student, packs.teacher), first_bucket + packs.bucket, tokens
+
+
+class SftBatches(StepBatches):
+    """The SFT baseline: plain CE on the reference thought and answer."""
+
+    pack_names = ("sft",)
+
+    def micro(self, step, micro, samples, completions, first_bucket, sums):
+        del completions  # SFT samples nothing
+        # Which samples train in the VT context: seeded by the micro-batch, so a resume agrees.
+        use_vt = sft_packs.choose_vt(len(samples), self.config.sft_vt_fraction,
+                                     self.config.global_seed, step * self.accum + micro)  # fmt: skip
+        packs = sft_packs.build_sft_packs(
+            samples, self.encode, self.options, self.special, num_rows=self.local_rows,
+            max_forward_tokens=self.config.max_forward_tokens, use_vt=use_vt,
+            shapes=self.shapes["sft"][first_bucket:],
+        )  # fmt: skip
+        self._add_mean(sums, "pack/sft_padding", packs.padding_fraction)
+        self._add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
+        self._add(sums, "pack/dropped", packs.num_dropped)
+        return ((packs.pack,), first_bucket + packs.bucket,
+                int((packs.pack.segment_ids > 0).sum()))  # fmt: skip
+
+
+class OfflineBatches(StepBatches):
+    """Offline Visual-OPSD: the text-only pack and the cached teacher (read here)."""
+
+    pack_names = ("offline",)
+
+    def __init__(self, *args, cache_reader: Any, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_reader = cache_reader
+
+    def empty_parts(self, bucket):
+        # The cached teacher at each loss entry: fixed [rows, entries, top-k] too.
+        entries = self.shapes["offline"][bucket].loss_entries
+        return super().empty_parts(bucket) + [
+            offline_views.empty_cache(self.local_rows, entries, self.cache_reader.top_k)]
+
+    def describe(self, bucket):
+        return super().describe(bucket) + f", cached teacher top-{self.cache_reader.top_k}"
+
+    def micro(self, step, micro, samples, completions, first_bucket, sums):
+        del step, micro, completions  # nothing is sampled
+        batch = offline_views.offline_batch(
+            samples, self.cache_reader, self.encode, self.options, self.special,
+            num_rows=self.local_rows, max_forward_tokens=self.config.max_forward_tokens,
+            shapes=self.shapes["offline"][first_bucket:],
+        )  # fmt: skip
+        self._add_mean(sums, "pack/offline_padding", batch.padding_fraction)
+        self._add(sums, "pack/dropped", batch.num_dropped)
+        return ((batch.pack, batch.cache), first_bucket + batch.bucket,
+                int((batch.pack.segment_ids > 0).sum()))  # fmt: skip
+
+
+def step_batches_for(mode: str, *args, cache_reader=None, **kwargs) -> StepBatches:
+    """The mode's StepBatches (arguments: StepBatches'; offline also takes the cache)."""
+    if mode == "sft":
+        return SftBatches(*args, **kwargs)
+    if mode == "offline":
+        return OfflineBatches(*args, cache_reader=cache_reader, **kwargs)
+    return OpsdBatches(*args, **kwargs)
