@@ -90,8 +90,9 @@ def main(argv):
     # ---- one run per directory: a second run on the same results_dir refuses here -----------
     checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
     held = [config.results_dir]  # and checkpoint_dir where it lies outside results_dir
-    if os.path.relpath(os.path.abspath(checkpoint_dir), os.path.abspath(config.results_dir)
-                       ).startswith(os.pardir):  # fmt: skip
+    if os.path.relpath(
+        os.path.abspath(checkpoint_dir), os.path.abspath(config.results_dir)
+    ).startswith(os.pardir):
         held.append(checkpoint_dir)
     try:
         run_lock.acquire_for_run(held, say=say)
@@ -114,8 +115,9 @@ def main(argv):
     say(f"compilation cache: {cache_dir or 'off (compilation_cache_dir)'}")
 
     # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
-    checkpointer = Checkpointer(checkpoint_dir, save_every=config.save_every,
-                                max_to_keep=config.max_checkpoints)  # fmt: skip
+    checkpointer = Checkpointer(
+        checkpoint_dir, save_every=config.save_every, max_to_keep=config.max_checkpoints
+    )
     resumed = None
     if config.auto_resume and checkpointer.latest_step() is not None:
         resumed = checkpoint_dir
@@ -124,8 +126,9 @@ def main(argv):
     saved_teacher = None
     if resumed:  # every changed key said (saved -> now); one that contradicts the state refused
         try:
-            for line in resume_changes.check(checkpoint_lib.saved_config(resumed),
-                                             config.to_dict(), resumed):  # fmt: skip
+            for line in resume_changes.check(
+                checkpoint_lib.saved_config(resumed), config.to_dict(), resumed
+            ):
                 say(line)
         except resume_changes.ResumeConfigError as e:
             run_config.config_error(e)
@@ -134,27 +137,40 @@ def main(argv):
     # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
     runtime = run_config.model_runtime(config)  # "auto" attention -> this machine's backend
-    say(f"attention backend {runtime['attention_backend']}"
-        + (" (auto)" if config.attention_backend == "auto" else ""))  # fmt: skip
+    say(
+        f"attention backend {runtime['attention_backend']}"
+        + (" (auto)" if config.attention_backend == "auto" else "")
+    )
     if resumed:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.
         model, model_config, tokenizer = load_hf(
-            config.model_path, mesh=mesh, config_changes={"llm": runtime}, read_params=False)  # fmt: skip
+            config.model_path, mesh=mesh, config_changes={"llm": runtime}, read_params=False
+        )
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         del model
         teacher_source, description = None, None
     else:
         start = init_weights.load(config, mesh, config_changes={"llm": runtime})
-        graphdef, params, rest, tokenizer = start.graphdef, start.params, start.rest, start.tokenizer
-        model_config, teacher_source, description = (start.model_config, start.teacher_source,
-                                                     start.description)  # fmt: skip
+        graphdef, params, rest, tokenizer = (
+            start.graphdef,
+            start.params,
+            start.rest,
+            start.tokenizer,
+        )
+        model_config, teacher_source, description = (
+            start.model_config,
+            start.teacher_source,
+            start.description,
+        )
         del start
     special = tokenizer.special_tokens()
     num_params = sum(x.size for x in jax.tree.leaves(params))
-    say(f"model {config.model_path}: {num_params:,} trainable parameters (LM, ViT, connector), "
-          f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
-          + (" (weights not read: a checkpoint gives them)" if resumed else ""))  # fmt: skip
+    say(
+        f"model {config.model_path}: {num_params:,} trainable parameters (LM, ViT, connector), "
+        f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
+        + (" (weights not read: a checkpoint gives them)" if resumed else "")
+    )
     if description:
         say(f"starting weights: {description}")
 
@@ -173,19 +189,29 @@ def main(argv):
     frozen = train_step.frozen_groups(config, params)
     abstract_params = abstract_like(params)
     abstract_state = train_step.abstract_state(
-        abstract_params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
-        fixed_teacher_dtype=config.fixed_teacher_dtype, frozen=frozen,
-    )  # fmt: skip
+        abstract_params,
+        optimizer,
+        config.teacher_mode,
+        jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype,
+        frozen=frozen,
+    )
     if not resumed:
         # Jitted into exactly the layout the step is compiled for (the params are donated, so
         # not copied; the optimizer state and scalars are made in place on every process).
         init = jax.jit(
             lambda params, source: train_step.init_state(
-                params, optimizer, config.teacher_mode, jax.random.key(config.global_seed),
-                fixed_teacher_dtype=config.fixed_teacher_dtype, teacher_source=source,
-                frozen=frozen),
-            out_shardings=train_step.shardings_of(abstract_state), donate_argnums=(0,),
-        )  # fmt: skip
+                params,
+                optimizer,
+                config.teacher_mode,
+                jax.random.key(config.global_seed),
+                fixed_teacher_dtype=config.fixed_teacher_dtype,
+                teacher_source=source,
+                frozen=frozen,
+            ),
+            out_shardings=train_step.shardings_of(abstract_state),
+            donate_argnums=(0,),
+        )
         with mesh_lib.use_mesh(mesh):
             state = init(params, teacher_source)
     del params, teacher_source
@@ -200,10 +226,17 @@ def main(argv):
         state, data_state, saved_config = checkpointer.restore(target, directory=resumed)
         if no_saved_teacher:
             start_teacher = jax.jit(
-                lambda p: train_step.init_state(
-                    p, optimizer, config.teacher_mode, None,
-                    fixed_teacher_dtype=config.fixed_teacher_dtype).teacher_params,
-                out_shardings=train_step.shardings_of(abstract_state).teacher_params)  # fmt: skip
+                lambda p: (
+                    train_step.init_state(
+                        p,
+                        optimizer,
+                        config.teacher_mode,
+                        None,
+                        fixed_teacher_dtype=config.fixed_teacher_dtype,
+                    ).teacher_params
+                ),
+                out_shardings=train_step.shardings_of(abstract_state).teacher_params,
+            )
             with mesh_lib.use_mesh(mesh):
                 state = state.replace(teacher_params=start_teacher(state.params))
         if data_state:
@@ -222,70 +255,115 @@ def main(argv):
     cache_reader = None
     if offline:  # the cached teacher, refused if made for another model
         try:
-            manifest = offline_cache.check_manifest(config.offline_cache_dir, model_config,
-                                                    tokenizer, options)  # fmt: skip
+            manifest = offline_cache.check_manifest(
+                config.offline_cache_dir, model_config, tokenizer, options
+            )
         except offline_cache.CacheError as e:
             run_config.config_error(e)
         cache_reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
-        say(f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
-            f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}")  # fmt: skip
+        say(
+            f"offline teacher cache {config.offline_cache_dir}: {len(cache_reader)} samples, "
+            f"top-{cache_reader.top_k} {cache_reader.logprob_dtype}"
+        )
     loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, config.teacher_mode)
     step_fn = run_config.train_step_for(config, loss_fn, optimizer, abstract_state, frozen)
     # This process's share of each micro-batch: samples [offset, offset + local_per_micro) of
     # it, in `local_rows` rows (micro-batches are laid out process-major, see distributed.py).
     local_rows = config.rows_per_micro_batch // num_processes
     sample_offset = process_index * local_per_micro
-    local_to_global = np.array([
-        (j // local_per_micro) * per_micro + sample_offset + j % local_per_micro
-        for j in range(accum * local_per_micro)
-    ])  # fmt: skip
+    local_to_global = np.array(
+        [
+            (j // local_per_micro) * per_micro + sample_offset + j % local_per_micro
+            for j in range(accum * local_per_micro)
+        ]
+    )
     shapes = pack_shapes.pack_shapes(config)  # pack name -> its shape in each length bucket
     # The mode's micro-batches (OPSD, SFT or offline), one interface: opsd_jax/training/step_batches.py
     batches = step_batches_for(
-        config.mode, config, shapes, encode, options, special, mesh, cache_reader=cache_reader,
-        local_samples=local_per_micro, local_rows=local_rows, sample_offset=sample_offset)  # fmt: skip
+        config.mode,
+        config,
+        shapes,
+        encode,
+        options,
+        special,
+        mesh,
+        cache_reader=cache_reader,
+        local_samples=local_per_micro,
+        local_rows=local_rows,
+        sample_offset=sample_offset,
+    )
     # Every length bucket compiled ahead of time, before step 1: nothing compiles in the loop.
     compiled_steps = []
     for bucket in range(config.pack_length_buckets):
         t0, read_before = time.perf_counter(), cache_counter.read
         with mesh_lib.use_mesh(mesh):
-            compiled_steps.append(step_fn.lower(abstract_state, batches.abstract_batch(bucket))
-                                  .compile())  # fmt: skip
+            compiled_steps.append(
+                step_fn.lower(abstract_state, batches.abstract_batch(bucket)).compile()
+            )
         cached = " (read from the compilation cache)" if cache_counter.read > read_before else ""
-        say(f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
+        say(
+            f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
             f"({batches.describe(bucket)}), {shapes[batches.pack_names[0]][bucket].loss_entries} "
-            f"loss entries per row: {time.perf_counter() - t0:.1f} s{cached}")  # fmt: skip
+            f"loss entries per row: {time.perf_counter() - t0:.1f} s{cached}"
+        )
 
     def on_mesh(pack):
         return distributed.put_rows(pack, mesh, sample_offset=sample_offset)
 
     logger = MetricsLogger(
-        config.results_dir, total_steps=config.total_steps, log_every=config.log_every,
-        start_step=start_step, progress_bar=config.progress_bar, is_main=distributed.is_main(),
-        wandb=(dict(project=config.wandb_project, name=config.wandb_name or None,
-                    mode=config.wandb_mode, id=config.wandb_runid, resume=config.wandb_resume)
-               if config.wandb_project else None),
+        config.results_dir,
+        total_steps=config.total_steps,
+        log_every=config.log_every,
+        start_step=start_step,
+        progress_bar=config.progress_bar,
+        is_main=distributed.is_main(),
+        wandb=(
+            dict(
+                project=config.wandb_project,
+                name=config.wandb_name or None,
+                mode=config.wandb_mode,
+                id=config.wandb_runid,
+                resume=config.wandb_resume,
+            )
+            if config.wandb_project
+            else None
+        ),
         config=config.to_dict(),
-    )  # fmt: skip
-    recipe = (f"SFT, VT context for {config.sft_vt_fraction:.0%} of samples" if sft else
-              f"offline: cached teacher, kd_weight {config.kd_weight}, kd_temperature "
-              f"{config.kd_temperature}" if config.mode == "offline" else
-              f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'")  # fmt: skip
-    say(f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
-          f"per step, {recipe}")  # fmt: skip
+    )
+    recipe = (
+        f"SFT, VT context for {config.sft_vt_fraction:.0%} of samples"
+        if sft
+        else f"offline: cached teacher, kd_weight {config.kd_weight}, kd_temperature "
+        f"{config.kd_temperature}"
+        if config.mode == "offline"
+        else f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'"
+    )
+    say(
+        f"training steps {start_step}..{config.total_steps}: {accum} x {per_micro} samples "
+        f"per step, {recipe}"
+    )
 
     # ---- the sampler's decode layout ('auto': the least projected rollout time that fits) -----
     decode_layout = config.sampler_layout
     if decode_layout == "auto":
         # The KV cache at capacity: every prompt row, each of a student row's share of tokens
         # (prompt + completion; the row holds per_micro / rows samples).
-        slots = (shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
-                 if "student" in shapes else config.max_forward_tokens)  # fmt: skip
+        slots = (
+            shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
+            if "student" in shapes
+            else config.max_forward_tokens
+        )
         cache_dtype = run_config.cache_dtype_for(config.compute_dtype)
-        cache_bytes = layout_choice.cache_nbytes(model_config, accum * per_micro, slots,
-                                                 cache_dtype)  # fmt: skip
-        choice = decode_copy.choose_layout(model_config, nnx.merge_state(abstract_params, rest),
-                                           mesh, config.compute_dtype, cache_bytes)  # fmt: skip
+        cache_bytes = layout_choice.cache_nbytes(
+            model_config, accum * per_micro, slots, cache_dtype
+        )
+        choice = decode_copy.choose_layout(
+            model_config,
+            nnx.merge_state(abstract_params, rest),
+            mesh,
+            config.compute_dtype,
+            cache_bytes,
+        )
         decode_layout = choice.layout
         if config.mode == "opsd" or config.eval_every:
             say(choice.describe(config.sample_max_new_tokens))
@@ -295,35 +373,49 @@ def main(argv):
     summary = RunSummary()  # every evaluation and logged loss, for the end-of-run summary
     if config.eval_every:
         eval_samples = evaluation.load_eval_samples(
-            data_config, "eval", max_per_dataset=config.eval_samples_per_dataset)  # fmt: skip
-        say(f"evaluation every {config.eval_every} steps on {len(eval_samples)} held-out "
-            f"samples, context(s) {', '.join(eval_contexts)}")  # fmt: skip
+            data_config, "eval", max_per_dataset=config.eval_samples_per_dataset
+        )
+        say(
+            f"evaluation every {config.eval_every} steps on {len(eval_samples)} held-out "
+            f"samples, context(s) {', '.join(eval_contexts)}"
+        )
 
     def run_evaluation(step, params) -> dict:
         scalars = {}
         student = nnx.merge(graphdef, params, rest)
         for context in eval_contexts:
             result = evaluation.evaluate(
-                student, eval_samples, tokenizer, options=options, context=context,
+                student,
+                eval_samples,
+                tokenizer,
+                options=options,
+                context=context,
                 max_new_tokens=config.eval_max_new_tokens or config.sample_max_new_tokens,
-                do_sample=False, batch_size=config.eval_batch_size,
-                max_image_skips=config.sample_max_image_skips, seed=config.global_seed,
-                mesh=mesh, sampler_layout=decode_layout,
+                do_sample=False,
+                batch_size=config.eval_batch_size,
+                max_image_skips=config.sample_max_image_skips,
+                seed=config.global_seed,
+                mesh=mesh,
+                sampler_layout=decode_layout,
                 prompt_buckets=config.sample_prompt_buckets,
                 cache_dtype=run_config.cache_dtype_for(config.compute_dtype),
-            )  # fmt: skip
+            )
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))
             summary.add_eval(step, context, result.summary, result.records)
             overall, datasets = result.summary["overall"], result.summary["datasets"]
-            logger.log_note(step, f"held-out accuracy, {context} context "
-                            f"({'without' if context == 'student' else 'with'} VT): "
-                            f"{overall['accuracy']:.1%} of {overall['num_samples']} samples ("
-                            + ", ".join(f"{name} {m['accuracy']:.1%}" for name, m in datasets.items())
-                            + ")")  # fmt: skip
+            logger.log_note(
+                step,
+                f"held-out accuracy, {context} context "
+                f"({'without' if context == 'student' else 'with'} VT): "
+                f"{overall['accuracy']:.1%} of {overall['num_samples']} samples ("
+                + ", ".join(f"{name} {m['accuracy']:.1%}" for name, m in datasets.items())
+                + ")",
+            )
             if distributed.is_main():
-                evaluation.save_results(result, os.path.join(config.results_dir, "eval"),
-                                        name=f"step{step}_{context}")  # fmt: skip
+                evaluation.save_results(
+                    result, os.path.join(config.results_dir, "eval"), name=f"step{step}_{context}"
+                )
         return scalars
 
     # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
@@ -331,10 +423,12 @@ def main(argv):
     if config.mode == "opsd":  # SFT and offline sample nothing
         heads = layout_choice.head_counts(model_config)
         decode_mesh = mesh_lib.decode_mesh(mesh, decode_layout, heads=heads)  # checks it fits
-        say(f"sampler: '{decode_layout}' decode copy ({config.compute_dtype}) on "
+        say(
+            f"sampler: '{decode_layout}' decode copy ({config.compute_dtype}) on "
             f"{dict(decode_mesh.shape)}; {accum * per_micro} prompt rows, lengths bucketed to "
             f"{list(config.sample_prompt_buckets)}: at most "
-            f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes")  # fmt: skip
+            f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes"
+        )
 
     # ---- loop ----------------------------------------------------------------------------------
     stop, stopped_at = StopRequest(), None
@@ -352,14 +446,16 @@ def main(argv):
         cut, dropped = int(unreported["pack/truncated"]), int(unreported["pack/dropped"])
         if logged is None or not (cut or dropped):
             return
-        for line in pack_shapes.cut_report(cut, dropped, unreported["samples"],
-                                           batches.largest_shapes()):  # fmt: skip
+        for line in pack_shapes.cut_report(
+            cut, dropped, unreported["samples"], batches.largest_shapes()
+        ):
             logger.log_note(step, line)
         unreported.update({"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0})
 
     def save(done: DispatchedStep, state) -> None:
-        checkpointer.save(done.step, state, data_state=done.data_state, config=config.to_dict(),
-                          force=True)  # fmt: skip
+        checkpointer.save(
+            done.step, state, data_state=done.data_state, config=config.to_dict(), force=True
+        )
 
     def finish(done: DispatchedStep, state) -> None:
         """Log a dispatched step once the next one runs (the host never waits on the step it
@@ -371,18 +467,26 @@ def main(argv):
         metrics = {k: float(distributed.to_host(v)) for k, v in done.metrics.items()}
         bad_steps = int(metrics.pop("bad_steps"))
         if metrics["nonfinite"] > 0:
-            logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row); "
-                            "samples %s", done.step, bad_steps, done.pids)  # fmt: skip
+            logging.warning(
+                "step %d: non-finite loss or gradient, update skipped (%d in a row); samples %s",
+                done.step,
+                bad_steps,
+                done.pids,
+            )
             if bad_steps > config.max_consecutive_bad_steps:
                 save(done, state)
                 checkpointer.wait_until_finished()
-                raise TooManyBadSteps(bad_steps, config.max_consecutive_bad_steps, done.step,
-                                      checkpoint_dir, last_good_step)  # fmt: skip
+                raise TooManyBadSteps(
+                    bad_steps,
+                    config.max_consecutive_bad_steps,
+                    done.step,
+                    checkpoint_dir,
+                    last_good_step,
+                )
         else:
             last_good_step = done.step
         scalars = dict(done.scalars, **done.eval_scalars, **metrics)
-        logged = logger.log_step(done.step, scalars, samples=accum * per_micro,
-                                 tokens=done.tokens)  # fmt: skip
+        logged = logger.log_step(done.step, scalars, samples=accum * per_micro, tokens=done.tokens)
         report_cut_samples(done.step, scalars, logged)
         if logged is not None:
             summary.add_logged(done.step, logged)
@@ -402,35 +506,51 @@ def main(argv):
                 # The sampler needs the previous step's params: its device time counts here.
                 jax.block_until_ready(state.params)
             with logger.phase("sample"):
-                prompt_pack = build_prompt_pack(samples, encode, options, special,
-                                                buckets=config.sample_prompt_buckets)  # fmt: skip
+                prompt_pack = build_prompt_pack(
+                    samples, encode, options, special, buckets=config.sample_prompt_buckets
+                )
                 # One prompt per row. Rows go on the mesh when they divide over it (always with
                 # several processes: validate() checks), else the sampler takes host arrays.
                 prompt_pack = on_mesh(prompt_pack)
-                first_row = (distributed.local_row_offset(prompt_pack.tokens)
-                             if isinstance(prompt_pack.tokens, jax.Array) else 0)  # fmt: skip
+                first_row = (
+                    distributed.local_row_offset(prompt_pack.tokens)
+                    if isinstance(prompt_pack.tokens, jax.Array)
+                    else 0
+                )
                 row_ids = distributed.all_processes(local_to_global).reshape(-1)
                 shape = pack_lib.pack_sizes(prompt_pack)[:2]
                 if shape not in prompt_shapes:
                     prompt_shapes.add(shape)
-                    say(f"sampler: compiling for prompt length {shape[0]}, {shape[1]} patches "
+                    say(
+                        f"sampler: compiling for prompt length {shape[0]}, {shape[1]} patches "
                         f"({len(prompt_shapes)} of at most "
-                        f"{prompt_shape_bound(config.sample_prompt_buckets)} shapes)")  # fmt: skip
+                        f"{prompt_shape_bound(config.sample_prompt_buckets)} shapes)"
+                    )
                 # Decode on a compute-dtype copy of the updated student in the decode layout
                 # (one all-gather on device), freed right after: no per-token weight gathers,
                 # and never two copies alive.
                 student = decode_copy.make_decode_copy(
-                    graphdef, state.params, rest, layout=decode_layout, mesh=mesh,
-                    dtype=config.compute_dtype, model_config=model_config)  # fmt: skip
+                    graphdef,
+                    state.params,
+                    rest,
+                    layout=decode_layout,
+                    mesh=mesh,
+                    dtype=config.compute_dtype,
+                    model_config=model_config,
+                )
                 completions = sampler.sample(
-                    student, prompt_pack,
-                    jax.random.fold_in(state.rng, step), special=special,
+                    student,
+                    prompt_pack,
+                    jax.random.fold_in(state.rng, step),
+                    special=special,
                     vocab_limit=tokenizer.vocab_length,
                     max_new_tokens=config.sample_max_new_tokens,
-                    temperature=config.sample_temperature, do_sample=config.sample_do_sample,
-                    max_image_skips=config.sample_max_image_skips, decode_text=tokenizer.decode,
+                    temperature=config.sample_temperature,
+                    do_sample=config.sample_do_sample,
+                    max_image_skips=config.sample_max_image_skips,
+                    decode_text=tokenizer.decode,
                     row_ids=row_ids + step * accum * per_micro,  # global sample ids
-                )  # fmt: skip
+                )
                 student.delete()
                 own_completions = [completions.row(first_row + j) for j in range(len(samples))]
         with logger.phase("pack"):  # offline: the cache read too
@@ -443,10 +563,14 @@ def main(argv):
             scalars["completion_finished"] = float(completions.finished.mean())
             scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
         done = DispatchedStep(
-            step=step + 1, metrics=metrics, scalars=scalars, pids=[s.pid for s in samples],
+            step=step + 1,
+            metrics=metrics,
+            scalars=scalars,
+            pids=[s.pid for s in samples],
             tokens=int(distributed.all_processes(packed.tokens).sum()),
             data_state=data.get_state(),
-            completion=None if completions is None else completions.row(0))  # fmt: skip
+            completion=None if completions is None else completions.row(0),
+        )
         if pending is not None:
             finish(pending, state)
         pending = done
@@ -460,8 +584,10 @@ def main(argv):
             checkpointer.wait_until_finished()
             finish(pending, state)
             pending = None
-            say(f"stopped by {stop.signal_name or 'a signal to another process'} after step "
-                f"{step + 1}: checkpoint saved in {checkpoint_dir}; run the same command to resume")
+            say(
+                f"stopped by {stop.signal_name or 'a signal to another process'} after step "
+                f"{step + 1}: checkpoint saved in {checkpoint_dir}; run the same command to resume"
+            )
             stopped_at = step + 1
             break
     if pending is not None:
@@ -472,17 +598,24 @@ def main(argv):
     checkpointer.close()
     logger.close()
     counts = distributed.all_processes([data.num_yielded, *data.skipped.values()]).sum(axis=0)
-    end = RunEnd(first_step=start_step, last_step=stopped_at or config.total_steps,
-                 stopped=stopped_at is not None, samples_used=int(counts[0]),
-                 skipped_rows={r: int(n) for r, n in zip(data.skipped, counts[1:]) if n})  # fmt: skip
+    end = RunEnd(
+        first_step=start_step,
+        last_step=stopped_at or config.total_steps,
+        stopped=stopped_at is not None,
+        samples_used=int(counts[0]),
+        skipped_rows={r: int(n) for r, n in zip(data.skipped, counts[1:]) if n},
+    )
     if cache_dir:
         say(cache_counter.describe(cache_dir))
     for line in end.lines(config, checkpoint_dir, summary):
         say(line)
     if distributed.is_main() and (summary.evals or summary.losses):
         png = os.path.join(config.results_dir, "summary.png")
-        summary.plot(png, title=f"{config.results_dir}: {config.mode}, steps {end.first_step}.."
-                     f"{end.last_step}", chance=chance_of(config))  # fmt: skip
+        summary.plot(
+            png,
+            title=f"{config.results_dir}: {config.mode}, steps {end.first_step}..{end.last_step}",
+            chance=chance_of(config),
+        )
         say(f"accuracy and loss over the steps: {png}")
     say(next_commands(config, checkpoint_dir))
 
@@ -511,7 +644,8 @@ class TooManyBadSteps(RuntimeError):
             f"max_consecutive_bad_steps={limit}); stopping. Saved step {step} in "
             f"{checkpoint_dir}: its params, optimizer state and EMA are those after step "
             f"{last_good_step}, the last good step. Lower lr or check the data (the skipped "
-            f"samples are logged above).")  # fmt: skip
+            f"samples are logged above)."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -528,8 +662,10 @@ class RunEnd:
         skipped = ", ".join(f"{r} {n}" for r, n in self.skipped_rows.items()) or "none"
         lines = [f"data: {self.samples_used} samples used; skipped rows: {skipped}"]
         if not self.stopped:
-            lines.append(f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, "
-                         f"logs in {config.results_dir}")  # fmt: skip
+            lines.append(
+                f"done: {config.total_steps} steps; checkpoints in {checkpoint_dir}, "
+                f"logs in {config.results_dir}"
+            )
         return lines + list(summary.lines(chance_of(config)))
 
 
@@ -549,17 +685,27 @@ def next_commands(config, checkpoint_dir: str) -> str:
         f"python scripts/plot_run.py {quote(run)}    # curves -> {os.path.join(run, 'plots')}",
     ]
     if config.model_path:
-        lines.append(f"python scripts/convert_hf.py jax-to-hf --ckpt {quote(checkpoint_dir)} "
-                     f"--source {quote(config.model_path)} --out "
-                     f"{quote(os.path.join(run, 'hf'))}    # the BAGEL HF layout")  # fmt: skip
+        lines.append(
+            f"python scripts/convert_hf.py jax-to-hf --ckpt {quote(checkpoint_dir)} "
+            f"--source {quote(config.model_path)} --out "
+            f"{quote(os.path.join(run, 'hf'))}    # the BAGEL HF layout"
+        )
     return "next:\n  " + "\n  ".join(lines)
 
 
 # Errors in what the user gave (files, directories, checkpoints): one line, no traceback. A
 # traceback is kept for anything else, which is a bug to report.
-USER_ERRORS = (HFCheckpointError, SafetensorsError, CheckpointError, sources.DataError,
-               offline_cache.CacheError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)  # fmt: skip
+USER_ERRORS = (
+    HFCheckpointError,
+    SafetensorsError,
+    CheckpointError,
+    sources.DataError,
+    offline_cache.CacheError,
+    FileNotFoundError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 def run(argv) -> None:
@@ -569,8 +715,11 @@ def run(argv) -> None:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the loop (a compile), or a second one in it
-        print("train.py: interrupted; nothing more was saved (the same command resumes from the "
-              "newest complete checkpoint, if there is one)", file=sys.stderr)  # fmt: skip
+        print(
+            "train.py: interrupted; nothing more was saved (the same command resumes from the "
+            "newest complete checkpoint, if there is one)",
+            file=sys.stderr,
+        )
         sys.exit(130)
 
 

@@ -96,15 +96,32 @@ def attention_fn(backend, args):
 
         def run(q, k, v, q_seg, kv_seg, k_start, k_end):
             return attention_pallas.range_attention(
-                q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, k_start=k_start,
-                k_end=k_end, block_sizes=blocks, interpret=args.interpret)  # fmt: skip
+                q,
+                k,
+                v,
+                q_segment_ids=q_seg,
+                kv_segment_ids=kv_seg,
+                k_start=k_start,
+                k_end=k_end,
+                block_sizes=blocks,
+                interpret=args.interpret,
+            )
 
         return run
 
     def run(q, k, v, q_seg, kv_seg, k_start, k_end):
-        return attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, k_start=k_start,
-                         k_end=k_end, backend=backend, q_block=args.q_block,
-                         kv_block=args.kv_block)  # fmt: skip
+        return attention(
+            q,
+            k,
+            v,
+            q_segment_ids=q_seg,
+            kv_segment_ids=kv_seg,
+            k_start=k_start,
+            k_end=k_end,
+            backend=backend,
+            q_block=args.q_block,
+            kv_block=args.kv_block,
+        )
 
     return run
 
@@ -164,8 +181,9 @@ def measure(backend, length, args):
     result = dict(temp_mib=None, fwd_ms=None, fb_ms=None, peak_mib=None, note="")
     if (reason := refusal(backend, args)) is not None:
         return dict(result, note=reason)
-    inputs = make_inputs(length, args.batch, args.q_heads, args.kv_heads, args.head_dim,
-                         jnp.dtype(args.dtype))  # fmt: skip
+    inputs = make_inputs(
+        length, args.batch, args.q_heads, args.kv_heads, args.head_dim, jnp.dtype(args.dtype)
+    )
     try:
         compiled_fb = fwd_bwd(backend, args).lower(*inputs).compile()
         compiled_f = forward(backend, args).lower(*inputs).compile()
@@ -206,17 +224,23 @@ def measure_isolated(backend, length, args):
     done = subprocess.run(command, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
+            return json.loads(line[len(RESULT) :])
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(temp_mib=None, fwd_ms=None, fb_ms=None, peak_mib=None,
-                note=f"process failed ({done.returncode}): {tail[:120]}")  # fmt: skip
+    return dict(
+        temp_mib=None,
+        fwd_ms=None,
+        fb_ms=None,
+        peak_mib=None,
+        note=f"process failed ({done.returncode}): {tail[:120]}",
+    )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--backends", nargs="+", default=["reference", "chunked"],
-                        choices=attention_lib.BACKENDS)  # fmt: skip
+    parser.add_argument(
+        "--backends", nargs="+", default=["reference", "chunked"], choices=attention_lib.BACKENDS
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--q-heads", type=int, default=4)
@@ -225,16 +249,35 @@ def main():
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--q-block", type=int, default=512, help="chunked backend's q tile")
     parser.add_argument("--kv-block", type=int, default=512, help="chunked backend's kv tile")
-    parser.add_argument("--pallas-blocks", type=int, nargs=4, default=[128, 64, 64, 64],
-                        metavar=("Q", "K", "Q_BWD", "K_BWD"), help="pallas kernel's tiles")
-    parser.add_argument("--interpret", action="store_true",
-                        help="run the pallas backend in the Pallas interpreter (CPU; slow)")
-    parser.add_argument("--max-run-gib", type=float, default=6.0,
-                        help="compile but do not run a case whose temp memory exceeds this")
-    parser.add_argument("--check", action="store_true",
-                        help="also report each backend's error against chunked (out and grads)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run every case in this process (the peak column is then cumulative)")
+    parser.add_argument(
+        "--pallas-blocks",
+        type=int,
+        nargs=4,
+        default=[128, 64, 64, 64],
+        metavar=("Q", "K", "Q_BWD", "K_BWD"),
+        help="pallas kernel's tiles",
+    )
+    parser.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run the pallas backend in the Pallas interpreter (CPU; slow)",
+    )
+    parser.add_argument(
+        "--max-run-gib",
+        type=float,
+        default=6.0,
+        help="compile but do not run a case whose temp memory exceeds this",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="also report each backend's error against chunked (out and grads)",
+    )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every case in this process (the peak column is then cumulative)",
+    )
     parser.add_argument("--case", nargs=2, metavar=("BACKEND", "T"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -244,16 +287,20 @@ def main():
         return
 
     device = jax.devices()[0]
-    print(f"jax {jax.__version__} on {device.platform} ({device.device_kind}); B={args.batch} "
-          f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; chunked tiles "
-          f"{args.q_block}/{args.kv_block}, pallas tiles {args.pallas_blocks}"
-          f"{' (interpreted)' if args.interpret else ''}; segments of {SEGMENT_LEN} opening "
-          f"with a {IMAGE_LEN}-token image block")  # fmt: skip
+    print(
+        f"jax {jax.__version__} on {device.platform} ({device.device_kind}); B={args.batch} "
+        f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; chunked tiles "
+        f"{args.q_block}/{args.kv_block}, pallas tiles {args.pallas_blocks}"
+        f"{' (interpreted)' if args.interpret else ''}; segments of {SEGMENT_LEN} opening "
+        f"with a {IMAGE_LEN}-token image block"
+    )
     resolved = {b: attention_lib.resolve_backend(b) for b in args.backends}
     if "auto" in resolved:
         print(f"auto = {resolved['auto']} here")
-    header = (f"{'T':>6}  {'backend':<10} {'fwd ms':>9} {'TF/s':>6} {'f+b ms':>9} {'TF/s':>6} "
-              f"{'temp MiB':>10} {'peak MiB':>10}  note")  # fmt: skip
+    header = (
+        f"{'T':>6}  {'backend':<10} {'fwd ms':>9} {'TF/s':>6} {'f+b ms':>9} {'TF/s':>6} "
+        f"{'temp MiB':>10} {'peak MiB':>10}  note"
+    )
     print(header)
     print("-" * len(header))
     memory = {}
@@ -270,10 +317,13 @@ def main():
             def tflops(ms, factor):
                 return None if ms is None else factor * flops / (ms * 1e-3) / 1e12
 
-            print(f"{length:>6}  {backend:<10} {num(r['fwd_ms'], '.2f'):>9} "
-                  f"{num(tflops(r['fwd_ms'], 1.0), '.4g'):>6} {num(r['fb_ms'], '.2f'):>9} "
-                  f"{num(tflops(r['fb_ms'], 3.5), '.4g'):>6} {num(r['temp_mib'], '.1f'):>10} "
-                  f"{num(r['peak_mib'], '.1f'):>10}  {r['note']}".rstrip(), flush=True)  # fmt: skip
+            print(
+                f"{length:>6}  {backend:<10} {num(r['fwd_ms'], '.2f'):>9} "
+                f"{num(tflops(r['fwd_ms'], 1.0), '.4g'):>6} {num(r['fb_ms'], '.2f'):>9} "
+                f"{num(tflops(r['fb_ms'], 3.5), '.4g'):>6} {num(r['temp_mib'], '.1f'):>10} "
+                f"{num(r['peak_mib'], '.1f'):>10}  {r['note']}".rstrip(),
+                flush=True,
+            )
 
     def ratio(a, b):
         return None if not a or not b else a / b
@@ -282,10 +332,16 @@ def main():
     saving = ratio(memory.get(("reference", 16384)), memory.get(("chunked", 16384)))
     if scaling is not None or saving is not None:
         print()
-        print("chunked memory 16k / 4k:       "
-              + ("—" if scaling is None else f"{scaling:.2f}") + "  (target <= 5)")
-        print("reference / chunked memory 16k: "
-              + ("—" if saving is None else f"{saving:.1f}") + "  (target >= 8)")
+        print(
+            "chunked memory 16k / 4k:       "
+            + ("—" if scaling is None else f"{scaling:.2f}")
+            + "  (target <= 5)"
+        )
+        print(
+            "reference / chunked memory 16k: "
+            + ("—" if saving is None else f"{saving:.1f}")
+            + "  (target >= 8)"
+        )
 
 
 if __name__ == "__main__":

@@ -53,11 +53,18 @@ GIB = 2**30
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, tiny shapes, no meaningful timings: check that it all runs")
-    parser.add_argument("--target", choices=("h100", "h200", "h800"), default=None,
-                        help="the GPU the predictions are compiled for (default: this GPU's "
-                             "kind, h100 in a dry run)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, no meaningful timings: check that it all runs",
+    )
+    parser.add_argument(
+        "--target",
+        choices=("h100", "h200", "h800"),
+        default=None,
+        help="the GPU the predictions are compiled for (default: this GPU's "
+        "kind, h100 in a dry run)",
+    )
     parser.add_argument("--layers", type=int, default=4, help="LM layers of the grad step")
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--repeats", type=int, default=3)
@@ -104,8 +111,12 @@ def peak_bytes():
 
 def program_peak(compiled) -> int:
     m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes)  # fmt: skip
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
 
 
 def target_name(args) -> str:
@@ -151,8 +162,10 @@ def section_parity(args):
     from models.attention_pallas import range_attention
 
     rng = np.random.default_rng(0)
-    cases = [("LLM 28q/4kv/128", 28, 4, 128, 256 if args.dry_run else 4096),
-             ("SigLIP 16/16/72", 16, 16, 72, 128 if args.dry_run else 4900)]  # fmt: skip
+    cases = [
+        ("LLM 28q/4kv/128", 28, 4, 128, 256 if args.dry_run else 4096),
+        ("SigLIP 16/16/72", 16, 16, 72, 128 if args.dry_run else 4900),
+    ]
     if args.dry_run:  # fewer heads (the interpreter is slow), the same head dims and grouping
         cases = [(cases[0][0], 4, 1, 128, cases[0][4]), (cases[1][0], 2, 2, 72, cases[1][4])]
     for name, hq, hkv, d, length in cases:
@@ -165,8 +178,9 @@ def section_parity(args):
         for i, start in enumerate(range(0, length, sample)):
             end = min(start + sample, length)
             seg[start:end], k_start[start:end] = i + 1, start
-            k_end[start:end if "SigLIP" in name else min(start + 256, end)] = (
-                end if "SigLIP" in name else min(start + 256, end))  # fmt: skip
+            k_end[start : end if "SigLIP" in name else min(start + 256, end)] = (
+                end if "SigLIP" in name else min(start + 256, end)
+            )
         ids = [jnp.asarray(x[None]) for x in (seg, seg, k_start, k_end)]
         q = jnp.asarray(rng.normal(size=(1, length, hq, d)), jnp.bfloat16)
         k, v = (jnp.asarray(rng.normal(size=(1, length, hkv, d)), jnp.bfloat16) for _ in "kv")
@@ -181,23 +195,42 @@ def section_parity(args):
             return [np.asarray(x, np.float32) for x in (out, *grads)]
 
         def pallas(q, k, v):
-            return range_attention(q, k, v, q_segment_ids=ids[0], kv_segment_ids=ids[1],
-                                   k_start=ids[2], k_end=ids[3], interpret=args.dry_run)  # fmt: skip
+            return range_attention(
+                q,
+                k,
+                v,
+                q_segment_ids=ids[0],
+                kv_segment_ids=ids[1],
+                k_start=ids[2],
+                k_end=ids[3],
+                interpret=args.dry_run,
+            )
 
         def reference(q, k, v):
-            return attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                             v.astype(jnp.float32), q_segment_ids=ids[0],
-                             kv_segment_ids=ids[1], k_start=ids[2], k_end=ids[3],
-                             backend="reference")  # fmt: skip
+            return attention(
+                q.astype(jnp.float32),
+                k.astype(jnp.float32),
+                v.astype(jnp.float32),
+                q_segment_ids=ids[0],
+                kv_segment_ids=ids[1],
+                k_start=ids[2],
+                k_end=ids[3],
+                backend="reference",
+            )
 
         got, want = run(pallas), run(reference)
-        errors = [float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
-                  for a, b in zip(got, want)]  # fmt: skip
+        errors = [
+            float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+            for a, b in zip(got, want)
+        ]
         # bf16 inputs, fp32 accumulation: the output's bf16 rounding (2^-8) bounds the error.
-        emit(section="parity", case=f"{name}, T={length}",
-             value=" / ".join(f"{e:.1e}" for e in errors),
-             unit="max error out / dq / dk / dv (vs reference)",
-             ok=bool(max(errors) < 2e-2))  # fmt: skip
+        emit(
+            section="parity",
+            case=f"{name}, T={length}",
+            value=" / ".join(f"{e:.1e}" for e in errors),
+            unit="max error out / dq / dk / dv (vs reference)",
+            ok=bool(max(errors) < 2e-2),
+        )
 
     # The sampler's decode attention kernel on the stacked cache against XLA's on the layer's
     # slice, rows of lengths from 1 to the whole cache.
@@ -206,41 +239,93 @@ def section_parity(args):
 
     layers, rows, slots, hq, hkv = (2, 4, 256, 7, 1) if args.dry_run else (2, 8, 4160, 28, 4)
     q = jnp.asarray(rng.normal(size=(rows, hq, 128)), jnp.bfloat16)
-    k, v = (jnp.asarray(rng.normal(size=(layers, rows, slots, hkv, 128)), jnp.bfloat16)
-            for _ in "kv")  # fmt: skip
+    k, v = (
+        jnp.asarray(rng.normal(size=(layers, rows, slots, hkv, 128)), jnp.bfloat16) for _ in "kv"
+    )
     lengths = jnp.asarray(np.linspace(1, slots, rows).astype(np.int32))
     got = jax.jit(lambda *a: filled_cache_attention(*a, interpret=args.dry_run))(
-        q, k, v, jnp.int32(1), lengths)  # fmt: skip
-    want = decode_attention(q.astype(jnp.float32), k[1].astype(jnp.float32),
-                            v[1].astype(jnp.float32), lengths)  # fmt: skip
+        q, k, v, jnp.int32(1), lengths
+    )
+    want = decode_attention(
+        q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), lengths
+    )
     error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
-    emit(section="parity", case=f"decode {hq}q/{hkv}kv/128, {slots} slots", value=f"{error:.1e}",
-         unit="max error out (vs XLA decode attention, fp32)", ok=bool(error < 2e-2))
+    emit(
+        section="parity",
+        case=f"decode {hq}q/{hkv}kv/128, {slots} slots",
+        value=f"{error:.1e}",
+        unit="max error out (vs XLA decode attention, fp32)",
+        ok=bool(error < 2e-2),
+    )
 
 
 def section_attention(args):
     """bench/attention.py's table for the three backends at BAGEL's LLM layout."""
-    command = [sys.executable, os.path.join(ROOT, "bench", "attention.py"), "--check",
-               "--repeats", str(args.repeats)]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "attention.py"),
+        "--check",
+        "--repeats",
+        str(args.repeats),
+    ]
     if args.dry_run:
-        command += ["--seq-lens", "256", "--backends", "pallas", "chunked", "--interpret",
-                    "--q-heads", "4", "--kv-heads", "1", "--head-dim", "128"]  # fmt: skip
+        command += [
+            "--seq-lens",
+            "256",
+            "--backends",
+            "pallas",
+            "chunked",
+            "--interpret",
+            "--q-heads",
+            "4",
+            "--kv-heads",
+            "1",
+            "--head-dim",
+            "128",
+        ]
     else:
-        command += ["--seq-lens", "4096", "10240", "16384", "40960", "--backends", "pallas",
-                    "cudnn", "chunked", "--q-heads", "28", "--kv-heads", "4", "--head-dim",
-                    "128", "--dtype", "bfloat16", "--max-run-gib", "100"]  # fmt: skip
+        command += [
+            "--seq-lens",
+            "4096",
+            "10240",
+            "16384",
+            "40960",
+            "--backends",
+            "pallas",
+            "cudnn",
+            "chunked",
+            "--q-heads",
+            "28",
+            "--kv-heads",
+            "4",
+            "--head-dim",
+            "128",
+            "--dtype",
+            "bfloat16",
+            "--max-run-gib",
+            "100",
+        ]
     env = dict(os.environ, **({"JAX_PLATFORMS": "cpu"} if args.dry_run else {}))
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in done.stdout.splitlines():
         parts = line.split()
         if parts and parts[0].isdigit() and len(parts) >= 8:
-            emit(section="attention", case=f"T={parts[0]} {parts[1]}",
-                 value=f"f+b {parts[4]} ms ({parts[5]} TF/s), fwd {parts[2]} ms",
-                 unit=" ".join(parts[8:]) or "", ok=parts[4] != "—" or args.dry_run)  # fmt: skip
+            emit(
+                section="attention",
+                case=f"T={parts[0]} {parts[1]}",
+                value=f"f+b {parts[4]} ms ({parts[5]} TF/s), fwd {parts[2]} ms",
+                unit=" ".join(parts[8:]) or "",
+                ok=parts[4] != "—" or args.dry_run,
+            )
     if done.returncode:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        emit(section="attention", case="bench/attention.py", value=f"exit {done.returncode}",
-             unit=tail[:120], ok=False)  # fmt: skip
+        emit(
+            section="attention",
+            case="bench/attention.py",
+            value=f"exit {done.returncode}",
+            unit=tail[:120],
+            ok=False,
+        )
 
 
 def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng):
@@ -271,6 +356,7 @@ def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng
         question = text(max(8, question_len))
         students.append([problem, question, completion])
         teachers.append([problem, question, image(vt_rows, image_side), completion])
+
     def patches(samples):
         return max(sum(len(i.patches) for i in s if isinstance(i, Image)) for s in samples)
 
@@ -296,8 +382,11 @@ def section_grad_step(args):
     from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
-    llm = dict(compute_dtype="bfloat16", remat="full",
-               attention_backend="pallas" if not args.dry_run else "chunked")  # fmt: skip
+    llm = dict(
+        compute_dtype="bfloat16",
+        remat="full",
+        attention_backend="pallas" if not args.dry_run else "chunked",
+    )
     if args.dry_run:
         config = BagelConfig.tiny(llm=llm)
         student_len, teacher_len, entries, side = 256, 384, 64, 8
@@ -305,8 +394,9 @@ def section_grad_step(args):
         config = BagelConfig.bagel_7b(llm=dict(llm, num_hidden_layers=args.layers))
         student_len, teacher_len, entries, side = 6144, 10240, 1152, 70
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    student, teacher = bagel_packs(config, 1, student_len, teacher_len, entries, side,
-                                   np.random.default_rng(0))  # fmt: skip
+    student, teacher = bagel_packs(
+        config, 1, student_len, teacher_len, entries, side, np.random.default_rng(0)
+    )
     settings = run_config.loss_settings(recipe)
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
@@ -318,9 +408,15 @@ def section_grad_step(args):
         graphdef, abstract = mesh_lib.abstract_model(make, on_mesh)
         params, _ = nnx.split_state(abstract, nnx.Param, ...)
         step = train_step.make_grad_step(graphdef, rest_values, settings, "ema")
-        packs = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=mesh_lib.batch_sharding(on_mesh, x.ndim)), p)
-            for p in (student, teacher)]  # fmt: skip
+        packs = [
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=mesh_lib.batch_sharding(on_mesh, x.ndim)
+                ),
+                p,
+            )
+            for p in (student, teacher)
+        ]
         return step.lower(params, params, *packs)
 
     predicted = predicted_peak(lower_for, args)
@@ -330,31 +426,50 @@ def section_grad_step(args):
     step = train_step.make_grad_step(graphdef, rest, settings, "ema")
     with mesh_lib.use_mesh(mesh):
         put = lambda p: jax.tree.map(  # noqa: E731
-            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p)
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p
+        )
         packs = (put(student), put(teacher))
         # FLOPs from the program right after partitioning: in the final GPU program most GEMMs
         # are cuBLAS custom calls, which a count of `dot` instructions would miss.
         compiled, partitioned = hlo_stats.compile_and_read(
-            step.lower(params, teacher_params, *packs))  # fmt: skip
+            step.lower(params, teacher_params, *packs)
+        )
         seconds, _ = timed(compiled, params, teacher_params, *packs, repeats=args.repeats)
     flops, _ = hlo_stats.dot_flops(partitioned)
     lm = config.llm
-    attention_flops = (4 * lm.num_hidden_layers * lm.num_attention_heads * lm.head_dim
-                       * (4 * student_len**2 / 2 + teacher_len**2 / 2))  # fwd + bwd + remat, causal
+    attention_flops = (
+        4
+        * lm.num_hidden_layers
+        * lm.num_attention_heads
+        * lm.head_dim
+        * (4 * student_len**2 / 2 + teacher_len**2 / 2)
+    )  # fwd + bwd + remat, causal
     peak_flops, _ = device_peaks(args)
     mfu = (flops + attention_flops) / seconds / peak_flops
     measured = peak_bytes()
-    emit(section="grad_step",
-         case=f"{lm.num_hidden_layers} x 7B layers + SigLIP, student {student_len} / teacher "
-              f"{teacher_len} tokens, C={entries}" if not args.dry_run else "tiny (dry run)",
-         value=f"{seconds * 1e3:.1f} ms, MFU {mfu:.1%}", unit="median of the runs",
-         ok=True)  # fmt: skip
-    emit(section="memory", case="grad_step",
-         value=(f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
-                f"{measured / predicted:.2f}" if measured else
-                f"predicted {predicted / GIB:.3f} GiB; compiled here "
-                f"{program_peak(compiled) / GIB:.3f} GiB"),
-         unit="allocator peak / deviceless compile for the target", ok=True)  # fmt: skip
+    emit(
+        section="grad_step",
+        case=f"{lm.num_hidden_layers} x 7B layers + SigLIP, student {student_len} / teacher "
+        f"{teacher_len} tokens, C={entries}"
+        if not args.dry_run
+        else "tiny (dry run)",
+        value=f"{seconds * 1e3:.1f} ms, MFU {mfu:.1%}",
+        unit="median of the runs",
+        ok=True,
+    )
+    emit(
+        section="memory",
+        case="grad_step",
+        value=(
+            f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
+            f"{measured / predicted:.2f}"
+            if measured
+            else f"predicted {predicted / GIB:.3f} GiB; compiled here "
+            f"{program_peak(compiled) / GIB:.3f} GiB"
+        ),
+        unit="allocator peak / deviceless compile for the target",
+        ok=True,
+    )
 
 
 def section_decode(args):
@@ -371,14 +486,16 @@ def section_decode(args):
     from opsd_jax.sampling import decode_copy, sampler
 
     config = (BagelConfig.tiny if args.dry_run else BagelConfig.bagel_7b)(
-        llm=dict(compute_dtype="bfloat16"))
+        llm=dict(compute_dtype="bfloat16")
+    )
     lm = config.llm
     batch = args.decode_batch
     prompt_len, new_tokens = (64, 16) if args.dry_run else (4096, 256)
     slots = sampler.cache_slots_for(prompt_len, new_tokens)
     cache_shape = (lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim)
-    settings = sampler.RoundSettings(1.0, True, lm.vocab_size - 4, lm.vocab_size - 3,
-                                      lm.vocab_size, new_tokens + 1)  # fmt: skip
+    settings = sampler.RoundSettings(
+        1.0, True, lm.vocab_size - 4, lm.vocab_size - 3, lm.vocab_size, new_tokens + 1
+    )
     rules = mesh_lib.DECODE_RULES
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
@@ -389,9 +506,13 @@ def section_decode(args):
             cache=(zeros, jnp.zeros_like(zeros)),
             kv_length=jnp.full((batch,), prompt_len, jnp.int32),
             rope=jnp.full((batch,), prompt_len, jnp.int32),
-            tokens=rows(jnp.int32, new_tokens), logprobs=rows(jnp.float32, new_tokens),
-            length=rows(jnp.int32), budget=jnp.full((batch,), new_tokens, jnp.int32),
-            active=jnp.ones((batch,), bool), finished=rows(jnp.bool_))  # fmt: skip
+            tokens=rows(jnp.int32, new_tokens),
+            logprobs=rows(jnp.float32, new_tokens),
+            length=rows(jnp.int32),
+            budget=jnp.full((batch,), new_tokens, jnp.int32),
+            active=jnp.ones((batch,), bool),
+            finished=rows(jnp.bool_),
+        )
 
     def abstract_copy(on_mesh):
         graphdef, abstract = mesh_lib.abstract_model(make, on_mesh)
@@ -404,26 +525,39 @@ def section_decode(args):
     def lower_for(on_mesh):
         graphdef, view, copy = abstract_copy(on_mesh)
         put = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
-            x.shape, x.dtype,
-            sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()))
+            x.shape,
+            x.dtype,
+            sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
+        )
         return sampler.decode_round.lower(
-            graphdef, copy, jax.tree.map(put, abstract_state), put(abstract_key),
-            put(jax.ShapeDtypeStruct((batch,), jnp.int32)), settings, rules)  # fmt: skip
+            graphdef,
+            copy,
+            jax.tree.map(put, abstract_state),
+            put(abstract_key),
+            put(jax.ShapeDtypeStruct((batch,), jnp.int32)),
+            settings,
+            rules,
+        )
 
     predicted = predicted_peak(lower_for, args, decode=True)
 
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     graphdef, view, copy = abstract_copy(mesh)
-    weights = jax.jit(lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), copy),
-                      out_shardings=jax.tree.map(lambda x: x.sharding, copy))()  # fmt: skip
-    read = sum(x.nbytes for p, x in jax.tree_util.tree_flatten_with_path(weights)[0]
-               if "language_model" in jax.tree_util.keystr(p)
-               and "embed_tokens" not in jax.tree_util.keystr(p))  # fmt: skip
+    weights = jax.jit(
+        lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), copy),
+        out_shardings=jax.tree.map(lambda x: x.sharding, copy),
+    )()
+    read = sum(
+        x.nbytes
+        for p, x in jax.tree_util.tree_flatten_with_path(weights)[0]
+        if "language_model" in jax.tree_util.keystr(p)
+        and "embed_tokens" not in jax.tree_util.keystr(p)
+    )
     with mesh_lib.use_mesh(view, rules):
         row_ids = jnp.arange(batch, dtype=jnp.int32)
-        compiled = sampler.decode_round.lower(graphdef, weights, fresh_state(),
-                                               jax.random.key(0), row_ids, settings,
-                                               rules).compile()  # fmt: skip
+        compiled = sampler.decode_round.lower(
+            graphdef, weights, fresh_state(), jax.random.key(0), row_ids, settings, rules
+        ).compile()
         times, tokens = [], 0
         for _ in range(args.repeats + 1):  # the first run warms up
             state = fresh_state()  # donated: a fresh one per run
@@ -436,17 +570,27 @@ def section_decode(args):
     mean_cache = 2 * math.prod(cache_shape) * 2 * (prompt_len + new_tokens / 2) / slots
     roofline = hbm_bw / (read + mean_cache) * batch  # tokens/s reading each byte once per step
     tokens_s = tokens / seconds
-    emit(section="decode", case=f"B={batch}, prompt {prompt_len}, {new_tokens} new tokens",
-         value=f"{tokens_s:.0f} tokens/s, roofline {roofline:.0f} ({tokens_s / roofline:.0%})",
-         unit=f"weights {read / GIB:.2f} GiB + cache {mean_cache / GIB:.2f} GiB per step",
-         ok=True)  # fmt: skip
+    emit(
+        section="decode",
+        case=f"B={batch}, prompt {prompt_len}, {new_tokens} new tokens",
+        value=f"{tokens_s:.0f} tokens/s, roofline {roofline:.0f} ({tokens_s / roofline:.0%})",
+        unit=f"weights {read / GIB:.2f} GiB + cache {mean_cache / GIB:.2f} GiB per step",
+        ok=True,
+    )
     measured = peak_bytes()
-    emit(section="memory", case=f"decode B={batch}",
-         value=(f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
-                f"{measured / predicted:.2f}" if measured else
-                f"predicted {predicted / GIB:.3f} GiB; compiled here "
-                f"{program_peak(compiled) / GIB:.3f} GiB"),
-         unit="allocator peak / deviceless compile for the target", ok=True)  # fmt: skip
+    emit(
+        section="memory",
+        case=f"decode B={batch}",
+        value=(
+            f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
+            f"{measured / predicted:.2f}"
+            if measured
+            else f"predicted {predicted / GIB:.3f} GiB; compiled here "
+            f"{program_peak(compiled) / GIB:.3f} GiB"
+        ),
+        unit="allocator peak / deviceless compile for the target",
+        ok=True,
+    )
 
 
 # ---- the driver ---------------------------------------------------------------------------------
@@ -454,18 +598,37 @@ def section_decode(args):
 
 def run_section(name, args, *extra) -> list[dict]:
     """One section in a fresh process; its RESULT rows, or one failed row."""
-    command = [sys.executable, os.path.abspath(__file__), "--section", name,
-               "--layers", str(args.layers), "--repeats", str(args.repeats), *extra]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--section",
+        name,
+        "--layers",
+        str(args.layers),
+        "--repeats",
+        str(args.repeats),
+        *extra,
+    ]
     command += ["--dry-run"] if args.dry_run else []
     command += ["--target", args.target] if args.target else []
     t0 = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True)
-    rows = [json.loads(line[len(RESULT):]) for line in done.stdout.splitlines()
-            if line.startswith(RESULT)]  # fmt: skip
+    rows = [
+        json.loads(line[len(RESULT) :])
+        for line in done.stdout.splitlines()
+        if line.startswith(RESULT)
+    ]
     if done.returncode:
         tail = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["no output"]
-        rows.append(dict(section=name, case="process", value=f"exit {done.returncode}",
-                         unit=tail[-1][:160], ok=False))  # fmt: skip
+        rows.append(
+            dict(
+                section=name,
+                case="process",
+                value=f"exit {done.returncode}",
+                unit=tail[-1][:160],
+                ok=False,
+            )
+        )
     for row in rows:
         row.setdefault("seconds", time.perf_counter() - t0)
     return rows
@@ -481,23 +644,29 @@ def main():
     import jax
 
     device = jax.devices()[0]
-    print(f"bench/gpu_check.py: jax {jax.__version__} on {device.platform} ({device.device_kind})"
-          + (" -- DRY RUN: tiny shapes on the CPU, timings mean nothing" if args.dry_run else ""))  # fmt: skip
+    print(
+        f"bench/gpu_check.py: jax {jax.__version__} on {device.platform} ({device.device_kind})"
+        + (" -- DRY RUN: tiny shapes on the CPU, timings mean nothing" if args.dry_run else "")
+    )
     if not args.dry_run and device.platform != "gpu":
         sys.exit("no GPU here: pip install -r requirements-gpu.txt on a GPU machine, or --dry-run")
     t0 = time.perf_counter()
     rows = []
     for name in args.sections:
-        runs = ([("--decode-batch", str(b)) for b in DECODE_BATCHES] if name == "decode"
-                else [()])  # fmt: skip
+        runs = [("--decode-batch", str(b)) for b in DECODE_BATCHES] if name == "decode" else [()]
         section_rows = [row for extra in runs for row in run_section(name, args, *extra)]
         rows += section_rows
         for row in section_rows:
-            print(f"  {row['section']:<10} {row['case']:<58} {row['value']:<44} "
-                  f"{'' if row['ok'] else 'FAILED '}{row['unit']}", flush=True)  # fmt: skip
+            print(
+                f"  {row['section']:<10} {row['case']:<58} {row['value']:<44} "
+                f"{'' if row['ok'] else 'FAILED '}{row['unit']}",
+                flush=True,
+            )
     failed = [f"{r['section']}: {r['case']}" for r in rows if not r["ok"]]
-    print(f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s; "
-          + (f"FAILED: {'; '.join(failed)}" if failed else "nothing failed"))
+    print(
+        f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s; "
+        + (f"FAILED: {'; '.join(failed)}" if failed else "nothing failed")
+    )
     sys.exit(1 if failed else 0)
 
 

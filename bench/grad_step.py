@@ -25,8 +25,10 @@ def main():
     parser.add_argument("--compute-dtype", default="bfloat16")
     args = parser.parse_args()
     if args.devices > 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")  # fmt: skip
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.devices}"
+        )
 
     import jax
     import numpy as np
@@ -59,20 +61,31 @@ def main():
 
     # BAGEL-structured samples (problem image 12x16 patches, one 12x12 VT image, a question,
     # two thoughts): packs of a few hundred tokens, as a small model's would be.
-    samples = [types.SimpleNamespace(pid=f"s{i}", question="q" * (20 + i), answer="A",
-                                     problem_image=image(12, 16), vt_images=[image(12, 12)],
-                                     thoughts=["t0", "t1"]) for i in range(args.rows)]  # fmt: skip
+    samples = [
+        types.SimpleNamespace(
+            pid=f"s{i}",
+            question="q" * (20 + i),
+            answer="A",
+            problem_image=image(12, 16),
+            vt_images=[image(12, 12)],
+            thoughts=["t0", "t1"],
+        )
+        for i in range(args.rows)
+    ]
     completions = [rng.integers(10, 1000, 96).tolist() for _ in range(args.rows)]
-    options = run_config.prompt_options(dict(system_prompt="ab", reference_intro="c",
-                                             transition_prompt="d"))
-    packs = build_training_packs(samples, completions, encode, options, special,
-                                 num_rows=args.rows, max_forward_tokens=4096)  # fmt: skip
+    options = run_config.prompt_options(
+        dict(system_prompt="ab", reference_intro="c", transition_prompt="d")
+    )
+    packs = build_training_packs(
+        samples, completions, encode, options, special, num_rows=args.rows, max_forward_tokens=4096
+    )
     tokens = int((packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum())
     settings = run_config.loss_settings({"samples_per_micro_batch": args.rows})
     grad_step = train_step.make_grad_step(graphdef, rest, settings, "ema")
     with mesh_lib.use_mesh(mesh):
         put = lambda p: jax.tree.map(  # noqa: E731
-            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p)
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p
+        )
         student, teacher = put(packs.student), put(packs.teacher)
         t0 = time.perf_counter()
         compiled = grad_step.lower(params, params, student, teacher).compile()
@@ -84,10 +97,12 @@ def main():
         step_s = (time.perf_counter() - t0) / args.steps
         # CPU seconds of this process: less sensitive than wall time to other load on the machine.
         cpu_s = (time.process_time() - cpu0) / args.steps
-    print(f"m64 grad step, {len(jax.devices())} device(s), {args.compute_dtype}, student "
-          f"{packs.student.tokens.shape} teacher {packs.teacher.tokens.shape}: compile "
-          f"{compile_s:.1f} s, {step_s:.3f} s per step ({cpu_s:.3f} CPU s), "
-          f"{tokens / step_s:.0f} tokens/s")  # fmt: skip
+    print(
+        f"m64 grad step, {len(jax.devices())} device(s), {args.compute_dtype}, student "
+        f"{packs.student.tokens.shape} teacher {packs.teacher.tokens.shape}: compile "
+        f"{compile_s:.1f} s, {step_s:.3f} s per step ({cpu_s:.3f} CPU s), "
+        f"{tokens / step_s:.0f} tokens/s"
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,7 @@ def synthetic_bytes(tokens: int, top_k: int, vocab: int, logprob_dtype: str) -> 
     directory = tempfile.mkdtemp(prefix="opsd-bench-offline-")
     try:
         writer = offline_cache.ShardWriter(directory, 0, logprob_dtype, shard_samples=1)
-        writer.add("synthetic/0", rng.integers(0, vocab, tokens), ids, logprobs,
-                   rng.random(tokens))  # fmt: skip
+        writer.add("synthetic/0", rng.integers(0, vocab, tokens), ids, logprobs, rng.random(tokens))
         return offline_cache.cache_bytes(directory)[0]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -83,7 +82,8 @@ def main():
         config.offline_cache_dir = os.path.join(args.results_dir, "teacher_cache")
     toy_assets.prepare_toy_assets(config)
     model, model_config, tokenizer = load_hf(
-        config.model_path, config_changes={"llm": run_config.model_runtime(config)})
+        config.model_path, config_changes={"llm": run_config.model_runtime(config)}
+    )
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     data_config = run_config.data_config(config).for_model(model_config)
@@ -93,17 +93,30 @@ def main():
     # ---- the cache --------------------------------------------------------------------------------
     shutil.rmtree(config.offline_cache_dir, ignore_errors=True)
     manifest = offline_cache.make_manifest(
-        model_config, tokenizer, options, top_k=config.offline_top_k,
-        logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens)  # fmt: skip
+        model_config,
+        tokenizer,
+        options,
+        top_k=config.offline_top_k,
+        logprob_dtype=config.offline_logprob_dtype,
+        max_forward_tokens=config.max_forward_tokens,
+    )
     summary = offline_collect.collect(
-        collect_step=offline_collect.make_collect_step(graphdef, rest, top_k=config.offline_top_k,
-                                                     vocab_limit=tokenizer.vocab_length),
-        params=params, tokenizer=tokenizer, data_config=data_config, options=options, mesh=mesh,
-        directory=config.offline_cache_dir, manifest=manifest,
+        collect_step=offline_collect.make_collect_step(
+            graphdef, rest, top_k=config.offline_top_k, vocab_limit=tokenizer.vocab_length
+        ),
+        params=params,
+        tokenizer=tokenizer,
+        data_config=data_config,
+        options=options,
+        mesh=mesh,
+        directory=config.offline_cache_dir,
+        manifest=manifest,
         samples_per_batch=config.samples_per_micro_batch,
-        rows_per_batch=config.rows_per_micro_batch, max_forward_tokens=config.max_forward_tokens,
-        shard_samples=config.offline_shard_samples, log=lambda line: None,
-    )  # fmt: skip
+        rows_per_batch=config.rows_per_micro_batch,
+        max_forward_tokens=config.max_forward_tokens,
+        shard_samples=config.offline_shard_samples,
+        log=lambda line: None,
+    )
     reader = offline_cache.CacheReader(config.offline_cache_dir)
 
     # ---- the two steps on the same samples ---------------------------------------------------------
@@ -121,11 +134,19 @@ def main():
     settings = run_config.loss_settings(config, tokenizer.vocab_length)
     schedule = train_step.learning_rate_schedule(config)
     online_step = train_step.make_train_step(
-        train_step.make_opsd_loss(graphdef, rest, settings, "ema"), optimizer,
-        teacher_mode="ema", ema_decay=config.ema_decay, schedule=schedule)  # fmt: skip
+        train_step.make_opsd_loss(graphdef, rest, settings, "ema"),
+        optimizer,
+        teacher_mode="ema",
+        ema_decay=config.ema_decay,
+        schedule=schedule,
+    )
     offline_step = train_step.make_train_step(
-        train_step.make_offline_loss(graphdef, rest, settings), optimizer, teacher_mode="self",
-        ema_decay=0.0, schedule=schedule)  # fmt: skip
+        train_step.make_offline_loss(graphdef, rest, settings),
+        optimizer,
+        teacher_mode="self",
+        ema_decay=0.0,
+        schedule=schedule,
+    )
     online_shapes = pack_shapes.pack_shapes(online_config)
     offline_shapes = pack_shapes.pack_shapes(config)["offline"]
     rows, per_step = config.rows_per_micro_batch, config.samples_per_micro_batch
@@ -142,25 +163,41 @@ def main():
         t0 = time.perf_counter()
         prompt = build_prompt_pack(samples, encode, options, special)
         completions = sampler.sample(
-            nnx.merge(graphdef, online_state.params, rest), prompt, jax.random.key(step),
-            special=special, vocab_limit=tokenizer.vocab_length,
-            max_new_tokens=args.max_new_tokens, max_image_skips=0,
-        )  # fmt: skip
+            nnx.merge(graphdef, online_state.params, rest),
+            prompt,
+            jax.random.key(step),
+            special=special,
+            vocab_limit=tokenizer.vocab_length,
+            max_new_tokens=args.max_new_tokens,
+            max_image_skips=0,
+        )
         ts = time.perf_counter()
-        packs = build_training_packs(samples, [completions.row(i) for i in range(per_step)],
-                                     encode, options, special, num_rows=rows,
-                                     max_forward_tokens=config.max_forward_tokens,
-                                     shapes=online_shapes)  # fmt: skip
+        packs = build_training_packs(
+            samples,
+            [completions.row(i) for i in range(per_step)],
+            encode,
+            options,
+            special,
+            num_rows=rows,
+            max_forward_tokens=config.max_forward_tokens,
+            shapes=online_shapes,
+        )
         batch = stacked(packs.student, packs.teacher)
         tp = time.perf_counter()
         with mesh_lib.use_mesh(mesh):
             online_state, _ = online_step(online_state, batch)
         jax.block_until_ready(online_state)
         t1 = time.perf_counter()
-        offline = offline_views.offline_batch(samples, reader, encode, options, special,
-                                              num_rows=rows,
-                                              max_forward_tokens=config.max_forward_tokens,
-                                              shapes=offline_shapes)  # fmt: skip
+        offline = offline_views.offline_batch(
+            samples,
+            reader,
+            encode,
+            options,
+            special,
+            num_rows=rows,
+            max_forward_tokens=config.max_forward_tokens,
+            shapes=offline_shapes,
+        )
         batch = stacked(offline.pack, offline.cache)
         tq = time.perf_counter()
         with mesh_lib.use_mesh(mesh):
@@ -177,28 +214,37 @@ def main():
         lost["on-policy"] += packs.num_truncated + packs.num_dropped
         lost["offline"] += offline.num_dropped
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; toy model "
-          f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters), {per_step} samples "
-          f"per step in {rows} rows, {args.steps} timed steps after {args.warmup} warm-up")  # fmt: skip
+    print(
+        f"jax {jax.__version__} on {jax.devices()[0].platform}; toy model "
+        f"({sum(x.size for x in jax.tree.leaves(params)):,} parameters), {per_step} samples "
+        f"per step in {rows} rows, {args.steps} timed steps after {args.warmup} warm-up"
+    )
     for arm in times:
-        print(f"  {arm:>9}: {np.mean(times[arm]) * 1e3:8.1f} ms/step, "
-              f"{np.mean(tokens[arm]):.0f} trained tokens/step; sample / pack (+ cache read) / "
-              "train step " + " / ".join(f"{x * 1e3:.1f}" for x in np.mean(split[arm], 0))
-              + f" ms; {lost[arm]} samples cut or dropped")  # fmt: skip
+        print(
+            f"  {arm:>9}: {np.mean(times[arm]) * 1e3:8.1f} ms/step, "
+            f"{np.mean(tokens[arm]):.0f} trained tokens/step; sample / pack (+ cache read) / "
+            "train step "
+            + " / ".join(f"{x * 1e3:.1f}" for x in np.mean(split[arm], 0))
+            + f" ms; {lost[arm]} samples cut or dropped"
+        )
     ratio = np.mean(times["on-policy"]) / np.mean(times["offline"])
     print(f"  on-policy / offline step time: {ratio:.2f}x")
 
     total, count = offline_cache.cache_bytes(config.offline_cache_dir)
     entries = np.mean([len(reader.lookup(k).target_ids) for k in reader.keys()])
-    print(f"\ncache, tiny: {count} samples ({summary.seconds:.1f}s to collect), {total / count:,.0f}"
-          f" bytes/sample, {entries:.0f} target tokens/sample, top-{config.offline_top_k} "
-          f"{config.offline_logprob_dtype}")  # fmt: skip
+    print(
+        f"\ncache, tiny: {count} samples ({summary.seconds:.1f}s to collect), {total / count:,.0f}"
+        f" bytes/sample, {entries:.0f} target tokens/sample, top-{config.offline_top_k} "
+        f"{config.offline_logprob_dtype}"
+    )
     for dtype in ("float16", "float32"):
         size = synthetic_bytes(args.tokens_7b, TOP_K_7B, VOCAB_7B, dtype)
         raw = args.tokens_7b * (TOP_K_7B * (np.dtype(dtype).itemsize + 4) + 4 + 4)
-        print(f"cache, 7B shape: {args.tokens_7b} target tokens, top-{TOP_K_7B} {dtype} + int32 "
-              f"ids: {size / 1e6:.2f} MB/sample (raw {raw / 1e6:.2f} MB), "
-              f"{size * SAMPLES_7B / 1e9:.1f} GB for {SAMPLES_7B:,} samples")  # fmt: skip
+        print(
+            f"cache, 7B shape: {args.tokens_7b} target tokens, top-{TOP_K_7B} {dtype} + int32 "
+            f"ids: {size / 1e6:.2f} MB/sample (raw {raw / 1e6:.2f} MB), "
+            f"{size * SAMPLES_7B / 1e9:.1f} GB for {SAMPLES_7B:,} samples"
+        )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def bare_decode_steps(graphdef, params, state, steps):
 
     def body(carry):
         params, state, step, acc = carry
-        logits, state = sampler.feed_tokens(nnx.merge(graphdef, params), state, tokens, state.active)
+        logits, state = sampler.feed_tokens(
+            nnx.merge(graphdef, params), state, tokens, state.active
+        )
         # max over the vocabulary: the whole lm_head is computed, as when sampling.
         return params, state, step + 1, acc + jnp.max(logits, axis=-1).astype(jnp.float32)
 
@@ -85,8 +87,9 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     mesh = mesh_lib.make_mesh()
 
     def refresh():
-        return decode_copy.make_decode_copy(graphdef, fp32_params, layout=layout, mesh=mesh,
-                                            dtype=config.llm.compute_dtype)  # fmt: skip
+        return decode_copy.make_decode_copy(
+            graphdef, fp32_params, layout=layout, mesh=mesh, dtype=config.llm.compute_dtype
+        )
 
     refresh().delete()  # compile
     refresh_s = timed(lambda: refresh().state, repeats)
@@ -96,16 +99,24 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     vocab = config.llm.vocab_size
     special = SpecialTokens(*range(vocab - 4, vocab))
     settings = sampler.RoundSettings(
-        temperature=1.0, do_sample=True, bos_id=special.im_start, eos_id=special.im_end,
-        vocab_limit=vocab - 4, max_steps=new_tokens + 1,
-    )  # fmt: skip
-    print(f"\nconfig {name}: {lm_params / 1e6:.1f}M LM parameters, {config.llm.compute_dtype} "
-          f"compute, bf16 cache, prompt = 256 patches + 20 text tokens, {new_tokens} new tokens; "
-          f"'{layout}' decode copy {copy.nbytes / 2**20:.1f} MiB, refresh "
-          f"{refresh_s * 1e3:.1f} ms")  # fmt: skip
-    header = (f"{'B':>5} {'prefill ms':>11} {'fp32 params tok/s':>18} {'decode tok/s':>13} "
-              f"{'step ms':>9} {'bare step ms':>13} {'overhead':>9} {'refresh ms':>11} "
-              f"{'rollout s':>10} {'cache MiB':>10} {'round temp MiB':>15}")  # fmt: skip
+        temperature=1.0,
+        do_sample=True,
+        bos_id=special.im_start,
+        eos_id=special.im_end,
+        vocab_limit=vocab - 4,
+        max_steps=new_tokens + 1,
+    )
+    print(
+        f"\nconfig {name}: {lm_params / 1e6:.1f}M LM parameters, {config.llm.compute_dtype} "
+        f"compute, bf16 cache, prompt = 256 patches + 20 text tokens, {new_tokens} new tokens; "
+        f"'{layout}' decode copy {copy.nbytes / 2**20:.1f} MiB, refresh "
+        f"{refresh_s * 1e3:.1f} ms"
+    )
+    header = (
+        f"{'B':>5} {'prefill ms':>11} {'fp32 params tok/s':>18} {'decode tok/s':>13} "
+        f"{'step ms':>9} {'bare step ms':>13} {'overhead':>9} {'refresh ms':>11} "
+        f"{'rollout s':>10} {'cache MiB':>10} {'round temp MiB':>15}"
+    )
     print(header)
     print("-" * len(header))
     rng = np.random.default_rng(0)
@@ -118,14 +129,17 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         row_ids = jnp.arange(batch, dtype=jnp.int32)
 
         def prefill(params=params):
-            return sampler.prefill_rows(graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules)
+            return sampler.prefill_rows(
+                graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules
+            )
 
         def decode(params=params):
             state = prefill(params)
             jax.block_until_ready(state)
             start = time.perf_counter()
-            state = sampler.decode_round(graphdef, params, state, jax.random.key(1), row_ids,
-                                          settings, rules)  # fmt: skip
+            state = sampler.decode_round(
+                graphdef, params, state, jax.random.key(1), row_ids, settings, rules
+            )
             jax.block_until_ready(state)
             return time.perf_counter() - start, int(state.length.sum())
 
@@ -143,8 +157,9 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         steps = generated / batch + 1  # every row also feeds <|im_start|>
 
         state = prefill()
-        lowered = sampler.decode_round.lower(graphdef, params, state, jax.random.key(1), row_ids,
-                                              settings, rules)  # fmt: skip
+        lowered = sampler.decode_round.lower(
+            graphdef, params, state, jax.random.key(1), row_ids, settings, rules
+        )
         round_temp = lowered.compile().memory_analysis().temp_size_in_bytes
         cache = state.cache
         cache_bytes = sum(x.size * x.dtype.itemsize for x in cache)
@@ -163,15 +178,19 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         step_s = decode_s / steps
         results[batch] = generated / decode_s
         bare_results[batch] = batch / bare_s
-        print(f"{batch:>5} {prefill_s * 1e3:>11.1f} {runs[0][1] / fp32_decode_s:>18.1f} "
-              f"{generated / decode_s:>13.1f} {step_s * 1e3:>9.2f} {bare_s * 1e3:>13.2f} "
-              f"{step_s / bare_s - 1:>+9.1%} {refresh_s * 1e3:>11.1f} "
-              f"{prefill_s + decode_s:>10.3f} {cache_bytes / 2**20:>10.1f} "
-              f"{round_temp / 2**20:>15.1f}")  # fmt: skip
+        print(
+            f"{batch:>5} {prefill_s * 1e3:>11.1f} {runs[0][1] / fp32_decode_s:>18.1f} "
+            f"{generated / decode_s:>13.1f} {step_s * 1e3:>9.2f} {bare_s * 1e3:>13.2f} "
+            f"{step_s / bare_s - 1:>+9.1%} {refresh_s * 1e3:>11.1f} "
+            f"{prefill_s + decode_s:>10.3f} {cache_bytes / 2**20:>10.1f} "
+            f"{round_temp / 2**20:>15.1f}"
+        )
     if 1 in results and 32 in results:
-        print(f"decode tokens/s B=32 / B=1: {results[32] / results[1]:.2f}x (target >= 3.5x); "
-              f"the bare forward alone: {bare_results[32] / bare_results[1]:.2f}x, the ceiling "
-              "for any sampler of this model on this machine")  # fmt: skip
+        print(
+            f"decode tokens/s B=32 / B=1: {results[32] / results[1]:.2f}x (target >= 3.5x); "
+            f"the bare forward alone: {bare_results[32] / bare_results[1]:.2f}x, the ceiling "
+            "for any sampler of this model on this machine"
+        )
 
 
 def main():

@@ -67,36 +67,67 @@ def default_target() -> str:
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", choices=("h100", "h200", "h800", "cpu"), default=None,
-                        help="compile for this GPU without one (default h100 when jax's CUDA "
-                             "plugin is installed), or 'cpu': simulated CPU devices")  # fmt: skip
-    parser.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                        help="the GPU of the projection (default: the target; h100 for cpu)")
-    parser.add_argument("--mfu", type=float, default=0.5,
-                        help="assumed model FLOPs utilisation of the grad step (default 0.5)")
+    parser.add_argument(
+        "--target",
+        choices=("h100", "h200", "h800", "cpu"),
+        default=None,
+        help="compile for this GPU without one (default h100 when jax's CUDA "
+        "plugin is installed), or 'cpu': simulated CPU devices",
+    )
+    parser.add_argument(
+        "--gpu",
+        choices=sorted(GPUS),
+        default=None,
+        help="the GPU of the projection (default: the target; h100 for cpu)",
+    )
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=0.5,
+        help="assumed model FLOPs utilisation of the grad step (default 0.5)",
+    )
     parser.add_argument("--devices", type=int, default=8, help="devices (default 8)")
-    parser.add_argument("--devices-per-host", type=int, default=8,
-                        help="GPUs per host: the 'tensor' sampler layout splits inside one")
+    parser.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=8,
+        help="GPUs per host: the 'tensor' sampler layout splits inside one",
+    )
     parser.add_argument("--num-replicate", type=int, default=1, help="mesh 'data' axis")
     parser.add_argument("--num-tensor", type=int, default=1, help="mesh 'tensor' axis")
     parser.add_argument("--model", choices=("7b", "tiny"), default="7b")
-    parser.add_argument("--samples", type=int, default=None,
-                        help="samples (and rows) per micro-batch; default: the recipe's, "
-                             "times num_replicate")  # fmt: skip
-    parser.add_argument("--student-len", type=int, default=6144,
-                        help="student row length (image <= 4900 patches + question + 1025)")
-    parser.add_argument("--teacher-len", type=int, default=10240,
-                        help="teacher row length (max_forward_tokens)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples (and rows) per micro-batch; default: the recipe's, times num_replicate",
+    )
+    parser.add_argument(
+        "--student-len",
+        type=int,
+        default=6144,
+        help="student row length (image <= 4900 patches + question + 1025)",
+    )
+    parser.add_argument(
+        "--teacher-len", type=int, default=10240, help="teacher row length (max_forward_tokens)"
+    )
     parser.add_argument("--student-patches", type=int, default=4900)
     parser.add_argument("--teacher-patches", type=int, default=8192)
     parser.add_argument("--loss-entries", type=int, default=1152, help="C: 1025 rounded up")
-    parser.add_argument("--prompt-len", type=int, default=0,
-                        help="sampler prompt rows; 0: the recipe's sample_prompt_buckets bucket "
-                             "of a ThinkMorph prompt at the largest image (--prompt-patches "
-                             "image tokens + 256 of text)")  # fmt: skip
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=0,
+        help="sampler prompt rows; 0: the recipe's sample_prompt_buckets bucket "
+        "of a ThinkMorph prompt at the largest image (--prompt-patches "
+        "image tokens + 256 of text)",
+    )
     parser.add_argument("--prompt-patches", type=int, default=4900)
-    parser.add_argument("--skip-fit", action="store_true",
-                        help="skip the second grad-step compile that finds the largest pack")
+    parser.add_argument(
+        "--skip-fit",
+        action="store_true",
+        help="skip the second grad-step compile that finds the largest pack",
+    )
     args = parser.parse_args()
     if not 0 < args.mfu <= 1:
         parser.error(f"--mfu must be in (0, 1], got {args.mfu}")
@@ -108,10 +139,14 @@ def main():
     os.environ["JAX_PLATFORMS"] = "cpu"  # also for a GPU target: compile-only devices
     target = args.target or default_target()
     if target == "cpu":
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+        flags = [
+            f
+            for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
         os.environ["XLA_FLAGS"] = " ".join(
-            flags + [f"--xla_force_host_platform_device_count={args.devices}"])  # fmt: skip
+            flags + [f"--xla_force_host_platform_device_count={args.devices}"]
+        )
     # The GPU compiler's warnings about what it cannot tune without a device, once per program.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -149,9 +184,13 @@ def main():
         make_config = BagelConfig.bagel_7b
     on_gpu = target != "cpu"
     gpu = args.gpu or (target if on_gpu else "h100")
-    model_config = make_config(llm=dict(
-        compute_dtype=recipe.compute_dtype, remat=recipe.remat,
-        attention_backend="pallas" if on_gpu else "chunked"))  # fmt: skip
+    model_config = make_config(
+        llm=dict(
+            compute_dtype=recipe.compute_dtype,
+            remat=recipe.remat,
+            attention_backend="pallas" if on_gpu else "chunked",
+        )
+    )
     llm = model_config.llm
     peak_flops, hbm_bw, link_bw, hbm_bytes = GPUS[gpu]
     n = args.devices
@@ -159,12 +198,17 @@ def main():
         mesh = gpu_target.make_mesh(target, n, args.num_replicate, args.num_tensor)
     else:
         mesh = mesh_lib.make_mesh(args.num_replicate, None, args.num_tensor)
-    where = (f"{n} compile-only {target.upper()} devices" if on_gpu
-             else f"{n} simulated CPU devices (the XLA:CPU proxy)")  # fmt: skip
-    print(f"bench/scale.py: {args.model} ({llm.num_hidden_layers} layers, hidden "
-          f"{llm.hidden_size}) compiled for {where}, mesh {dict(mesh.shape)}; micro-batch "
-          f"{samples} samples in {samples} rows x {accum} micro-batches; attention "
-          f"{llm.attention_backend}; projection for {gpu} at MFU {args.mfu}")  # fmt: skip
+    where = (
+        f"{n} compile-only {target.upper()} devices"
+        if on_gpu
+        else f"{n} simulated CPU devices (the XLA:CPU proxy)"
+    )
+    print(
+        f"bench/scale.py: {args.model} ({llm.num_hidden_layers} layers, hidden "
+        f"{llm.hidden_size}) compiled for {where}, mesh {dict(mesh.shape)}; micro-batch "
+        f"{samples} samples in {samples} rows x {accum} micro-batches; attention "
+        f"{llm.attention_backend}; projection for {gpu} at MFU {args.mfu}"
+    )
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
 
@@ -186,59 +230,84 @@ def main():
     optimizer = train_step.make_optimizer(recipe)
 
     def shard_bytes(tree):
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                   for x in jax.tree.leaves(tree))  # fmt: skip
+        return sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for x in jax.tree.leaves(tree)
+        )
 
     # The state train.py compiles its step for: optimizer moments and the EMA laid out like
     # their params, counters replicated.
-    abstract_state = train_step.abstract_state(abstract_params, optimizer, "ema",
-                                               jax.random.key(0))  # fmt: skip
+    abstract_state = train_step.abstract_state(abstract_params, optimizer, "ema", jax.random.key(0))
     params_bytes = shard_bytes(abstract_state.params)
     opt_bytes = shard_bytes(abstract_state.opt_state)
     teacher_bytes = shard_bytes(abstract_state.teacher_params)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
-    lm_matmul = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
-                    if "layers" in jax.tree_util.keystr(p)
-                    and "language_model" in jax.tree_util.keystr(p))  # fmt: skip
-    print(f"\nper device: params {params_bytes / GIB:.2f} GiB (fp32 master, {num_params / 1e9:.2f}"
-          f"B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA teacher "
-          f"{teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB")  # fmt: skip
+    lm_matmul = sum(
+        x.size
+        for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+        if "layers" in jax.tree_util.keystr(p) and "language_model" in jax.tree_util.keystr(p)
+    )
+    print(
+        f"\nper device: params {params_bytes / GIB:.2f} GiB (fp32 master, {num_params / 1e9:.2f}"
+        f"B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA teacher "
+        f"{teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB"
+    )
     resident = params_bytes + opt_bytes + teacher_bytes + params_bytes
 
     # ---- programs -----------------------------------------------------------------------------
 
     def array(shape, dtype, on_mesh=mesh):
         spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1)))
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(on_mesh, spec))
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=jax.sharding.NamedSharding(on_mesh, spec)
+        )
 
     def pack(rows, length, patches, entries, on_mesh=mesh):
         ids = lambda: array((rows, length), jnp.int32, on_mesh)  # noqa: E731
         vit = lambda: array((rows, patches), jnp.int32, on_mesh)  # noqa: E731
         loss = lambda dtype: array((rows, entries), dtype, on_mesh) if entries else None  # noqa: E731
-        return Pack(tokens=ids(), positions=ids(), segment_ids=ids(), k_start=ids(), k_end=ids(),
-                    vit_patches=array((rows, patches, 588), jnp.float32, on_mesh),
-                    vit_pos_ids=vit(), vit_slots=vit(), vit_image_ids=vit(),
-                    loss_rows=loss(jnp.int32), loss_targets=loss(jnp.int32),
-                    loss_mask=loss(jnp.bool_), loss_sample=loss(jnp.int32))  # fmt: skip
+        return Pack(
+            tokens=ids(),
+            positions=ids(),
+            segment_ids=ids(),
+            k_start=ids(),
+            k_end=ids(),
+            vit_patches=array((rows, patches, 588), jnp.float32, on_mesh),
+            vit_pos_ids=vit(),
+            vit_slots=vit(),
+            vit_image_ids=vit(),
+            loss_rows=loss(jnp.int32),
+            loss_targets=loss(jnp.int32),
+            loss_mask=loss(jnp.bool_),
+            loss_sample=loss(jnp.int32),
+        )
 
     def report(name, compiled, text, seconds):
         memory = compiled.memory_analysis()
-        peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                - memory.alias_size_in_bytes + memory.temp_size_in_bytes)  # fmt: skip
+        peak = (
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes
+        )
         found = hlo_stats.collectives(text)
         table = hlo_stats.summarize(found)
         flops, floor = hlo_stats.dot_flops(text)
-        print(f"\n{name} (compiled in {seconds:.0f} s), per device: arguments "
-              f"{memory.argument_size_in_bytes / GIB:.2f} GiB, outputs "
-              f"{memory.output_size_in_bytes / GIB:.2f} GiB (aliased "
-              f"{memory.alias_size_in_bytes / GIB:.2f}), temp {memory.temp_size_in_bytes / GIB:.2f}"
-              f" GiB, peak {peak / GIB:.2f} GiB; matmul FLOPs {flops:.4g}"
-              + (f" (of which {floor:.3g} in data-dependent loops, counted once)" if floor else ""))  # fmt: skip
+        print(
+            f"\n{name} (compiled in {seconds:.0f} s), per device: arguments "
+            f"{memory.argument_size_in_bytes / GIB:.2f} GiB, outputs "
+            f"{memory.output_size_in_bytes / GIB:.2f} GiB (aliased "
+            f"{memory.alias_size_in_bytes / GIB:.2f}), temp {memory.temp_size_in_bytes / GIB:.2f}"
+            f" GiB, peak {peak / GIB:.2f} GiB; matmul FLOPs {flops:.4g}"
+            + (f" (of which {floor:.3g} in data-dependent loops, counted once)" if floor else "")
+        )
         for kind, row in table.items():
             if row["count"]:
                 dtypes = sorted({d for c in found if c.kind == kind for d in c.dtypes})
-                print(f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / GIB:9.3f} GiB "
-                      f"received per device  ({', '.join(dtypes)})")  # fmt: skip
+                print(
+                    f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / GIB:9.3f} GiB "
+                    f"received per device  ({', '.join(dtypes)})"
+                )
         return memory, table, flops, found
 
     grad_step = train_step.make_grad_step(graphdef, rest, run_config.loss_settings(recipe), "ema")
@@ -247,37 +316,57 @@ def main():
         student = pack(samples, student_len, args.student_patches, args.loss_entries)
         teacher = pack(samples, teacher_len, args.teacher_patches, args.loss_entries)
         with mesh_lib.use_mesh(mesh):
-            lowered = grad_step.lower(abstract_state.params, abstract_state.teacher_params,
-                                      student, teacher)  # fmt: skip
+            lowered = grad_step.lower(
+                abstract_state.params, abstract_state.teacher_params, student, teacher
+            )
             return compile_program(lowered, mesh)
 
     grad_compiled, grad_text, seconds = compile_grad(args.teacher_len, args.student_len)
     grad_memory, grad_table, grad_flops, grad_found = report(
         f"grad step (student {samples}x{args.student_len}, teacher {samples}x{args.teacher_len}, "
-        f"C={args.loss_entries})", grad_compiled, grad_text, seconds)  # fmt: skip
+        f"C={args.loss_entries})",
+        grad_compiled,
+        grad_text,
+        seconds,
+    )
 
     # Activation collectives: anything that is not a weight or weight gradient (or a scalar).
     f = n // (args.num_replicate * args.num_tensor)
     splits = {f, args.num_tensor, f * args.num_tensor}
-    activations = hlo_stats.activation_collectives(grad_found, (abstract_params, abstract_rest),
-                                                   splits)  # fmt: skip
-    print(f"  activation collectives: {sum(c.count for c in activations)} per call, "
-          f"{sum(c.count * c.moved_bytes for c in activations) / 2**20:.2f} MiB"
-          + (" (under tensor parallelism the per-layer all-reduces of the split heads and MLP "
-             "are expected here)" if args.num_tensor > 1 else ""))  # fmt: skip
+    activations = hlo_stats.activation_collectives(
+        grad_found, (abstract_params, abstract_rest), splits
+    )
+    print(
+        f"  activation collectives: {sum(c.count for c in activations)} per call, "
+        f"{sum(c.count * c.moved_bytes for c in activations) / 2**20:.2f} MiB"
+        + (
+            " (under tensor parallelism the per-layer all-reduces of the split heads and MLP "
+            "are expected here)"
+            if args.num_tensor > 1
+            else ""
+        )
+    )
     # Weights are gathered over the fsdp axis only (replicas hold the same shards).
     bf16_param_bytes = num_params * 2 / args.num_tensor
     expected_gather = 3 * bf16_param_bytes / f * (f - 1)
     gathered = grad_table["all-gather"]["bytes"]
-    print(f"  all-gather per micro-batch {gathered / GIB:.3f} GiB vs (student fwd + student bwd "
-          f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / GIB:.3f} GiB "
-          f"(ratio {gathered / expected_gather:.3f})")  # fmt: skip
+    print(
+        f"  all-gather per micro-batch {gathered / GIB:.3f} GiB vs (student fwd + student bwd "
+        f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / GIB:.3f} GiB "
+        f"(ratio {gathered / expected_gather:.3f})"
+    )
     scattered = grad_table["reduce-scatter"]["bytes"] + grad_table["all-reduce"]["bytes"]
-    print(f"  gradient reduction per micro-batch {scattered / GIB:.3f} GiB = "
-          f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
-          f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
-          + ("; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
-             "(counted as an all-reduce: an upper bound)" if args.num_replicate > 1 else ""))  # fmt: skip
+    print(
+        f"  gradient reduction per micro-batch {scattered / GIB:.3f} GiB = "
+        f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
+        f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
+        + (
+            "; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
+            "(counted as an all-reduce: an upper bound)"
+            if args.num_replicate > 1
+            else ""
+        )
+    )
     if on_gpu:
         kernels = grad_compiled.as_text().count('"__gpu$xla.gpu.triton"')
         print(f"  Pallas (Triton) attention kernels in the program: {kernels}")
@@ -295,66 +384,112 @@ def main():
     rows = samples * accum
     slots = sampler.cache_slots_for(args.prompt_len, new_tokens, rounds - 1)
     cache_shape = (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim)
-    settings = sampler.RoundSettings(temperature=1.0, do_sample=True, bos_id=1, eos_id=2,
-                                      vocab_limit=llm.vocab_size, max_steps=new_tokens + 1)  # fmt: skip
+    settings = sampler.RoundSettings(
+        temperature=1.0,
+        do_sample=True,
+        bos_id=1,
+        eos_id=2,
+        vocab_limit=llm.vocab_size,
+        max_steps=new_tokens + 1,
+    )
     model_state = nnx.merge_state(abstract_state.params, abstract_rest)
     key = jax.eval_shape(lambda: jax.random.key(0))
     layouts = {}
     heads = layout_choice.head_counts(model_config)
     for layout in ("replicated", "tensor"):  # 'auto' picks one of them (below)
         # The tensor axis splits every head count into whole heads (28 / 4 heads on 8 GPUs: 4).
-        view = mesh_lib.decode_mesh(mesh, layout, mesh_lib.tensor_size_for(
-            heads, min(args.devices_per_host, n)) if layout == "tensor" else None)  # fmt: skip
+        view = mesh_lib.decode_mesh(
+            mesh,
+            layout,
+            mesh_lib.tensor_size_for(heads, min(args.devices_per_host, n))
+            if layout == "tensor"
+            else None,
+        )
         copy = decode_copy.abstract_decode_copy(model_state, view, recipe.compute_dtype)
         refresh = decode_copy.cast_function(model_state, view, recipe.compute_dtype)
         refresh_compiled, refresh_text, seconds = compile_program(refresh.lower(model_state), view)
-        _, refresh_table, _, _ = report(f"decode-copy refresh to '{layout}' (decode mesh "
-                                        f"{dict(view.shape)})", refresh_compiled, refresh_text,
-                                        seconds)  # fmt: skip
+        _, refresh_table, _, _ = report(
+            f"decode-copy refresh to '{layout}' (decode mesh {dict(view.shape)})",
+            refresh_compiled,
+            refresh_text,
+            seconds,
+        )
         refresh_moved = sum(row["bytes"] for row in refresh_table.values())
 
         def on_view(shape, dtype, names, view=view):
             spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
-            return jax.ShapeDtypeStruct(shape, dtype,
-                                        sharding=jax.sharding.NamedSharding(view, spec))  # fmt: skip
+            return jax.ShapeDtypeStruct(
+                shape, dtype, sharding=jax.sharding.NamedSharding(view, spec)
+            )
 
         def rows_of(dtype, *tail, on_view=on_view):
             return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
 
         prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler.prefill_rows.lower(graphdef, copy, prompt, new_tokens, slots,
-                                             jnp.dtype(jnp.bfloat16), mesh_lib.DECODE_RULES)  # fmt: skip
+            lowered = sampler.prefill_rows.lower(
+                graphdef,
+                copy,
+                prompt,
+                new_tokens,
+                slots,
+                jnp.dtype(jnp.bfloat16),
+                mesh_lib.DECODE_RULES,
+            )
             prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
         prefill_memory, _, prefill_flops, _ = report(
             f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
-            f"{args.prompt_patches} patches; cache of {slots} slots)", prefill_compiled,
-            prefill_text, seconds)  # fmt: skip
+            f"{args.prompt_patches} patches; cache of {slots} slots)",
+            prefill_compiled,
+            prefill_text,
+            seconds,
+        )
 
         view_cache = on_view(cache_shape, jnp.bfloat16, sampler.CACHE_NAMES)
         view_state = sampler.DecodeState(
-            cache=(view_cache, view_cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
-            tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
-            length=rows_of(jnp.int32), budget=rows_of(jnp.int32), active=rows_of(jnp.bool_),
-            finished=rows_of(jnp.bool_))  # fmt: skip
-        view_key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
-            view, jax.sharding.PartitionSpec()))  # fmt: skip
+            cache=(view_cache, view_cache),
+            kv_length=rows_of(jnp.int32),
+            rope=rows_of(jnp.int32),
+            tokens=rows_of(jnp.int32, new_tokens),
+            logprobs=rows_of(jnp.float32, new_tokens),
+            length=rows_of(jnp.int32),
+            budget=rows_of(jnp.int32),
+            active=rows_of(jnp.bool_),
+            finished=rows_of(jnp.bool_),
+        )
+        view_key = jax.ShapeDtypeStruct(
+            key.shape,
+            key.dtype,
+            sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
+        )
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler.decode_round.lower(graphdef, copy, view_state, view_key,
-                                                  rows_of(jnp.int32), settings,
-                                                  mesh_lib.DECODE_RULES)  # fmt: skip
+            lowered = sampler.decode_round.lower(
+                graphdef,
+                copy,
+                view_state,
+                view_key,
+                rows_of(jnp.int32),
+                settings,
+                mesh_lib.DECODE_RULES,
+            )
             compiled, text, seconds = compile_program(lowered, view)
         memory, table, _, _ = report(
             f"decode round on the '{layout}' copy ({rows} rows, cache {slots} slots; one "
-            f"while_loop iteration per token)", compiled, text, seconds)  # fmt: skip
+            f"while_loop iteration per token)",
+            compiled,
+            text,
+            seconds,
+        )
         copy_bytes = shard_bytes(copy)
         cache_bytes = 2 * shard_bytes(view_cache)  # k and v, at capacity
         # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
         # embedding table only the rows fed) read once, and each row's cache up to its length.
-        vit_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-                        for p, x in jax.tree_util.tree_flatten_with_path(copy)[0]
-                        if "language_model" not in jax.tree_util.keystr(p)
-                        or "embed_tokens" in jax.tree_util.keystr(p))  # fmt: skip
+        vit_bytes = sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+            for p, x in jax.tree_util.tree_flatten_with_path(copy)[0]
+            if "language_model" not in jax.tree_util.keystr(p)
+            or "embed_tokens" in jax.tree_util.keystr(p)
+        )
         decode_weights = copy_bytes - vit_bytes
         mean_length = args.prompt_len + new_tokens / 2
         floor = decode_weights + cache_bytes * mean_length / slots
@@ -363,63 +498,96 @@ def main():
             # The Pallas decode attention takes the whole stacked cache and reads, per call, one
             # layer's K and V of each row up to the row's length: counted at the mean length.
             kernels = hbm_traffic.with_reads(
-                hbm_traffic.loop_traffic(compiled.as_text()), decode_attention_pallas.KERNEL_NAME,
-                int(cache_bytes / llm.num_hidden_layers * mean_length / slots))  # fmt: skip
+                hbm_traffic.loop_traffic(compiled.as_text()),
+                decode_attention_pallas.KERNEL_NAME,
+                int(cache_bytes / llm.num_hidden_layers * mean_length / slots),
+            )
             step_hbm = hbm_traffic.total_bytes(kernels)
             copies = hbm_traffic.data_movement(kernels)
             outside = hbm_traffic.total_bytes(hbm_traffic.outside_loops(compiled.as_text()))
-            print(f"  HBM per decode step per device, from the GPU program: {step_hbm / GIB:.3f} "
-                  f"GiB in {len(kernels)} kernels, of which {hbm_traffic.total_bytes(copies) / GIB:.3f}"
-                  f" GiB in {len(copies)} data-movement kernels (copies, slices, pads); floor "
-                  f"{floor / GIB:.3f} GiB (bf16 decode weights {decode_weights / GIB:.3f} + KV "
-                  f"cache at the mean length {mean_length:.0f} of {slots} slots "
-                  f"{cache_bytes * mean_length / slots / GIB:.3f}): {step_hbm / floor:.2f}x the "
-                  f"floor; {outside / GIB:.3f} GiB once per round outside the loop")  # fmt: skip
+            print(
+                f"  HBM per decode step per device, from the GPU program: {step_hbm / GIB:.3f} "
+                f"GiB in {len(kernels)} kernels, of which {hbm_traffic.total_bytes(copies) / GIB:.3f}"
+                f" GiB in {len(copies)} data-movement kernels (copies, slices, pads); floor "
+                f"{floor / GIB:.3f} GiB (bf16 decode weights {decode_weights / GIB:.3f} + KV "
+                f"cache at the mean length {mean_length:.0f} of {slots} slots "
+                f"{cache_bytes * mean_length / slots / GIB:.3f}): {step_hbm / floor:.2f}x the "
+                f"floor; {outside / GIB:.3f} GiB once per round outside the loop"
+            )
             print("  the decode step's largest kernels (bytes per step):")
             print(hbm_traffic.describe(kernels, top=8))
         else:
             # A CPU program says nothing of a GPU's kernels: assume the floor at full capacity.
             step_hbm = decode_weights + cache_bytes
-            print(f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
-                  f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB")
+            print(
+                f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
+                f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB"
+            )
         token_s = max(step_hbm / hbm_bw, moved / link_bw)
         prefill_s = prefill_flops / (peak_flops * args.mfu)
         layouts[layout] = dict(
-            token_s=token_s, floor_s=floor / hbm_bw, rollout_s=token_s * new_tokens,
-            refresh_s=refresh_moved / link_bw, prefill_s=prefill_s,
-            peak=resident + copy_bytes + max(memory.temp_size_in_bytes + cache_bytes,
-                                             prefill_memory.temp_size_in_bytes)  # fmt: skip
+            token_s=token_s,
+            floor_s=floor / hbm_bw,
+            rollout_s=token_s * new_tokens,
+            refresh_s=refresh_moved / link_bw,
+            prefill_s=prefill_s,
+            peak=resident
+            + copy_bytes
+            + max(memory.temp_size_in_bytes + cache_bytes, prefill_memory.temp_size_in_bytes),
         )
-        print(f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "
-              f"{refresh_moved / GIB:.2f} GiB of all-gather per device; KV cache "
-              f"{cache_bytes / GIB:.3f} GiB per device; moved per token step "
-              f"{moved / 2**20:.3f} MiB")  # fmt: skip
+        print(
+            f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "
+            f"{refresh_moved / GIB:.2f} GiB of all-gather per device; KV cache "
+            f"{cache_bytes / GIB:.3f} GiB per device; moved per token step "
+            f"{moved / 2**20:.3f} MiB"
+        )
 
     # ---- projection ----------------------------------------------------------------------------
     tokens_student = samples * args.student_len
     tokens_teacher = samples * args.teacher_len
-    analytic = (6 * lm_matmul * tokens_student + 2 * lm_matmul * tokens_student  # + remat
-                + 2 * lm_matmul * tokens_teacher) / n  # fmt: skip
-    attention = (2 * 2 * llm.num_hidden_layers * llm.num_attention_heads * llm.head_dim *
-                 samples * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)) / n  # fmt: skip
+    analytic = (
+        6 * lm_matmul * tokens_student
+        + 2 * lm_matmul * tokens_student  # + remat
+        + 2 * lm_matmul * tokens_teacher
+    ) / n
+    attention = (
+        2
+        * 2
+        * llm.num_hidden_layers
+        * llm.num_attention_heads
+        * llm.head_dim
+        * samples
+        * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)
+    ) / n
     compute_s = (grad_flops + attention) / (peak_flops * args.mfu)
-    comm_s = (grad_table["all-gather"]["bytes"] + grad_table["reduce-scatter"]["bytes"]
-              + grad_table["all-reduce"]["bytes"]) / link_bw  # fmt: skip
-    print(f"\nprojection on {gpu} (peak {peak_flops / 1e12:.0f} TFLOP/s bf16, assumed MFU "
-          f"{args.mfu}; HBM {hbm_bw / 1e12:.2f} TB/s, NVLink {link_bw / 1e9:.0f} GB/s per "
-          f"direction):")  # fmt: skip
-    print(f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic 6·N·tokens + remat "
-          f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
-          f"layer params) + attention ~{attention:.3g} (causal, analytic)")  # fmt: skip
-    print(f"  grad step: compute {compute_s:.2f} s at MFU {args.mfu}, communication "
-          f"{comm_s:.2f} s -> {max(compute_s, comm_s):.2f} s (fully overlapped) .. "
-          f"{compute_s + comm_s:.2f} s (none overlapped) per micro-batch")  # fmt: skip
+    comm_s = (
+        grad_table["all-gather"]["bytes"]
+        + grad_table["reduce-scatter"]["bytes"]
+        + grad_table["all-reduce"]["bytes"]
+    ) / link_bw
+    print(
+        f"\nprojection on {gpu} (peak {peak_flops / 1e12:.0f} TFLOP/s bf16, assumed MFU "
+        f"{args.mfu}; HBM {hbm_bw / 1e12:.2f} TB/s, NVLink {link_bw / 1e9:.0f} GB/s per "
+        f"direction):"
+    )
+    print(
+        f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic 6·N·tokens + remat "
+        f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
+        f"layer params) + attention ~{attention:.3g} (causal, analytic)"
+    )
+    print(
+        f"  grad step: compute {compute_s:.2f} s at MFU {args.mfu}, communication "
+        f"{comm_s:.2f} s -> {max(compute_s, comm_s):.2f} s (fully overlapped) .. "
+        f"{compute_s + comm_s:.2f} s (none overlapped) per micro-batch"
+    )
     for layout, row in layouts.items():
-        print(f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step "
-              f"(floor {row['floor_s'] * 1e3:.2f} ms) -> {rows / n / row['token_s']:.0f} tokens/s "
-              f"per GPU; a {new_tokens}-token rollout of {rows} rows {row['rollout_s']:.1f} s "
-              f"(at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
-              f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step")  # fmt: skip
+        print(
+            f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step "
+            f"(floor {row['floor_s'] * 1e3:.2f} ms) -> {rows / n / row['token_s']:.0f} tokens/s "
+            f"per GPU; a {new_tokens}-token rollout of {rows} rows {row['rollout_s']:.1f} s "
+            f"(at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
+            f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step"
+        )
     # The step samples on the copy in the recipe's layout.
     # The recipe's layout; 'auto': the least rollout time among those that fit (as train.py's
     # choice, from the counted programs here instead of its weights-and-cache projection).
@@ -428,47 +596,65 @@ def main():
     if layout_used == "auto":
         fitting = [name for name, row in layouts.items() if row["peak"] <= budget] or list(layouts)
         layout_used = min(fitting, key=lambda name: layouts[name]["rollout_s"])
-        print(f"  sampler_layout 'auto' -> '{layout_used}' (least rollout time of the layouts "
-              f"that fit)")  # fmt: skip
+        print(
+            f"  sampler_layout 'auto' -> '{layout_used}' (least rollout time of the layouts "
+            f"that fit)"
+        )
     chosen = layouts[layout_used]
     sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
     step_low = accum * max(compute_s, comm_s) + sampling_s
     step_high = accum * (compute_s + comm_s) + sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
-    print(f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
-          f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
-          f"recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
-          f"{hours(step_high):.1f} h")  # fmt: skip
+    print(
+        f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
+        f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
+        f"recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
+        f"{hours(step_high):.1f} h"
+    )
 
     # ---- memory --------------------------------------------------------------------------------
     grad_peak = resident + grad_memory.temp_size_in_bytes + grad_memory.output_size_in_bytes
     decode_peak = chosen["peak"]  # training state + copy + cache + the sampler's temp
-    print(f"\nmemory per device on {gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
-          f"-> {budget / GIB:.1f} GiB): resident state {resident / GIB:.2f} GiB; grad step peak "
-          f"{grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
-          f"('{layout_used}' copy) {decode_peak / GIB:.2f} GiB "
-          f"({decode_peak / hbm_bytes:.0%})")  # fmt: skip
+    print(
+        f"\nmemory per device on {gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
+        f"-> {budget / GIB:.1f} GiB): resident state {resident / GIB:.2f} GiB; grad step peak "
+        f"{grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
+        f"('{layout_used}' copy) {decode_peak / GIB:.2f} GiB "
+        f"({decode_peak / hbm_bytes:.0%})"
+    )
     print("  fits" if max(grad_peak, decode_peak) <= budget else "  DOES NOT FIT")
     if not args.skip_fit:
         # Temp memory is linear in the pack lengths (attention included): compile once more with
         # both rows twice as long and extrapolate to the HBM budget.
         compiled2, _, _ = compile_grad(2 * args.teacher_len, 2 * args.student_len)
-        temp1, temp2 = grad_memory.temp_size_in_bytes, compiled2.memory_analysis().temp_size_in_bytes
+        temp1, temp2 = (
+            grad_memory.temp_size_in_bytes,
+            compiled2.memory_analysis().temp_size_in_bytes,
+        )
         slope = (temp2 - temp1) / args.teacher_len  # bytes per teacher token (+ its student share)
         base = grad_peak - slope * args.teacher_len
         ratio = args.student_len / args.teacher_len
         for name in sorted(GPUS):
             room = GPUS[name][3] * (1 - HEADROOM)
             fit = int((room - base) / slope) if slope > 0 else 0
-            print(f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
-                  f"of {int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each "
-                  f"per device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured "
-                  f"at {args.teacher_len} and {2 * args.teacher_len})")  # fmt: skip
-    print("\nNot known from a compile without a device: kernel speeds (nothing is autotuned; "
-          f"compute is assumed at MFU {args.mfu}, decode at the full HBM bandwidth), how much "
-          "communication overlaps compute (both bounds shown)"
-          + ("" if on_gpu else "; and on the CPU proxy the GPU's fusions, copies and temp "
-             "buffers (its HBM per decode step is assumed at the floor, not counted)") + ".")  # fmt: skip
+            print(
+                f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
+                f"of {int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each "
+                f"per device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured "
+                f"at {args.teacher_len} and {2 * args.teacher_len})"
+            )
+    print(
+        "\nNot known from a compile without a device: kernel speeds (nothing is autotuned; "
+        f"compute is assumed at MFU {args.mfu}, decode at the full HBM bandwidth), how much "
+        "communication overlaps compute (both bounds shown)"
+        + (
+            ""
+            if on_gpu
+            else "; and on the CPU proxy the GPU's fusions, copies and temp "
+            "buffers (its HBM per decode step is assumed at the floor, not counted)"
+        )
+        + "."
+    )
 
 
 if __name__ == "__main__":

@@ -72,9 +72,17 @@ from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 
 STUDENT_TOKENS, TEACHER_TOKENS, COMPLETION = 410, 832, 128
-OPTIMIZER = types.SimpleNamespace(lr=1e-5, min_lr=1e-7, warmup_steps=0, total_steps=1000,
-                                  lr_scheduler="constant", beta1=0.9, beta2=0.95, eps=1e-15,
-                                  max_grad_norm=1.0)  # fmt: skip
+OPTIMIZER = types.SimpleNamespace(
+    lr=1e-5,
+    min_lr=1e-7,
+    warmup_steps=0,
+    total_steps=1000,
+    lr_scheduler="constant",
+    beta1=0.9,
+    beta2=0.95,
+    eps=1e-15,
+    max_grad_norm=1.0,
+)
 EMA_DECAY = 0.995
 
 
@@ -92,21 +100,39 @@ def build_case(vocab: int, multiple: int):
         return VitImageInputs(patches, vit_position_ids(h, w), h, w)
 
     # Text lengths chosen so the packs hold exactly 410 and 832 tokens.
-    sample = types.SimpleNamespace(pid="s0", question="q" * 62, answer="A", thoughts=["t"],
-                                   problem_image=image(12, 16),
-                                   vt_images=[image(16, 24)])  # fmt: skip
+    sample = types.SimpleNamespace(
+        pid="s0",
+        question="q" * 62,
+        answer="A",
+        thoughts=["t"],
+        problem_image=image(12, 16),
+        vt_images=[image(16, 24)],
+    )
     completion = rng.integers(10, 1000, COMPLETION).tolist()
-    options = run_config.prompt_options(dict(system_prompt="a" * 20, reference_intro="c" * 20,
-                                             transition_prompt="d" * 12))
-    exact = build_training_packs([sample], [completion], encode, options, special, num_rows=1,
-                                 max_forward_tokens=4096)  # fmt: skip
+    options = run_config.prompt_options(
+        dict(system_prompt="a" * 20, reference_intro="c" * 20, transition_prompt="d" * 12)
+    )
+    exact = build_training_packs(
+        [sample], [completion], encode, options, special, num_rows=1, max_forward_tokens=4096
+    )
     sizes = {}
     for name, pack in (("student", exact.student), ("teacher", exact.teacher)):
-        content = (int((pack.segment_ids > 0).sum()), int((pack.vit_slots >= 0).sum()),
-                   int(pack.loss_mask.sum()))  # fmt: skip
+        content = (
+            int((pack.segment_ids > 0).sum()),
+            int((pack.vit_slots >= 0).sum()),
+            int(pack.loss_mask.sum()),
+        )
         sizes[name] = [PackShape(*(round_up(n, multiple) for n in content))]
-    packs = build_training_packs([sample], [completion], encode, options, special, num_rows=1,
-                                 max_forward_tokens=4096, shapes=sizes)  # fmt: skip
+    packs = build_training_packs(
+        [sample],
+        [completion],
+        encode,
+        options,
+        special,
+        num_rows=1,
+        max_forward_tokens=4096,
+        shapes=sizes,
+    )
     tokens = [int((p.segment_ids > 0).sum()) for p in (packs.student, packs.teacher)]
     assert tokens == [STUDENT_TOKENS, TEACHER_TOKENS], tokens
     return packs.student, packs.teacher
@@ -117,11 +143,15 @@ def build_case(vocab: int, multiple: int):
 
 class Ours:
     def __init__(self, args):
-        config = BagelConfig.small_64m().replace(llm=dict(
-            compute_dtype=args.compute_dtype, remat=args.remat,
-            attention_backend=args.attention_backend,
-            unroll_layers=bool(args.unroll_layers),
-            attention_block=args.attention_block))  # fmt: skip
+        config = BagelConfig.small_64m().replace(
+            llm=dict(
+                compute_dtype=args.compute_dtype,
+                remat=args.remat,
+                attention_backend=args.attention_backend,
+                unroll_layers=bool(args.unroll_layers),
+                attention_block=args.attention_block,
+            )
+        )
         self.config = config
         self.mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
         model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), self.mesh)
@@ -134,16 +164,26 @@ class Ours:
         optimizer = train_step.make_optimizer(OPTIMIZER)
         rng = jax.random.key(0)
         abstract = train_step.abstract_state(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                         params), optimizer, "ema", rng)  # fmt: skip
-        self.state = jax.device_put(train_step.init_state(params, optimizer, "ema", rng),
-                                    train_step.shardings_of(abstract))  # fmt: skip
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+            ),
+            optimizer,
+            "ema",
+            rng,
+        )
+        self.state = jax.device_put(
+            train_step.init_state(params, optimizer, "ema", rng), train_step.shardings_of(abstract)
+        )
         step = train_step.make_train_step(
             train_step.make_opsd_loss(
-                graphdef, rest, run_config.loss_settings({"samples_per_micro_batch": 1}), "ema"),
-            optimizer, teacher_mode="ema", ema_decay=EMA_DECAY,
+                graphdef, rest, run_config.loss_settings({"samples_per_micro_batch": 1}), "ema"
+            ),
+            optimizer,
+            teacher_mode="ema",
+            ema_decay=EMA_DECAY,
             schedule=train_step.learning_rate_schedule(OPTIMIZER),
-            state_shardings=train_step.shardings_of(abstract))  # fmt: skip
+            state_shardings=train_step.shardings_of(abstract),
+        )
         with mesh_lib.use_mesh(self.mesh):
             self.batch = tuple(distributed.put_micro_batches([p], self.mesh) for p in self.packs)
             t0 = time.perf_counter()
@@ -153,14 +193,18 @@ class Ours:
     def describe(self):
         s, t = self.packs
         llm = self.config.llm
-        tile = f" (tile {llm.attention_block})" if llm.attention_backend in ("auto", "chunked") else ""
-        return (f"ours: m64, {llm.compute_dtype}, remat {llm.remat}, attention "
-                f"{llm.attention_backend}{tile}, "
-                f"{'un' if llm.unroll_layers else ''}rolled layers, "
-                f"student row "
-                f"{s.tokens.shape[1]} tokens / {s.vit_patches.shape[1]} patches, teacher row "
-                f"{t.tokens.shape[1]} / {t.vit_patches.shape[1]}, {t.loss_mask.shape[1]} loss "
-                f"entries; compile {self.compile_s:.1f} s")  # fmt: skip
+        tile = (
+            f" (tile {llm.attention_block})" if llm.attention_backend in ("auto", "chunked") else ""
+        )
+        return (
+            f"ours: m64, {llm.compute_dtype}, remat {llm.remat}, attention "
+            f"{llm.attention_backend}{tile}, "
+            f"{'un' if llm.unroll_layers else ''}rolled layers, "
+            f"student row "
+            f"{s.tokens.shape[1]} tokens / {s.vit_patches.shape[1]} patches, teacher row "
+            f"{t.tokens.shape[1]} / {t.vit_patches.shape[1]}, {t.loss_mask.shape[1]} loss "
+            f"entries; compile {self.compile_s:.1f} s"
+        )
 
     def step(self):
         self.state, metrics = self.compiled(self.state, self.batch)
@@ -186,7 +230,7 @@ def import_pytorch_bagel(directory: str):
     from modeling.bagel import Qwen2Config as TorchQwen2Config
     from modeling.bagel import (
         Qwen2ForCausalLM,
-        SiglipVisionConfig,  # fmt: skip
+        SiglipVisionConfig,
         SiglipVisionModel,
         qwen2_navit,
         siglip_navit,
@@ -214,17 +258,25 @@ def import_pytorch_bagel(directory: str):
     def default_rope(config, device=None, **_):
         dim = config.hidden_size // config.num_attention_heads
         exponent = torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim
-        return 1.0 / (config.rope_theta ** exponent), 1.0
+        return 1.0 / (config.rope_theta**exponent), 1.0
 
     from modeling.qwen2 import modeling_qwen2
 
-    modeling_qwen2.ROPE_INIT_FUNCTIONS = {**modeling_qwen2.ROPE_INIT_FUNCTIONS,
-                                          "default": default_rope}  # fmt: skip
+    modeling_qwen2.ROPE_INIT_FUNCTIONS = {
+        **modeling_qwen2.ROPE_INIT_FUNCTIONS,
+        "default": default_rope,
+    }
     return types.SimpleNamespace(
-        torch=torch, Bagel=TorchBagel, BagelConfig=TorchBagelConfig, Qwen2Config=TorchQwen2Config,
-        Qwen2ForCausalLM=Qwen2ForCausalLM, SiglipVisionConfig=SiglipVisionConfig,
-        SiglipVisionModel=SiglipVisionModel, loss=compute_student_kd_loss,
-        check_fn=grad_checkpoint_check_fn)  # fmt: skip
+        torch=torch,
+        Bagel=TorchBagel,
+        BagelConfig=TorchBagelConfig,
+        Qwen2Config=TorchQwen2Config,
+        Qwen2ForCausalLM=Qwen2ForCausalLM,
+        SiglipVisionConfig=SiglipVisionConfig,
+        SiglipVisionModel=SiglipVisionModel,
+        loss=compute_student_kd_loss,
+        check_fn=grad_checkpoint_check_fn,
+    )
 
 
 def hf_state_dict(host_params: dict, config) -> dict:
@@ -250,15 +302,18 @@ def torch_batch(pack, torch):
     vit_index = slots[patch]
     text_index = np.setdiff1d(np.arange(length), vit_index)
     rows = np.arange(length)
-    allowed = ((rows[None, :] >= pack.k_start[0, :length, None])
-               & (rows[None, :] < pack.k_end[0, :length, None]))  # fmt: skip
+    allowed = (rows[None, :] >= pack.k_start[0, :length, None]) & (
+        rows[None, :] < pack.k_end[0, :length, None]
+    )
     mask = np.where(allowed, 0.0, -np.inf).astype(np.float32)
     image_ids = pack.vit_image_ids[0][patch]
     loss = pack.loss_mask[0]
     long = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.long)  # noqa: E731
     return dict(
-        sequence_length=length, sample_lens=[length],
-        packed_text_ids=long(pack.tokens[0][text_index]), packed_text_indexes=long(text_index),
+        sequence_length=length,
+        sample_lens=[length],
+        packed_text_ids=long(pack.tokens[0][text_index]),
+        packed_text_indexes=long(text_index),
         packed_position_ids=long(pack.positions[0, :length]),
         nested_attention_masks=[torch.as_tensor(mask)],
         packed_vit_tokens=torch.as_tensor(pack.vit_patches[0][patch]),
@@ -267,7 +322,7 @@ def torch_batch(pack, torch):
         vit_token_seqlens=torch.as_tensor(np.bincount(image_ids)[1:], dtype=torch.int),
         ce_loss_indexes=long(pack.loss_rows[0][loss]),
         packed_label_ids=long(pack.loss_targets[0][loss]),
-    )  # fmt: skip
+    )
 
 
 class PyTorch:
@@ -276,32 +331,51 @@ class PyTorch:
         self.tb, torch = tb, tb.torch
         llm, vit = ours.config.llm, ours.config.vit
         llm_config = tb.Qwen2Config(
-            vocab_size=llm.vocab_size, hidden_size=llm.hidden_size,
-            intermediate_size=llm.intermediate_size, num_hidden_layers=llm.num_hidden_layers,
+            vocab_size=llm.vocab_size,
+            hidden_size=llm.hidden_size,
+            intermediate_size=llm.intermediate_size,
+            num_hidden_layers=llm.num_hidden_layers,
             num_attention_heads=llm.num_attention_heads,
-            num_key_value_heads=llm.num_key_value_heads, rms_norm_eps=llm.rms_norm_eps,
-            rope_theta=llm.rope_theta, max_position_embeddings=llm.max_position_embeddings,
-            tie_word_embeddings=False)  # fmt: skip
+            num_key_value_heads=llm.num_key_value_heads,
+            rms_norm_eps=llm.rms_norm_eps,
+            rope_theta=llm.rope_theta,
+            max_position_embeddings=llm.max_position_embeddings,
+            tie_word_embeddings=False,
+        )
         # What build_bagel_model sets in code.
         llm_config.layer_module, llm_config.qk_norm = "Qwen2MoTDecoderLayer", True
         llm_config.freeze_und = False
         llm_config.pad_token_id = None  # transformers 5 no longer defaults it; BAGEL reads it
         vit_config = tb.SiglipVisionConfig(
-            hidden_size=vit.hidden_size, intermediate_size=vit.intermediate_size,
-            num_attention_heads=vit.num_attention_heads, num_hidden_layers=vit.num_hidden_layers,
-            patch_size=vit.patch_size, image_size=vit.image_size, num_channels=vit.num_channels,
-            hidden_act=vit.hidden_act, layer_norm_eps=vit.layer_norm_eps)  # fmt: skip
+            hidden_size=vit.hidden_size,
+            intermediate_size=vit.intermediate_size,
+            num_attention_heads=vit.num_attention_heads,
+            num_hidden_layers=vit.num_hidden_layers,
+            patch_size=vit.patch_size,
+            image_size=vit.image_size,
+            num_channels=vit.num_channels,
+            hidden_act=vit.hidden_act,
+            layer_norm_eps=vit.layer_norm_eps,
+        )
         vit_config.rope = False
         language_model = tb.Qwen2ForCausalLM(llm_config)
         language_model.init_moe()
         config = tb.BagelConfig(
-            visual_gen=False, visual_und=True, llm_config=llm_config, vit_config=vit_config,
-            vae_config=None, vit_max_num_patch_per_side=ours.config.vit_max_num_patch_per_side,
-            connector_act="gelu_pytorch_tanh", interpolate_pos=False)  # fmt: skip
+            visual_gen=False,
+            visual_und=True,
+            llm_config=llm_config,
+            vit_config=vit_config,
+            vae_config=None,
+            vit_max_num_patch_per_side=ours.config.vit_max_num_patch_per_side,
+            connector_act="gelu_pytorch_tanh",
+            interpolate_pos=False,
+        )
         model = tb.Bagel(language_model, tb.SiglipVisionModel(vit_config), config)
         model.vit_model.vision_model.embeddings.convert_conv2d_to_linear(vit_config)
-        state = {k: torch.as_tensor(np.ascontiguousarray(v, np.float32))
-                 for k, v in hf_state_dict(ours.host_params, ours.config).items()}  # fmt: skip
+        state = {
+            k: torch.as_tensor(np.ascontiguousarray(v, np.float32))
+            for k, v in hf_state_dict(ours.host_params, ours.config).items()
+        }
         missing, unexpected = model.load_state_dict(state, strict=False)
         # Left at init: the gen expert (copied from und by init_moe before the load; it sees
         # no token) and any buffer BAGEL recomputes.
@@ -311,24 +385,33 @@ class PyTorch:
         model = model.float()
         self.ema = copy.deepcopy(model)
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,  # fmt: skip
+            CheckpointImpl,
             apply_activation_checkpointing,
             checkpoint_wrapper,
         )
 
         apply_activation_checkpointing(
-            model, checkpoint_wrapper_fn=functools.partial(
-                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=tb.check_fn)  # fmt: skip
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+            ),
+            check_fn=tb.check_fn,
+        )
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIMIZER.lr,
-                                           betas=(OPTIMIZER.beta1, OPTIMIZER.beta2),
-                                           eps=OPTIMIZER.eps, weight_decay=0)  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=OPTIMIZER.lr,
+            betas=(OPTIMIZER.beta1, OPTIMIZER.beta2),
+            eps=OPTIMIZER.eps,
+            weight_decay=0,
+        )
         self.batches = [torch_batch(p, torch) for p in ours.packs]
 
     def describe(self):
-        return (f"PyTorch: BAGEL from the checkout, torch {self.tb.torch.__version__}, "
-                f"{self.tb.torch.get_num_threads()} threads, fp32, activation checkpointing")
+        return (
+            f"PyTorch: BAGEL from the checkout, torch {self.tb.torch.__version__}, "
+            f"{self.tb.torch.get_num_threads()} threads, fp32, activation checkpointing"
+        )
 
     def step(self):
         torch, tb = self.tb.torch, self.tb
@@ -340,8 +423,15 @@ class PyTorch:
         ema.train()
         with torch.no_grad():
             teacher_logits = ema(**teacher_batch, return_logits=True)["logits"]
-        jsd = tb.loss(student_logits, teacher_logits, loss_kind="jsd", beta=0.5, temperature=1.0,
-                      top_k=256, token_clip=0.05)  # fmt: skip
+        jsd = tb.loss(
+            student_logits,
+            teacher_logits,
+            loss_kind="jsd",
+            beta=0.5,
+            temperature=1.0,
+            top_k=256,
+            token_clip=0.05,
+        )
         jsd.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIMIZER.max_grad_norm)
         self.optimizer.step()
@@ -364,8 +454,11 @@ def timed(side, steps):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pytorch-bagel", default=None,
-                        help="a checkout of TiezMind/Visual-OPSD (BAGEL's torch model + trainer)")
+    parser.add_argument(
+        "--pytorch-bagel",
+        default=None,
+        help="a checkout of TiezMind/Visual-OPSD (BAGEL's torch model + trainer)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and side")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds")
     # Defaults: the CPU default config's runtime choices (configs/smoke.py).
@@ -379,8 +472,12 @@ def main():
     parser.add_argument("--unroll-layers", type=int, default=int(cpu.unroll_layers))
     parser.add_argument("--attention-block", type=int, default=cpu.attention_block)
     parser.add_argument("--multiple", type=int, default=8)
-    parser.add_argument("--torch-threads", type=int, default=0,
-                        help="torch.set_num_threads (0: torch's default, one per core)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=0,
+        help="torch.set_num_threads (0: torch's default, one per core)",
+    )
     args = parser.parse_args()
 
     tokens = STUDENT_TOKENS + TEACHER_TOKENS
@@ -390,9 +487,11 @@ def main():
         sides["pytorch"] = PyTorch(args.pytorch_bagel, ours)
         if args.torch_threads:
             sides["pytorch"].tb.torch.set_num_threads(args.torch_threads)
-    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPUs; case: "
-          f"student {STUDENT_TOKENS} + teacher {TEACHER_TOKENS} tokens, {COMPLETION}-token "
-          f"completion")  # fmt: skip
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPUs; case: "
+        f"student {STUDENT_TOKENS} + teacher {TEACHER_TOKENS} tokens, {COMPLETION}-token "
+        f"completion"
+    )
     for side in sides.values():
         print("  " + side.describe())
     # First step from the shared initial weights: the same case gives the same JSD.
@@ -404,18 +503,23 @@ def main():
         for name, side in sides.items():
             wall, cpu = timed(side, args.steps)
             results[name].append((wall, cpu))
-            print(f"  round {round_ + 1} {name:>7}: {wall:.3f} s per step ({cpu:.3f} CPU s), "
-                  f"{tokens / wall:.0f} tokens/s")  # fmt: skip
+            print(
+                f"  round {round_ + 1} {name:>7}: {wall:.3f} s per step ({cpu:.3f} CPU s), "
+                f"{tokens / wall:.0f} tokens/s"
+            )
     best = {name: min(r) for name, r in results.items()}
     wall, cpu = best["ours"]
-    print(f"ours (best round): {wall:.3f} s per step ({cpu:.3f} CPU s), {tokens / wall:.0f} "
-          f"tokens/s")  # fmt: skip
+    print(
+        f"ours (best round): {wall:.3f} s per step ({cpu:.3f} CPU s), {tokens / wall:.0f} tokens/s"
+    )
     if "pytorch" not in best:
         print("PyTorch comparison skipped (no --pytorch-bagel DIR)")
         return
     torch_wall, torch_cpu = best["pytorch"]
-    print(f"PyTorch (best round): {torch_wall:.3f} s per step ({torch_cpu:.3f} CPU s), "
-          f"{tokens / torch_wall:.0f} tokens/s")  # fmt: skip
+    print(
+        f"PyTorch (best round): {torch_wall:.3f} s per step ({torch_cpu:.3f} CPU s), "
+        f"{tokens / torch_wall:.0f} tokens/s"
+    )
     print(f"speed-up ours / PyTorch: {torch_wall / wall:.2f}x wall, {torch_cpu / cpu:.2f}x CPU")
 
 

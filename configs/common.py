@@ -98,8 +98,24 @@ def base_config() -> ml_collections.ConfigDict:
     # by at most 50% (by at most 25% above 4096), where doubling buckets pad up to 100% (a 4.2k
     # ThinkMorph prompt: 5120 cache slots and prefill tokens, not 8192). At most 152 (length,
     # patches) shapes; a run meets a few, each compiled once and printed when first met.
-    c.sample_prompt_buckets = (64, 128, 256, 512, 1024, 2048, 3072, 4096, 5120, 6144, 7168, 8192,
-                               10240, 12288, 14336, 16384)
+    c.sample_prompt_buckets = (
+        64,
+        128,
+        256,
+        512,
+        1024,
+        2048,
+        3072,
+        4096,
+        5120,
+        6144,
+        7168,
+        8192,
+        10240,
+        12288,
+        14336,
+        16384,
+    )
     c.use_system_prompt = True
     c.system_prompt = ""  # empty: our default wording (opsd_jax/data/opsd_packs.py)
     c.use_reference_intro = True

@@ -26,8 +26,9 @@ import ml_collections
 from configs import common, toy_opsd
 
 # The stage-1 model, found from this file so the run works from any working directory.
-STAGE1_MODEL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                            "opsd_jax", "toy", "stage1")  # fmt: skip
+STAGE1_MODEL = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "opsd_jax", "toy", "stage1"
+)
 
 
 def get_config() -> ml_collections.ConfigDict:

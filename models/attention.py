@@ -113,8 +113,9 @@ def attention(
 
 def _pallas_kernel(range_attention):
     def kernel(q, k, v, q_seg, kv_seg, k_start, k_end):
-        return range_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                               k_start=k_start, k_end=k_end)  # fmt: skip
+        return range_attention(
+            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, k_start=k_start, k_end=k_end
+        )
 
     return kernel
 
@@ -460,8 +461,9 @@ def _flash_bwd(bq, bk, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def cache_attention(q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto",
-                    interpret: bool = False) -> jax.Array:  # fmt: skip
+def cache_attention(
+    q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto", interpret: bool = False
+) -> jax.Array:
     """The decode step's attention for layer `layer` of the stacked cache (k_cache, v_cache:
     [L, B, S, Hkv, D]); q: [B, Hq, D]; key slot j of row b is visible iff j < kv_lengths[b].
 
@@ -477,8 +479,10 @@ def cache_attention(q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto
         if kernel.supported(k_cache.shape[-1], k_cache.shape[2]):
             names = _cache_arg_names(q, k_cache)
             per_device = sharding.per_row_shard_map(
-                functools.partial(kernel.filled_cache_attention, interpret=interpret), names,
-                out_names=names[0])  # fmt: skip
+                functools.partial(kernel.filled_cache_attention, interpret=interpret),
+                names,
+                out_names=names[0],
+            )
             return per_device(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lengths)
     return decode_attention(q, k_cache[layer], v_cache[layer], kv_lengths)
 
@@ -486,8 +490,12 @@ def cache_attention(q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto
 def _cache_arg_names(q, k_cache):
     """Logical names of cache_attention's arguments (q [B, Hq, D], the [L, B, S, Hkv, D] caches,
     the layer, the lengths): rows over the batch axes, heads as `_head_names` allows."""
-    heads, cache = _head_names(q, ("act_batch", "act_heads", None),
-                               k_cache, (None, "act_batch", None, "act_kv_heads", None))  # fmt: skip
+    heads, cache = _head_names(
+        q,
+        ("act_batch", "act_heads", None),
+        k_cache,
+        (None, "act_batch", None, "act_kv_heads", None),
+    )
     return (heads, cache, cache, (), ("act_batch",))
 
 
@@ -513,6 +521,7 @@ def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
     max_score = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(max_score), max_score, 0.0))
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("bhgs,bshd->bhgd", weights.astype(v_cache.dtype), v_cache,
-                     preferred_element_type=_F32)  # fmt: skip
+    out = jnp.einsum(
+        "bhgs,bshd->bhgd", weights.astype(v_cache.dtype), v_cache, preferred_element_type=_F32
+    )
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

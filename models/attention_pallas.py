@@ -108,8 +108,10 @@ def unsupported_reason() -> str | None:
     except ValueError:
         return f"{device.device_kind} reports no NVIDIA compute capability ({capability!r})"
     if (major, minor) < MIN_COMPUTE_CAPABILITY:
-        return (f"{device.device_kind} is sm{major}{minor}; the kernel needs sm80 or newer "
-                "(A100, H100, H200, ...)")  # fmt: skip
+        return (
+            f"{device.device_kind} is sm{major}{minor}; the kernel needs sm80 or newer "
+            "(A100, H100, H200, ...)"
+        )
     return None
 
 
@@ -213,8 +215,10 @@ def _q_block_ranges(lo, hi, nk):
     any_ = jnp.any(sees, axis=1)
     first = jnp.argmax(sees, axis=1)
     last = nq - 1 - jnp.argmax(sees[:, ::-1], axis=1)
-    return (jnp.where(any_, first, 0).astype(jnp.int32),
-            jnp.where(any_, last + 1, 0).astype(jnp.int32))  # fmt: skip
+    return (
+        jnp.where(any_, first, 0).astype(jnp.int32),
+        jnp.where(any_, last + 1, 0).astype(jnp.int32),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,8 +239,22 @@ def _masked_logits(q, k, seg, ks, ke, kv_seg, k0, qk_scale):
     return jnp.where(visible, s, -jnp.inf)
 
 
-def _forward_kernel(lo_ref, hi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref, v_ref,
-                    o_ref, lse_ref, *, qk_scale, bk):  # fmt: skip
+def _forward_kernel(
+    lo_ref,
+    hi_ref,
+    seg_ref,
+    ks_ref,
+    ke_ref,
+    kv_seg_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    qk_scale,
+    bk,
+):
     i = pl.program_id(0)
     q, seg, ks, ke = q_ref[...], seg_ref[...], ks_ref[...], ke_ref[...]
     bq, dp = q.shape
@@ -264,8 +282,25 @@ def _forward_kernel(lo_ref, hi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, 
     lse_ref[...] = jnp.where(seen, m + jnp.log2(l_safe), 0.0)
 
 
-def _dq_kernel(lo_ref, hi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref, v_ref, do_ref,
-               lse_ref, delta_ref, dq_ref, *, qk_scale, scale, bk):  # fmt: skip
+def _dq_kernel(
+    lo_ref,
+    hi_ref,
+    seg_ref,
+    ks_ref,
+    ke_ref,
+    kv_seg_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    qk_scale,
+    scale,
+    bk,
+):
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
     seg, ks, ke = seg_ref[...], ks_ref[...], ke_ref[...]
@@ -284,9 +319,27 @@ def _dq_kernel(lo_ref, hi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref
     dq_ref[...] = (scale * dq).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(qlo_ref, qhi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k_ref, v_ref,
-                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, qk_scale, scale, bq,
-                 group):  # fmt: skip
+def _dkdv_kernel(
+    qlo_ref,
+    qhi_ref,
+    seg_ref,
+    ks_ref,
+    ke_ref,
+    kv_seg_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    qk_scale,
+    scale,
+    bq,
+    group,
+):
     j = pl.program_id(0)
     k, v, kv_seg = k_ref[...], v_ref[...], kv_seg_ref[...]
     bk, dp = k.shape
@@ -296,8 +349,9 @@ def _dkdv_kernel(qlo_ref, qhi_ref, seg_ref, ks_ref, ke_ref, kv_seg_ref, q_ref, k
             dk, dv = carry
             span = pl.ds(qb * bq, bq)
             q, do = q_ref[span, g, :], do_ref[span, g, :]
-            s = _masked_logits(q, k, seg_ref[span], ks_ref[span], ke_ref[span], kv_seg, j * bk,
-                               qk_scale)  # fmt: skip
+            s = _masked_logits(
+                q, k, seg_ref[span], ks_ref[span], ke_ref[span], kv_seg, j * bk, qk_scale
+            )
             p = jnp.exp2(s - lse_ref[g, span][:, None])
             dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
             dp = plgpu.dot(do, v, trans_b=True)
@@ -336,8 +390,7 @@ def _forward(q, k, v, q_seg, kv_seg, k_start, k_end, static):
         grid=(nq, B, Hq),
         in_specs=[row(nq), row(nq), q_rows, q_rows, q_rows, row(Sp), q_tile, kv_head, kv_head],
         out_specs=[q_tile, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],  # fmt: skip
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
         compiler_params=_compiler_params(bq, Dp),
         interpret=static.interpret,
         name="range_attention_forward",
@@ -363,8 +416,20 @@ def _backward(q, k, v, q_seg, kv_seg, k_start, k_end, out, lse, d_out, static):
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, qk_scale=qk_scale, scale=static.scale, bk=bk),
         grid=(nq, B, Hq),
-        in_specs=[row(nq), row(nq), q_rows, q_rows, q_rows, row(Sp), q_tile, kv_head, kv_head,
-                  q_tile, stat, stat],  # fmt: skip
+        in_specs=[
+            row(nq),
+            row(nq),
+            q_rows,
+            q_rows,
+            q_rows,
+            row(Sp),
+            q_tile,
+            kv_head,
+            kv_head,
+            q_tile,
+            stat,
+            stat,
+        ],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_compiler_params(bq, Dp),
@@ -378,12 +443,22 @@ def _backward(q, k, v, q_seg, kv_seg, k_start, k_end, out, lse, d_out, static):
     group_stat = pl.BlockSpec((None, group, Tp), lambda j, b, h: (b, h, 0))
     kv_tile = pl.BlockSpec((None, bk, None, Dp), lambda j, b, h: (b, j, h, 0))
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, qk_scale=qk_scale, scale=static.scale, bq=bq,
-                          group=group),  # fmt: skip
+        functools.partial(_dkdv_kernel, qk_scale=qk_scale, scale=static.scale, bq=bq, group=group),
         grid=(nk, B, Hkv),
-        in_specs=[row(nk), row(nk), row(Tp), row(Tp), row(Tp),
-                  pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
-                  q_group, kv_tile, kv_tile, q_group, group_stat, group_stat],  # fmt: skip
+        in_specs=[
+            row(nk),
+            row(nk),
+            row(Tp),
+            row(Tp),
+            row(Tp),
+            pl.BlockSpec((None, bk), lambda j, b, h: (b, j)),
+            q_group,
+            kv_tile,
+            kv_tile,
+            q_group,
+            group_stat,
+            group_stat,
+        ],
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_compiler_params(bk, Dp),
@@ -432,6 +507,7 @@ def lower_for_gpu(fn, *args, device_kind: str = GPU_FOR_LOWERING) -> str:
     # Pallas custom calls carry no export compatibility guarantee; nothing here is serialized.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     with jax.sharding.use_abstract_mesh(mesh):
-        exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
-                                     disabled_checks=unchecked)(*args)  # fmt: skip
+        exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unchecked)(
+            *args
+        )
     return exported.mlir_module()

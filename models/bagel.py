@@ -57,10 +57,12 @@ class Connector(nnx.Module):
     """ViT width -> LM width: fc1, tanh-GELU, fc2 (BAGEL's `connector`)."""
 
     def __init__(self, vit_dim: int, llm_dim: int, rngs: nnx.Rngs):
-        self.fc1 = Projection(rngs, "...i,io->...o", (vit_dim, llm_dim), ("vit_embed", "mlp"),
-                              (llm_dim,), ("mlp",))  # fmt: skip
-        self.fc2 = Projection(rngs, "...i,io->...o", (llm_dim, llm_dim), ("mlp", "embed"),
-                              (llm_dim,), ("norm",))  # fmt: skip
+        self.fc1 = Projection(
+            rngs, "...i,io->...o", (vit_dim, llm_dim), ("vit_embed", "mlp"), (llm_dim,), ("mlp",)
+        )
+        self.fc2 = Projection(
+            rngs, "...i,io->...o", (llm_dim, llm_dim), ("mlp", "embed"), (llm_dim,), ("norm",)
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.fc2(jax.nn.gelu(self.fc1(x), approximate=True))
@@ -69,19 +71,26 @@ class Connector(nnx.Module):
 class Bagel(nnx.Module):
     def __init__(self, config: BagelConfig, *, rngs: nnx.Rngs):
         if config.visual_gen:
-            raise ValueError("BagelConfig.visual_gen=True: image generation (VAE, time embedder, "
-                             "flow head) is not ported; use visual_gen=False")  # fmt: skip
+            raise ValueError(
+                "BagelConfig.visual_gen=True: image generation (VAE, time embedder, "
+                "flow head) is not ported; use visual_gen=False"
+            )
         self.config = config
         llm = config.llm
         self.language_model = Qwen2MoT(llm, rngs=rngs)
         if config.visual_und:
             self.vit_model = SiglipVisionEncoder(
-                config.vit, compute_dtype=llm.compute_dtype,
-                attention_backend=llm.attention_backend, remat=llm.remat, rngs=rngs)  # fmt: skip
+                config.vit,
+                compute_dtype=llm.compute_dtype,
+                attention_backend=llm.attention_backend,
+                remat=llm.remat,
+                rngs=rngs,
+            )
             self.connector = Connector(config.vit.hidden_size, llm.hidden_size, rngs)
             table = sincos_2d_table(config.vit_max_num_patch_per_side, llm.hidden_size)
             self.vit_pos_embed = FixedTable(
-                jnp.asarray(table), out_sharding=("vit_positions", "embed"), eager_sharding=False)  # fmt: skip
+                jnp.asarray(table), out_sharding=("vit_positions", "embed"), eager_sharding=False
+            )
         else:
             self.vit_model = self.connector = self.vit_pos_embed = None
 
@@ -100,7 +109,8 @@ class Bagel(nnx.Module):
         if self.vit_model is None:
             raise ValueError("the Pack has images but the model was built with visual_und=False")
         patch_embeddings = self.image_embeddings(
-            pack.vit_patches, pack.vit_pos_ids, pack.vit_image_ids).astype(embeddings.dtype)  # fmt: skip
+            pack.vit_patches, pack.vit_pos_ids, pack.vit_image_ids
+        ).astype(embeddings.dtype)
         length = pack.tokens.shape[1]
         # Padding patches (slot -1) are sent past the row end and dropped by the scatter.
         slots = jnp.where(pack.vit_slots >= 0, pack.vit_slots, length)

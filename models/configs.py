@@ -108,13 +108,16 @@ class Qwen2Config:
             )
         _check_choice(owner, "layer_module", self.layer_module, _LAYER_MODULES)
         if not isinstance(self.gen_token_capacity, int) or self.gen_token_capacity < 0:
-            raise ValueError(f"{owner}.gen_token_capacity must be an integer >= 0, "
-                             f"got {self.gen_token_capacity!r}")  # fmt: skip
+            raise ValueError(
+                f"{owner}.gen_token_capacity must be an integer >= 0, "
+                f"got {self.gen_token_capacity!r}"
+            )
         _check_choice(owner, "compute_dtype", self.compute_dtype, COMPUTE_DTYPES)
         _check_choice(owner, "attention_backend", self.attention_backend, attention.BACKENDS)
         if not isinstance(self.attention_block, int) or self.attention_block < 8:
-            raise ValueError(f"{owner}.attention_block must be an integer >= 8, "
-                             f"got {self.attention_block!r}")  # fmt: skip
+            raise ValueError(
+                f"{owner}.attention_block must be an integer >= 8, got {self.attention_block!r}"
+            )
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
         if self.tie_word_embeddings:
             raise ValueError(
@@ -246,10 +249,16 @@ class BagelConfig:
         """The benches' mid-size model (bench/sampler.py 'm64', grad_step.py, vs_pytorch.py):
         ~39M LM parameters (64M with the embeddings), hidden 512, 8 layers, 8 / 2 heads."""
         config = cls.tiny(
-            llm=dict(vocab_size=16384, hidden_size=512, intermediate_size=1408,
-                     num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2),
+            llm=dict(
+                vocab_size=16384,
+                hidden_size=512,
+                intermediate_size=1408,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                num_key_value_heads=2,
+            ),
             vit=dict(hidden_size=128, intermediate_size=256, num_attention_heads=2),
-        )  # fmt: skip
+        )
         return config.replace(**changes)
 
     @classmethod

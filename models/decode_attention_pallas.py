@@ -77,16 +77,21 @@ def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k
         acc = rescale[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, rescale * l + jnp.sum(p, axis=1)
 
-    init = (jnp.zeros((rows, dim), _F32), jnp.full((rows,), -jnp.inf, _F32),
-            jnp.zeros((rows,), _F32))  # fmt: skip
+    init = (
+        jnp.zeros((rows, dim), _F32),
+        jnp.full((rows,), -jnp.inf, _F32),
+        jnp.zeros((rows,), _F32),
+    )
     acc, _, l = lax.fori_loop(0, pl.cdiv(length, block_k), key_block, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0
-                           ).astype(o_ref.dtype)  # fmt: skip
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
+        o_ref.dtype
+    )
 
 
-def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: int = BLOCK_K,
-                           interpret: bool = False) -> jax.Array:  # fmt: skip
+def filled_cache_attention(
+    q, k_cache, v_cache, layer, kv_lengths, *, block_k: int = BLOCK_K, interpret: bool = False
+) -> jax.Array:
     """One query per row against layer `layer` of the stacked cache, slots < kv_lengths[b].
 
     q: [B, Hq, D]; k_cache, v_cache: [L, B, S, Hkv, D]; layer: int32 scalar; kv_lengths: [B].
@@ -95,11 +100,14 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
     batch, q_heads, head_dim = q.shape
     kv_heads = k_cache.shape[3]
     if k_cache.shape != v_cache.shape or k_cache.shape[1] != batch or q_heads % kv_heads:
-        raise ValueError(f"bad shapes q {q.shape}, k_cache {k_cache.shape}, "
-                         f"v_cache {v_cache.shape}")  # fmt: skip
+        raise ValueError(
+            f"bad shapes q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
+        )
     if not supported(head_dim, k_cache.shape[2], block_k):
-        raise ValueError(f"filled_cache_attention needs a power-of-two head dim >= 16 and at "
-                         f"least {block_k} slots; got {k_cache.shape}")  # fmt: skip
+        raise ValueError(
+            f"filled_cache_attention needs a power-of-two head dim >= 16 and at "
+            f"least {block_k} slots; got {k_cache.shape}"
+        )
     group = q_heads // kv_heads
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
     grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
@@ -109,8 +117,12 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     lengths = jnp.asarray(kv_lengths, jnp.int32)
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=_LOG2_E / math.sqrt(head_dim), block_k=block_k,
-                          num_slots=k_cache.shape[2]),  # fmt: skip
+        functools.partial(
+            _kernel,
+            scale=_LOG2_E / math.sqrt(head_dim),
+            block_k=block_k,
+            num_slots=k_cache.shape[2],
+        ),
         grid=(batch, kv_heads),
         in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
         out_specs=tile,
@@ -120,4 +132,3 @@ def filled_cache_attention(q, k_cache, v_cache, layer, kv_lengths, *, block_k: i
         name=KERNEL_NAME,
     )(layer, lengths, grouped, k_cache, v_cache)
     return out[:, :, :group].reshape(batch, q_heads, head_dim)
-

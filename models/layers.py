@@ -152,8 +152,13 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int, 
 
 
 def scan_layers(
-    layers, carry: jax.Array, *broadcast, remat: str = "none", collect: bool = False,
-    unroll: bool = False, **static
+    layers,
+    carry: jax.Array,
+    *broadcast,
+    remat: str = "none",
+    collect: bool = False,
+    unroll: bool = False,
+    **static,
 ):
     """carry <- layer(carry, *broadcast) for each layer of a stack, in order.
 
@@ -177,4 +182,5 @@ def scan_layers(
     in_axes = (0, nnx.Carry) + (None,) * len(broadcast)
     out_axes = (nnx.Carry, 0) if collect else nnx.Carry
     return nnx.scan(body, in_axes=in_axes, out_axes=out_axes, unroll=bool(unroll))(
-        layers, carry, *broadcast)  # fmt: skip
+        layers, carry, *broadcast
+    )

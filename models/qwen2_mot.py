@@ -45,7 +45,7 @@ from models.layers import (
     compute_weight,
     normal_param,
     scan_layers,
-    stack_layers,  # fmt: skip
+    stack_layers,
 )
 from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_KV_HEADS, ROWS_MLP, constrain, vocab_names
 
@@ -72,16 +72,32 @@ class Expert(nnx.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(d, eps)
         self.q_proj = Projection(
-            rngs, "btd,dhk->bthk", (d, h, dh), ("embed", "q_heads", "head_dim"),
-            (h, dh), ("q_heads", "head_dim"))  # fmt: skip
+            rngs,
+            "btd,dhk->bthk",
+            (d, h, dh),
+            ("embed", "q_heads", "head_dim"),
+            (h, dh),
+            ("q_heads", "head_dim"),
+        )
         self.k_proj = Projection(
-            rngs, "btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
-            (kv, dh), ("kv_heads", "head_dim"))  # fmt: skip
+            rngs,
+            "btd,dhk->bthk",
+            (d, kv, dh),
+            ("embed", "kv_heads", "head_dim"),
+            (kv, dh),
+            ("kv_heads", "head_dim"),
+        )
         self.v_proj = Projection(
-            rngs, "btd,dhk->bthk", (d, kv, dh), ("embed", "kv_heads", "head_dim"),
-            (kv, dh), ("kv_heads", "head_dim"))  # fmt: skip
+            rngs,
+            "btd,dhk->bthk",
+            (d, kv, dh),
+            ("embed", "kv_heads", "head_dim"),
+            (kv, dh),
+            ("kv_heads", "head_dim"),
+        )
         self.o_proj = Projection(
-            rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "embed"))  # fmt: skip
+            rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "embed")
+        )
         self.q_norm = RMSNorm(dh, eps, names=("head_dim",)) if config.qk_norm else None
         self.k_norm = RMSNorm(dh, eps, names=("head_dim",)) if config.qk_norm else None
         self.post_attention_layernorm = RMSNorm(d, eps)
@@ -112,8 +128,10 @@ def gen_token_index(gen_mask: jax.Array, capacity: int) -> jax.Array:
 
     def check(counts):
         if counts.max(initial=0) > slots:
-            raise ValueError(f"a row has {int(counts.max())} gen-expert tokens, more than "
-                             f"Qwen2Config.gen_token_capacity={slots}; raise the capacity")
+            raise ValueError(
+                f"a row has {int(counts.max())} gen-expert tokens, more than "
+                f"Qwen2Config.gen_token_capacity={slots}; raise the capacity"
+            )
 
     if slots < length:  # a capacity of the whole row always fits: no check in the program
         jax.debug.callback(check, counts)
@@ -129,7 +147,8 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
 def scatter_rows(x: jax.Array, index: jax.Array, values: jax.Array) -> jax.Array:
     """x [B, T, ...] with values [B, G, ...] written at index [B, G] (padding slots dropped)."""
     return jax.vmap(lambda row, at, v: row.at[at].set(v.astype(row.dtype), mode="drop"))(
-        x, index, values)  # fmt: skip
+        x, index, values
+    )
 
 
 def route(gen_index: jax.Array | None, fn, und, gen, *inputs):
@@ -172,11 +191,17 @@ class DecoderLayer(nnx.Module):
         h = constrain(h, ROWS_EMBED)  # the layer's carry: rows over the batch axes
         q, k, v = self._qkv(h, positions, gen_index)
         out = attention_lib.attention(
-            q, k, v,
-            q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
-            k_start=k_start, k_end=k_end,
+            q,
+            k,
+            v,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            k_start=k_start,
+            k_end=k_end,
             backend=self.config.attention_backend,
-            q_block=self.config.attention_block, kv_block=self.config.attention_block)  # fmt: skip
+            q_block=self.config.attention_block,
+            kv_block=self.config.attention_block,
+        )
         h = self._finish(h, constrain(out, ROWS_HEADS), gen_index)
         return (h, (k, v)) if return_kv else h
 
@@ -198,8 +223,14 @@ class DecoderLayer(nnx.Module):
             return cache_rows.at[layer_index, slot].set(new.astype(cache_rows.dtype), mode="drop")
 
         cache_k, cache_v = (write(c, write_slots, x[:, 0]) for c, x in zip(cache, (k, v)))
-        out = attention_lib.cache_attention(q[:, 0], cache_k, cache_v, layer_index, kv_lengths,
-                                            backend=self.config.attention_backend)  # fmt: skip
+        out = attention_lib.cache_attention(
+            q[:, 0],
+            cache_k,
+            cache_v,
+            layer_index,
+            kv_lengths,
+            backend=self.config.attention_backend,
+        )
         h = self._finish(h, out[:, None].astype(h.dtype), None)
         return h, (cache_k, cache_v)
 
@@ -210,7 +241,8 @@ class Qwen2MoT(nnx.Module):
     def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
         self.config = config
         self.embed_tokens = normal_param(
-            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"))  # fmt: skip
+            rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed")
+        )
 
         self.layers = stack_layers(
             lambda rngs: DecoderLayer(config, rngs), config.num_hidden_layers, rngs
@@ -220,7 +252,8 @@ class Qwen2MoT(nnx.Module):
             RMSNorm(config.hidden_size, config.rms_norm_eps) if config.build_gen_expert else None
         )
         self.lm_head = normal_param(
-            rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"))  # fmt: skip
+            rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab")
+        )
 
     @property
     def compute_dtype(self):

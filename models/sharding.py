@@ -102,8 +102,9 @@ def per_row_shard_map(
         # Every argument sharded along the same axes as the output must agree on them, which
         # holds when rows / heads divide over their axes (the divisibility rule above gives all
         # arrays with the same leading size the same spec).
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
-                             check_vma=False)(*args)  # fmt: skip
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(
+            *args
+        )
 
     return wrapped
 
@@ -118,8 +119,14 @@ ROWS_IDS = ("act_batch", "act_length")  # [B, T] ids, positions, key ranges
 
 # A weight in use meets activations: its axes take the activation layout (hidden whole, heads,
 # MLP and vocab as the activations split them). Parameter names not listed stay whole.
-_IN_USE = {"embed": "act_embed", "vit_embed": "act_embed", "q_heads": "act_heads",
-           "kv_heads": "act_kv_heads", "mlp": "act_mlp", "vocab": "act_vocab"}  # fmt: skip
+_IN_USE = {
+    "embed": "act_embed",
+    "vit_embed": "act_embed",
+    "q_heads": "act_heads",
+    "kv_heads": "act_kv_heads",
+    "mlp": "act_mlp",
+    "vocab": "act_vocab",
+}
 
 
 def in_use_names(param_names: LogicalNames) -> tuple[str | None, ...]:

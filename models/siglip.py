@@ -28,7 +28,7 @@ from models.layers import (
     compute_weight,
     normal_param,
     scan_layers,
-    stack_layers,  # fmt: skip
+    stack_layers,
 )
 from models.sharding import ROWS_EMBED, ROWS_HEADS, ROWS_MLP, constrain
 
@@ -44,27 +44,48 @@ def image_ranges(image_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         [image_ids[..., 1:] != image_ids[..., :-1], jnp.ones_like(image_ids[..., :1], bool)], -1
     )
     k_start = jax.lax.cummax(jnp.where(starts_run, index, 0), axis=image_ids.ndim - 1)
-    k_end = jax.lax.cummin(jnp.where(ends_run, index + 1, length), axis=image_ids.ndim - 1,
-                           reverse=True)  # fmt: skip
+    k_end = jax.lax.cummin(
+        jnp.where(ends_run, index + 1, length), axis=image_ids.ndim - 1, reverse=True
+    )
     return k_start, k_end
 
 
 class EncoderLayer(nnx.Module):
-    def __init__(self, config: SiglipConfig, compute_dtype: str, attention_backend: str,
-                 rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self, config: SiglipConfig, compute_dtype: str, attention_backend: str, rngs: nnx.Rngs
+    ):
         d, f = config.hidden_size, config.intermediate_size
         h, dh = config.num_attention_heads, config.head_dim
         eps = config.layer_norm_eps
         self.attention_backend = attention_backend
         self.layer_norm1 = LayerNorm(d, eps)
-        self.q_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
-                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
-        self.k_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
-                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
-        self.v_proj = Projection(rngs, "btd,dhk->bthk", (d, h, dh), ("vit_embed", "q_heads", "head_dim"),
-                                 (h, dh), ("q_heads", "head_dim"))  # fmt: skip
-        self.out_proj = Projection(rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "vit_embed"),
-                                   (d,), ("norm",))  # fmt: skip
+        self.q_proj = Projection(
+            rngs,
+            "btd,dhk->bthk",
+            (d, h, dh),
+            ("vit_embed", "q_heads", "head_dim"),
+            (h, dh),
+            ("q_heads", "head_dim"),
+        )
+        self.k_proj = Projection(
+            rngs,
+            "btd,dhk->bthk",
+            (d, h, dh),
+            ("vit_embed", "q_heads", "head_dim"),
+            (h, dh),
+            ("q_heads", "head_dim"),
+        )
+        self.v_proj = Projection(
+            rngs,
+            "btd,dhk->bthk",
+            (d, h, dh),
+            ("vit_embed", "q_heads", "head_dim"),
+            (h, dh),
+            ("q_heads", "head_dim"),
+        )
+        self.out_proj = Projection(
+            rngs, "bthk,hkd->btd", (h, dh, d), ("q_heads", "head_dim", "vit_embed"), (d,), ("norm",)
+        )
         self.layer_norm2 = LayerNorm(d, eps)
         self.fc1 = Projection(rngs, "btd,df->btf", (d, f), ("vit_embed", "mlp"), (f,), ("mlp",))
         self.fc2 = Projection(rngs, "btf,fd->btd", (f, d), ("mlp", "vit_embed"), (d,), ("norm",))
@@ -74,8 +95,15 @@ class EncoderLayer(nnx.Module):
         x = self.layer_norm1(h)
         q, k, v = (constrain(p(x), ROWS_HEADS) for p in (self.q_proj, self.k_proj, self.v_proj))
         out = attention_lib.attention(
-            q, k, v, q_segment_ids=image_ids, kv_segment_ids=image_ids, k_start=k_start,
-            k_end=k_end, backend=self.attention_backend)  # fmt: skip
+            q,
+            k,
+            v,
+            q_segment_ids=image_ids,
+            kv_segment_ids=image_ids,
+            k_start=k_start,
+            k_end=k_end,
+            backend=self.attention_backend,
+        )
         h = h + self.out_proj(constrain(out, ROWS_HEADS))
         hidden = constrain(jax.nn.gelu(self.fc1(self.layer_norm2(h)), approximate=True), ROWS_MLP)
         return constrain(h + self.fc2(hidden), ROWS_EMBED)
@@ -84,29 +112,43 @@ class EncoderLayer(nnx.Module):
 class SiglipVisionEncoder(nnx.Module):
     """Packed patches -> post-layernormed features [R, P, hidden]."""
 
-    def __init__(self, config: SiglipConfig, *, compute_dtype: str = "bfloat16",
-                 attention_backend: str = "chunked", remat: str = "full", rngs: nnx.Rngs):  # fmt: skip
+    def __init__(
+        self,
+        config: SiglipConfig,
+        *,
+        compute_dtype: str = "bfloat16",
+        attention_backend: str = "chunked",
+        remat: str = "full",
+        rngs: nnx.Rngs,
+    ):
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
         d = config.hidden_size
-        self.patch_embedding = Projection(rngs, "bpi,id->bpd", (config.patch_dim, d),
-                                          ("patch", "vit_embed"), (d,), ("norm",))  # fmt: skip
+        self.patch_embedding = Projection(
+            rngs, "bpi,id->bpd", (config.patch_dim, d), ("patch", "vit_embed"), (d,), ("norm",)
+        )
         self.position_embedding = normal_param(
-            rngs, (config.num_patches_per_side**2, d), ("vit_positions", "vit_embed"))  # fmt: skip
+            rngs, (config.num_patches_per_side**2, d), ("vit_positions", "vit_embed")
+        )
         self.layers = stack_layers(
             lambda rngs: EncoderLayer(config, compute_dtype, attention_backend, rngs),
-            config.num_hidden_layers, rngs)  # fmt: skip
+            config.num_hidden_layers,
+            rngs,
+        )
         self.post_layernorm = LayerNorm(d, config.layer_norm_eps)
 
     def __call__(self, patches: jax.Array, position_ids: jax.Array, image_ids: jax.Array):
         """patches [R, P, 588]; position_ids, image_ids [R, P] -> features [R, P, hidden]."""
         if patches.shape[-1] != self.config.patch_dim:
-            raise ValueError(f"patches have {patches.shape[-1]} features per patch, expected "
-                             f"{self.config.patch_dim} (patch_size^2 * channels)")  # fmt: skip
+            raise ValueError(
+                f"patches have {patches.shape[-1]} features per patch, expected "
+                f"{self.config.patch_dim} (patch_size^2 * channels)"
+            )
         h = self.patch_embedding(patches.astype(self.compute_dtype))
-        table = compute_weight(self.position_embedding, ("vit_positions", "vit_embed"),
-                               self.compute_dtype)  # fmt: skip
+        table = compute_weight(
+            self.position_embedding, ("vit_positions", "vit_embed"), self.compute_dtype
+        )
         # Ids are checked on the host against the grid (opsd_jax/data/image_transform.py);
         # "clip" keeps a bad one from gathering NaN rows (jnp.take's default fill) in here.
         h = h + jnp.take(table, position_ids, axis=0, mode="clip")

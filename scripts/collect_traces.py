@@ -58,37 +58,62 @@ def main(argv) -> None:
     # file; weights='ema' here caches the EMA weights instead).
     start = init_weights.load(config, mesh, config_changes={"llm": runtime})
     tokenizer = start.tokenizer
-    print(f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
-          f"mesh {dict(mesh.shape)}", flush=True)  # fmt: skip
+    print(
+        f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
+        f"mesh {dict(mesh.shape)}",
+        flush=True,
+    )
     data_config = run_config.data_config(config).for_model(start.model_config)
     options = run_config.prompt_options(config)
-    data = dict(datasets=[dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
-                          for d in data_config.datasets],
-                heldout_fraction=data_config.heldout_fraction)  # fmt: skip
+    data = dict(
+        datasets=[
+            dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
+            for d in data_config.datasets
+        ],
+        heldout_fraction=data_config.heldout_fraction,
+    )
     manifest = offline_cache.make_manifest(
-        start.model_config, tokenizer, options, top_k=config.offline_top_k,
-        logprob_dtype=config.offline_logprob_dtype, max_forward_tokens=config.max_forward_tokens,
-        data=data, model_path=config.model_path,
-    )  # fmt: skip
-    step = offline_collect.make_collect_step(start.graphdef, start.rest, top_k=config.offline_top_k,
-                                           vocab_limit=tokenizer.vocab_length)  # fmt: skip
+        start.model_config,
+        tokenizer,
+        options,
+        top_k=config.offline_top_k,
+        logprob_dtype=config.offline_logprob_dtype,
+        max_forward_tokens=config.max_forward_tokens,
+        data=data,
+        model_path=config.model_path,
+    )
+    step = offline_collect.make_collect_step(
+        start.graphdef, start.rest, top_k=config.offline_top_k, vocab_limit=tokenizer.vocab_length
+    )
     try:
         summary = offline_collect.collect(
-            collect_step=step, params=start.params, tokenizer=tokenizer, data_config=data_config,
-            options=options, mesh=mesh, directory=config.offline_cache_dir, manifest=manifest,
+            collect_step=step,
+            params=start.params,
+            tokenizer=tokenizer,
+            data_config=data_config,
+            options=options,
+            mesh=mesh,
+            directory=config.offline_cache_dir,
+            manifest=manifest,
             samples_per_batch=config.samples_per_micro_batch,
             rows_per_batch=config.rows_per_micro_batch,
             max_forward_tokens=config.max_forward_tokens,
-            shard_samples=config.offline_shard_samples, process_index=index, process_count=count,
-            max_samples=_MAX_SAMPLES.value, log=lambda line: print(line, flush=True),
-        )  # fmt: skip
+            shard_samples=config.offline_shard_samples,
+            process_index=index,
+            process_count=count,
+            max_samples=_MAX_SAMPLES.value,
+            log=lambda line: print(line, flush=True),
+        )
     except offline_cache.CacheError as e:
         run_config.config_error(e)
     total, samples = offline_cache.cache_bytes(config.offline_cache_dir)
-    print(f"[p{index}] done: {summary.written} samples written, {summary.already_done} were "
-          f"cached before, skipped {summary.skipped or 'none'}, {summary.seconds:.1f}s; cache "
-          f"{config.offline_cache_dir}: {samples} samples, {total / 1e6:.1f} MB "
-          f"({total / max(samples, 1) / 1e3:.1f} kB per sample)", flush=True)  # fmt: skip
+    print(
+        f"[p{index}] done: {summary.written} samples written, {summary.already_done} were "
+        f"cached before, skipped {summary.skipped or 'none'}, {summary.seconds:.1f}s; cache "
+        f"{config.offline_cache_dir}: {samples} samples, {total / 1e6:.1f} MB "
+        f"({total / max(samples, 1) / 1e3:.1f} kB per sample)",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

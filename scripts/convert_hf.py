@@ -116,9 +116,16 @@ def main(argv=None) -> None:
 
 
 # What a user's input can get wrong (paths, files, checkpoints): one line, no traceback.
-USER_ERRORS = (hf_layout.HFCheckpointError, SafetensorsError, checkpoint.CheckpointError,
-               FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-               PermissionError)  # fmt: skip
+USER_ERRORS = (
+    hf_layout.HFCheckpointError,
+    SafetensorsError,
+    checkpoint.CheckpointError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 if __name__ == "__main__":

@@ -57,16 +57,21 @@ def listing(checkpoint_dir: str) -> str:
     if not os.path.isdir(checkpoint_dir):
         return "none"
     names = sorted(os.listdir(checkpoint_dir))
-    marks = [n if os.path.exists(os.path.join(checkpoint_dir, n, COMMIT_MARKER)) else n + "*"
-             for n in names]  # fmt: skip
+    marks = [
+        n if os.path.exists(os.path.join(checkpoint_dir, n, COMMIT_MARKER)) else n + "*"
+        for n in names
+    ]
     return " ".join(marks) or "none"
 
 
 def newest_complete_step(checkpoint_dir: str) -> int | None:
     if not os.path.isdir(checkpoint_dir):
         return None
-    steps = [int(n) for n in os.listdir(checkpoint_dir)
-             if n.isdigit() and os.path.exists(os.path.join(checkpoint_dir, n, COMMIT_MARKER))]  # fmt: skip
+    steps = [
+        int(n)
+        for n in os.listdir(checkpoint_dir)
+        if n.isdigit() and os.path.exists(os.path.join(checkpoint_dir, n, COMMIT_MARKER))
+    ]
     return max(steps, default=None)
 
 
@@ -96,8 +101,9 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
     """Run train.py once; kill it as `kill` says (None: let it finish). Returns the exit code,
     the output, and whether a 'save' kill left the step it was saving half-written."""
     env = dict(env, PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: queue.Queue = queue.Queue()
 
     def read():  # drain the pipe in the background so the trainer never blocks on it
@@ -150,8 +156,17 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
     return process.returncode, "".join(output), mid_save
 
 
-def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: str, kills: int,
-                    rng: random.Random, timeout: float = 600, log=print) -> list[Launch]:  # fmt: skip
+def kill_and_resume(
+    command: list[str],
+    *,
+    cwd: str,
+    env: dict,
+    checkpoint_dir: str,
+    kills: int,
+    rng: random.Random,
+    timeout: float = 600,
+    log=print,
+) -> list[Launch]:
     """Launch `command` (train.py with auto_resume and a checkpoint every step) until it
     completes, SIGKILLing the first `kills` launches per `kill_plan`. Raises RuntimeError if a
     launch fails in any other way."""
@@ -160,27 +175,44 @@ def kill_and_resume(command: list[str], *, cwd: str, env: dict, checkpoint_dir: 
         before, committed = listing(checkpoint_dir), newest_complete_step(checkpoint_dir)
         rc, output, mid_save = _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout)
         if rc not in (0, -signal.SIGKILL) or (kill is None) != (rc == 0):
-            raise RuntimeError(f"launch {len(launches) + 1} ({kill}): exit code {rc}\n"
-                               f"{output[-4000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"launch {len(launches) + 1} ({kill}): exit code {rc}\n{output[-4000:]}"
+            )
         resumed = re.search(r"resumed from .* at step (\d+)", output)
-        launch = Launch(kill=kill and kill[0], committed_before=committed,
-                        resumed_at=int(resumed.group(1)) if resumed else None,
-                        listing_before=before, listing_after=listing(checkpoint_dir),
-                        killed_mid_save=mid_save, output=output)  # fmt: skip
+        launch = Launch(
+            kill=kill and kill[0],
+            committed_before=committed,
+            resumed_at=int(resumed.group(1)) if resumed else None,
+            listing_before=before,
+            listing_after=listing(checkpoint_dir),
+            killed_mid_save=mid_save,
+            output=output,
+        )
         launches.append(launch)
         what = f"kill {len(launches)} ({launch.kill}" if kill else "final launch"
         what += ", mid-save)" if mid_save else (")" if kill else "")
-        log(f"{what}: checkpoint dirs before [{launch.listing_before}], after "
-            f"[{launch.listing_after}] (* = not complete); resumed at {launch.resumed_at}")  # fmt: skip
+        log(
+            f"{what}: checkpoint dirs before [{launch.listing_before}], after "
+            f"[{launch.listing_after}] (* = not complete); resumed at {launch.resumed_at}"
+        )
     return launches
 
 
 def _command(results_dir: str, steps: int) -> list[str]:
-    return [sys.executable, "train.py", "--config", "configs/smoke.py",
-            f"--config.results_dir={results_dir}", f"--config.total_steps={steps}",
-            "--config.save_every=1", "--config.log_every=1", "--config.max_checkpoints=2",
-            "--config.progress_bar=False", "--config.lr_scheduler=constant",
-            "--config.warmup_steps=0"]  # fmt: skip
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/smoke.py",
+        f"--config.results_dir={results_dir}",
+        f"--config.total_steps={steps}",
+        "--config.save_every=1",
+        "--config.log_every=1",
+        "--config.max_checkpoints=2",
+        "--config.progress_bar=False",
+        "--config.lr_scheduler=constant",
+        "--config.warmup_steps=0",
+    ]
 
 
 def saved_arrays(checkpoint_dir: str | os.PathLike, step: int, item: str = "params") -> list:
@@ -210,19 +242,28 @@ def main() -> int:
 
     start = time.perf_counter()
     print(f"uninterrupted run of {args.steps} steps ...", flush=True)
-    result = subprocess.run(_command(straight, args.steps), cwd=ROOT, env=env,
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        _command(straight, args.steps), cwd=ROOT, env=env, capture_output=True, text=True
+    )
     if result.returncode != 0:
         print(result.stdout[-3000:], result.stderr[-3000:])
         return 1
     os.makedirs(killed)
     shutil.copytree(os.path.join(straight, "toy"), os.path.join(killed, "toy"))
     checkpoints = os.path.join(killed, "checkpoints")
-    launches = kill_and_resume(_command(killed, args.steps), cwd=ROOT, env=env,
-                               checkpoint_dir=checkpoints, kills=args.kills,
-                               rng=random.Random(args.seed))  # fmt: skip
-    wrong = [i + 1 for i, x in enumerate(launches)
-             if x.resumed_at is not None and x.resumed_at != x.committed_before]  # fmt: skip
+    launches = kill_and_resume(
+        _command(killed, args.steps),
+        cwd=ROOT,
+        env=env,
+        checkpoint_dir=checkpoints,
+        kills=args.kills,
+        rng=random.Random(args.seed),
+    )
+    wrong = [
+        i + 1
+        for i, x in enumerate(launches)
+        if x.resumed_at is not None and x.resumed_at != x.committed_before
+    ]
     print(
         f"run completed after {args.kills} kills; "
         f"{sum(x.killed_mid_save for x in launches)} landed while a checkpoint was written; "
@@ -234,8 +275,10 @@ def main() -> int:
     identical = len(a) == len(b) and all(
         x.shape == y.shape and (x == y).all() for x, y in zip(a, b)
     )
-    print(f"final params bit-identical to the uninterrupted run: {identical} "
-          f"({len(a)} arrays; {time.perf_counter() - start:.0f}s)")  # fmt: skip
+    print(
+        f"final params bit-identical to the uninterrupted run: {identical} "
+        f"({len(a)} arrays; {time.perf_counter() - start:.0f}s)"
+    )
     return 0 if identical and not wrong else 1
 
 

@@ -41,8 +41,11 @@ def main(argv=None) -> None:
     add_model_and_data_flags(parser)
     parser.add_argument("--context", choices=evaluation.CONTEXTS, default="student")
     add_sampling_flags(parser)
-    parser.add_argument("--out", default=None, help="output directory (default: RUN/eval with "
-                        "--checkpoint RUN, else results/eval)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: RUN/eval with --checkpoint RUN, else results/eval)",
+    )
     args = parser.parse_args(argv)
     check_sampling_flags(args)
     if args.noise_vt and args.context != "teacher":
@@ -53,24 +56,34 @@ def main(argv=None) -> None:
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
     result = evaluation.evaluate(
-        model, samples, tokenizer, options=options, context=args.context,
-        batch_size=args.batch_size, mesh=mesh,
+        model,
+        samples,
+        tokenizer,
+        options=options,
+        context=args.context,
+        batch_size=args.batch_size,
+        mesh=mesh,
         sampler_layout=run_config.complete(config).sampler_layout,
-        cache_dtype=run_config.cache_dtype_for(args.compute_dtype), log=print,
+        cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
+        log=print,
         **sampling_settings(args, config),
-    )  # fmt: skip
+    )
     result.summary["settings"].update(
-        model_dir=args.model_dir, checkpoint=args.checkpoint, params=args.params,
-        config=args.config, split=args.split,
-    )  # fmt: skip
+        model_dir=args.model_dir,
+        checkpoint=args.checkpoint,
+        params=args.params,
+        config=args.config,
+        split=args.split,
+    )
     name = args.context + ("_noise_vt" if args.noise_vt else "")
     if args.checkpoint:  # step<N>_<context>, as the trainer names its evaluations: no overwrites
         step = os.path.basename(step_dir_of(args.checkpoint))
         name = f"step{step}_{name}" if step.isdigit() else name
     out = args.out
     if out is None:
-        out = (os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint
-               else "results/eval")  # fmt: skip
+        out = (
+            os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint else "results/eval"
+        )
     paths = evaluation.save_results(result, out, name)
     print()
     print(evaluation.markdown_table(result.summary), end="")

@@ -61,19 +61,27 @@ def main(argv=None) -> None:
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
     config = run_config.complete(config)
-    transform = (image_transform_arg(args.image_size)
-                 or (config.get("data") or {}).get("image_transform"))  # fmt: skip
+    transform = image_transform_arg(args.image_size) or (config.get("data") or {}).get(
+        "image_transform"
+    )
     text, completions = evaluation.answer(
-        model, tokenizer, image, args.question,
-        options=run_config.prompt_options(config), image_transform=transform,
-        mesh=mesh, cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
+        model,
+        tokenizer,
+        image,
+        args.question,
+        options=run_config.prompt_options(config),
+        image_transform=transform,
+        mesh=mesh,
+        cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
         sampler_layout=config.sampler_layout,
         **sampling_settings(args, config),
-    )  # fmt: skip
+    )
     print(escape_controls(text, keep="\n\t"), flush=True)
     ended = "ended" if completions.finished[0] else "ran out of tokens"
-    log(f"answer: {answers.extract_answer(text)!r}; {int(completions.lengths[0])} tokens, "
-        f"{int(completions.rounds[0])} round(s), {ended}")  # fmt: skip
+    log(
+        f"answer: {answers.extract_answer(text)!r}; {int(completions.lengths[0])} tokens, "
+        f"{int(completions.rounds[0])} round(s), {ended}"
+    )
 
 
 if __name__ == "__main__":

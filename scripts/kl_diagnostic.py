@@ -30,19 +30,30 @@ SETTINGS = {"VT": False, "noise VT": True}  # label -> noise_vt
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_data_flags(parser)
-    parser.add_argument("--chunk_size", type=int, default=64,
-                        help="loss entries whose [rows, chunk, vocab] logits are live at once")  # fmt: skip
-    parser.add_argument("--max_forward_tokens", type=int, default=None,
-                        help="teacher pack length (default: the config's, else 10240)")  # fmt: skip
-    parser.add_argument("--no_noise_control", action="store_true",
-                        help="skip the noise-VT control pass")  # fmt: skip
+    parser.add_argument(
+        "--chunk_size",
+        type=int,
+        default=64,
+        help="loss entries whose [rows, chunk, vocab] logits are live at once",
+    )
+    parser.add_argument(
+        "--max_forward_tokens",
+        type=int,
+        default=None,
+        help="teacher pack length (default: the config's, else 10240)",
+    )
+    parser.add_argument(
+        "--no_noise_control", action="store_true", help="skip the noise-VT control pass"
+    )
     parser.add_argument("--out", default="results/kl_diagnostic", help="output directory")
     args = parser.parse_args(argv)
     if args.chunk_size < 1:
         raise SystemExit(f"--chunk_size must be >= 1, got {args.chunk_size}")
     if args.noise_vt:
-        raise SystemExit("--noise_vt: the noise control is always computed here (unless "
-                         "--no_noise_control); drop the flag")  # fmt: skip
+        raise SystemExit(
+            "--noise_vt: the noise control is always computed here (unless "
+            "--no_noise_control); drop the flag"
+        )
 
     try:
         model, tokenizer, samples, options, config, mesh = setup(args)
@@ -54,25 +65,42 @@ def main(argv=None) -> None:
     results = {}
     for label, noise_vt in settings.items():
         results[label] = kl_diagnostic.kl_diagnostic(
-            model, samples, tokenizer, options=dataclasses.replace(options, noise_vt=noise_vt),
-            batch_size=args.batch_size, max_forward_tokens=max_forward_tokens,
-            chunk_size=args.chunk_size, mesh=mesh, log=print,
-        )  # fmt: skip
+            model,
+            samples,
+            tokenizer,
+            options=dataclasses.replace(options, noise_vt=noise_vt),
+            batch_size=args.batch_size,
+            max_forward_tokens=max_forward_tokens,
+            chunk_size=args.chunk_size,
+            mesh=mesh,
+            log=print,
+        )
         dropped = results[label].summary["num_dropped"]
         if dropped:
-            print(f"{label}: {dropped} samples dropped (teacher context > max_forward_tokens="
-                  f"{max_forward_tokens})")  # fmt: skip
+            print(
+                f"{label}: {dropped} samples dropped (teacher context > max_forward_tokens="
+                f"{max_forward_tokens})"
+            )
 
     os.makedirs(args.out, exist_ok=True)
     summary = {label: result.summary for label, result in results.items()}
-    decision, why = kl_diagnostic.verdict(results["VT"].summary,
-                                          results["noise VT"].summary if "noise VT" in results
-                                          else None)  # fmt: skip
-    summary["verdict"] = {"decision": decision, "reason": why,
-                          "threshold": kl_diagnostic.GO_THRESHOLD}  # fmt: skip
-    summary["settings"] = {"model_dir": args.model_dir, "checkpoint": args.checkpoint,
-                               "params": args.params, "config": args.config, "split": args.split,
-                               "num_samples": len(samples), "max_forward_tokens": max_forward_tokens}  # fmt: skip
+    decision, why = kl_diagnostic.verdict(
+        results["VT"].summary, results["noise VT"].summary if "noise VT" in results else None
+    )
+    summary["verdict"] = {
+        "decision": decision,
+        "reason": why,
+        "threshold": kl_diagnostic.GO_THRESHOLD,
+    }
+    summary["settings"] = {
+        "model_dir": args.model_dir,
+        "checkpoint": args.checkpoint,
+        "params": args.params,
+        "config": args.config,
+        "split": args.split,
+        "num_samples": len(samples),
+        "max_forward_tokens": max_forward_tokens,
+    }
     paths = {
         "summary": os.path.join(args.out, "kl_summary.json"),
         "per_sample": os.path.join(args.out, "kl_per_sample.jsonl"),

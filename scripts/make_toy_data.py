@@ -31,8 +31,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="held-out rows per task (default 64, opt-in tasks: DEFAULT_SIZES)",
     )
-    parser.add_argument("--tasks", default=",".join(TASKS),
-                        help=f"comma list of {ALL_TASKS} (default: {','.join(TASKS)})")  # fmt: skip
+    parser.add_argument(
+        "--tasks",
+        default=",".join(TASKS),
+        help=f"comma list of {ALL_TASKS} (default: {','.join(TASKS)})",
+    )
     parser.add_argument("--jsonl", action="store_true", help="also write the JSONL+images layout")
     parser.add_argument("--corpus_out", default=None, help="also write the text corpus here")
     args = parser.parse_args(argv)

@@ -47,8 +47,11 @@ def sha256_of(path: str) -> str:
 
 def file_hashes(directory: str) -> dict[str, str]:
     """{file name: sha256} of every file in `directory` but the manifest."""
-    return {name: sha256_of(os.path.join(directory, name))
-            for name in sorted(os.listdir(directory)) if name != MANIFEST}  # fmt: skip
+    return {
+        name: sha256_of(os.path.join(directory, name))
+        for name in sorted(os.listdir(directory))
+        if name != MANIFEST
+    }
 
 
 def read_manifest(directory: str) -> dict:
@@ -58,20 +61,26 @@ def read_manifest(directory: str) -> dict:
 
 def git_commit() -> str:
     """HEAD, with '+changes' when the work tree differs from it (the manifest says so)."""
+
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout
 
     commit = git("rev-parse", "HEAD").strip() or "unknown"
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no").strip()
-                     else "")  # fmt: skip
+    return commit + (
+        "+changes" if git("status", "--porcelain", "--untracked-files=no").strip() else ""
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="global_seed of the SFT run (and data)")
-    parser.add_argument("--work", default=os.path.join(ROOT, "results", "toy_stage1"),
-                        help="the SFT run's results_dir (kept)")  # fmt: skip
+    parser.add_argument(
+        "--work",
+        default=os.path.join(ROOT, "results", "toy_stage1"),
+        help="the SFT run's results_dir (kept)",
+    )
     parser.add_argument("--out", default=DEFAULT_OUT, help="the HF directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
@@ -86,16 +95,23 @@ def main(argv=None) -> None:
     from configs import toy_sft
 
     steps = toy_sft.get_config().total_steps
-    command = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-               os.path.join(ROOT, "configs", "toy_sft.py"), f"--config.results_dir={work}",
-               f"--config.global_seed={args.seed}", f"--config.eval_every={steps}",
-               "--config.eval_at_start=False",
-               "--config.eval_contexts=student,teacher",
-               f"--config.eval_samples_per_dataset={EVAL_SAMPLES}"]  # fmt: skip
+    command = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        "--config",
+        os.path.join(ROOT, "configs", "toy_sft.py"),
+        f"--config.results_dir={work}",
+        f"--config.global_seed={args.seed}",
+        f"--config.eval_every={steps}",
+        "--config.eval_at_start=False",
+        "--config.eval_contexts=student,teacher",
+        f"--config.eval_samples_per_dataset={EVAL_SAMPLES}",
+    ]
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").split()  # one CPU device, as a user's laptop
-    env["XLA_FLAGS"] = " ".join(f for f in flags
-                                if not f.startswith("--xla_force_host_platform_device_count"))  # fmt: skip
+    env["XLA_FLAGS"] = " ".join(
+        f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+    )
     print(f"stage 1: SFT, {steps} steps, seed {args.seed}, into {work}", flush=True)
     if subprocess.run(command, cwd=ROOT, env=env, check=False).returncode != 0:
         raise SystemExit("train.py configs/toy_sft.py failed (its output is above)")
@@ -136,9 +152,11 @@ def main(argv=None) -> None:
     if os.path.exists(out):
         shutil.rmtree(out)
     os.rename(partial, out)
-    print(f"wrote {out} in {time.perf_counter() - start:.0f} s: held-out accuracy without VT "
-          f"{accuracy['student']['accuracy']:.1%}, with VT {accuracy['teacher']['accuracy']:.1%} "
-          f"({accuracy['student']['num_samples']} samples)")  # fmt: skip
+    print(
+        f"wrote {out} in {time.perf_counter() - start:.0f} s: held-out accuracy without VT "
+        f"{accuracy['student']['accuracy']:.1%}, with VT {accuracy['teacher']['accuracy']:.1%} "
+        f"({accuracy['student']['num_samples']} samples)"
+    )
     for name, digest in manifest["sha256"].items():
         print(f"  {digest}  {name}")
 

@@ -86,8 +86,10 @@ def read_run(run_dir: str) -> Series:
         raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
     series = read_events(run_dir) or read_jsonl(run_dir)
     if not series:
-        raise FileNotFoundError(f"{run_dir}: no TensorBoard events and no metrics.jsonl with "
-                                "scalars (is it a trainer results_dir?)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{run_dir}: no TensorBoard events and no metrics.jsonl with "
+            "scalars (is it a trainer results_dir?)"
+        )
     return series
 
 
@@ -106,8 +108,11 @@ def smooth(values: np.ndarray, weight: float) -> np.ndarray:
 def _lines_for(key: str, series: Series) -> list[str]:
     if key != EVAL_ACCURACY:
         return [key] if key in series else []
-    per_dataset = sorted(k for k in series if k.startswith("eval/") and k.endswith("/accuracy")
-                         and k != EVAL_ACCURACY)  # fmt: skip
+    per_dataset = sorted(
+        k
+        for k in series
+        if k.startswith("eval/") and k.endswith("/accuracy") and k != EVAL_ACCURACY
+    )
     return ([key] if key in series else []) + per_dataset
 
 
@@ -139,8 +144,9 @@ def _scale_and_limits(axis, plotted: list[np.ndarray]) -> str:
     return "linear"
 
 
-def _draw(axis, key: str, runs: dict[str, Series], smoothing: float,
-          colors: dict[str, str] | None = None) -> bool:  # fmt: skip
+def _draw(
+    axis, key: str, runs: dict[str, Series], smoothing: float, colors: dict[str, str] | None = None
+) -> bool:
     """One panel: every run's line(s) for `key`, each run in its own colour (`colors`, the same
     in every panel)."""
     drawn, plotted = False, []
@@ -150,16 +156,25 @@ def _draw(axis, key: str, runs: dict[str, Series], smoothing: float,
         for tag in _lines_for(key, series):
             steps, values = series[tag]
             name = label if tag == key else f"{label}: {tag.split('/')[1]}"
-            style = "-" if tag == key else _DATASET_STYLES[datasets.index(tag) % len(_DATASET_STYLES)]
+            style = (
+                "-" if tag == key else _DATASET_STYLES[datasets.index(tag) % len(_DATASET_STYLES)]
+            )
             if values.size and np.all(values == values[0]):
                 name += f" (constant {values[0]:g})"
             if smoothing > 0 and key != "lr" and not key.startswith("eval/"):
                 axis.plot(steps, values, linestyle=style, color=color, alpha=0.25)
-                axis.plot(steps, smooth(values, smoothing), linestyle=style, color=color,
-                          label=name)  # fmt: skip
+                axis.plot(
+                    steps, smooth(values, smoothing), linestyle=style, color=color, label=name
+                )
             else:
-                axis.plot(steps, values, linestyle=style, color=color,
-                          marker="." if len(steps) < 30 else None, label=name)  # fmt: skip
+                axis.plot(
+                    steps,
+                    values,
+                    linestyle=style,
+                    color=color,
+                    marker="." if len(steps) < 30 else None,
+                    label=name,
+                )
             plotted.append(values)
             drawn = True
     scale = _scale_and_limits(axis, plotted)
@@ -171,8 +186,9 @@ def _draw(axis, key: str, runs: dict[str, Series], smoothing: float,
     return drawn
 
 
-def plot_runs(run_dirs: list[str], out_dir: str, keys=DEFAULT_KEYS, labels=None,
-              smoothing: float = 0.0) -> dict[str, str]:  # fmt: skip
+def plot_runs(
+    run_dirs: list[str], out_dir: str, keys=DEFAULT_KEYS, labels=None, smoothing: float = 0.0
+) -> dict[str, str]:
     """Write `<out_dir>/<key>.png` per key found and `overview.png`; returns {key: path}."""
     import matplotlib
 
@@ -224,8 +240,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="output folder (default: <first run>/plots)")
     parser.add_argument("--keys", default=",".join(DEFAULT_KEYS), help="comma list of scalars")
     parser.add_argument("--labels", default=None, help="comma list, one name per run")
-    parser.add_argument("--smooth", type=float, default=0.0,
-                        help="EMA weight in [0, 1) for the curves (0 = raw)")  # fmt: skip
+    parser.add_argument(
+        "--smooth", type=float, default=0.0, help="EMA weight in [0, 1) for the curves (0 = raw)"
+    )
     args = parser.parse_args(argv)
     if not 0 <= args.smooth < 1:
         raise SystemExit(f"--smooth must be in [0, 1), got {args.smooth}")

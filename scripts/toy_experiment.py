@@ -80,8 +80,14 @@ class TrainRun:
     in a subprocess; its output goes to `log_path`, with its step lines echoed (shortened) as
     progress."""
 
-    def __init__(self, config_file: str, results_dir: str, overrides: list[str], log_path: str,
-                 script: str = "train.py"):  # fmt: skip
+    def __init__(
+        self,
+        config_file: str,
+        results_dir: str,
+        overrides: list[str],
+        log_path: str,
+        script: str = "train.py",
+    ):
         command = [
             sys.executable,
             os.path.join(ROOT, script),
@@ -350,9 +356,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="global_seed of every stage (and data)")
     parser.add_argument("--out", default=None, help="default: results/toy_experiment/seed<seed>")
     parser.add_argument("--quick", action="store_true", help="a few steps of each stage (CI)")
-    parser.add_argument("--offline", action="store_true",
-                        help="add the offline arm: cache the stage-1 model as teacher once "
-                             "(scripts/collect_traces.py), then configs/toy_offline.py")  # fmt: skip
+    parser.add_argument(
+        "--offline",
+        action="store_true",
+        help="add the offline arm: cache the stage-1 model as teacher once "
+        "(scripts/collect_traces.py), then configs/toy_offline.py",
+    )
     args = parser.parse_args(argv)
     stage2_arms = ARMS + (("offline",) if args.offline else ())
     out = os.path.abspath(
@@ -403,8 +412,13 @@ def main(argv=None) -> dict:
         if arm == "offline":
             # The teacher is the stage-1 model, cached once before the student trains.
             overrides.append(f"--config.offline_cache_dir={os.path.join(arm_dirs[arm], 'cache')}")
-            TrainRun(config_file, arm_dirs[arm], overrides, os.path.join(out, "collect.log"),
-                     script="scripts/collect_traces.py").wait()  # fmt: skip
+            TrainRun(
+                config_file,
+                arm_dirs[arm],
+                overrides,
+                os.path.join(out, "collect.log"),
+                script="scripts/collect_traces.py",
+            ).wait()
         else:
             overrides.append(f"--config.noise_vt={arm == 'control'}")
         overrides += steps("opsd_steps", "total_steps") + steps("save_every", "save_every")

@@ -40,8 +40,9 @@ def subprocess_env(devices: int = 1) -> dict:
     return env
 
 
-def assert_close_to_scale(actual, expected, rel: float, scale: float | None = None,
-                          err_msg: str = "") -> None:
+def assert_close_to_scale(
+    actual, expected, rel: float, scale: float | None = None, err_msg: str = ""
+) -> None:
     """|actual - expected| <= rel * scale everywhere, scale = max |expected| unless given.
 
     For fp32 results computed in a different order (another mesh, chunk size, code path, or a
@@ -53,8 +54,9 @@ def assert_close_to_scale(actual, expected, rel: float, scale: float | None = No
     if scale is None:
         scale = float(np.abs(expected).max()) if expected.size else 0.0
     atol = rel * max(scale, float(np.finfo(np.float32).tiny))
-    np.testing.assert_allclose(np.asarray(actual, np.float64), expected, rtol=0, atol=atol,
-                               err_msg=err_msg)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float64), expected, rtol=0, atol=atol, err_msg=err_msg
+    )
 
 
 def assert_trees_close_to_scale(actual, expected, rel: float) -> None:

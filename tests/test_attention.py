@@ -100,8 +100,15 @@ def out_and_grads(backend, q_block=8, kv_block=8):
 
     def run(q, k, v, cotangent, q_seg, kv_seg, k_start, k_end):
         def loss(q, k, v):
-            out = attention(q, k, v, **ids(q_seg, kv_seg, k_start, k_end), backend=backend,
-                            q_block=q_block, kv_block=kv_block)
+            out = attention(
+                q,
+                k,
+                v,
+                **ids(q_seg, kv_seg, k_start, k_end),
+                backend=backend,
+                q_block=q_block,
+                kv_block=kv_block,
+            )
             return jnp.sum(out.astype(jnp.float32) * cotangent), out
 
         (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
@@ -115,8 +122,15 @@ def forward(backend, q_block=8, kv_block=8):
     """jit'd attention(q, k, v, q_seg, kv_seg, k_start, k_end) for one backend and tiling."""
 
     def run(q, k, v, q_seg, kv_seg, k_start, k_end):
-        return attention(q, k, v, **ids(q_seg, kv_seg, k_start, k_end), backend=backend,
-                         q_block=q_block, kv_block=kv_block)
+        return attention(
+            q,
+            k,
+            v,
+            **ids(q_seg, kv_seg, k_start, k_end),
+            backend=backend,
+            q_block=q_block,
+            kv_block=kv_block,
+        )
 
     return jax.jit(run)
 
@@ -308,8 +322,10 @@ def test_chunked_memory_is_far_below_reference():
     def temp_bytes(backend):
         def f(q, k, v, q_seg, kv_seg, k_start, k_end):
             def loss(q, k, v):
-                return jnp.sum(attention(q, k, v, **ids(q_seg, kv_seg, k_start, k_end),
-                                         backend=backend))
+                return jnp.sum(
+                    attention(q, k, v, **ids(q_seg, kv_seg, k_start, k_end), backend=backend)
+                )
+
             return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
         compiled = jax.jit(f).lower(q, q, q, *[ids_spec] * 4).compile()
@@ -331,15 +347,24 @@ def test_bad_arguments_raise():
     with pytest.raises(ValueError, match="kv_segment_ids"):
         attention(q, k, v, **ids(seg, seg[:, :5], k_start, k_end))
     with pytest.raises(ValueError, match="heads"):
-        attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2),
-                  **ids(seg, seg, k_start, k_end))
+        attention(
+            q,
+            k[:, :, :1].repeat(3, axis=2),
+            v[:, :, :1].repeat(3, axis=2),
+            **ids(seg, seg, k_start, k_end),
+        )
     with pytest.raises(ValueError, match="v must"):
         attention(q, k, v[:, :4], **ids(seg, seg, k_start, k_end))
     long = attention_lib.DENSE_MAX_TOKENS + 1
     zeros = jnp.zeros((1, long), jnp.int32)
     with pytest.raises(ValueError, match="backend='dense'.*limit"):
-        attention(jnp.zeros((1, long, 4, 8)), jnp.zeros((1, long, 2, 8)),
-                  jnp.zeros((1, long, 2, 8)), **ids(zeros, zeros, zeros, zeros), backend="dense")
+        attention(
+            jnp.zeros((1, long, 4, 8)),
+            jnp.zeros((1, long, 2, 8)),
+            jnp.zeros((1, long, 2, 8)),
+            **ids(zeros, zeros, zeros, zeros),
+            backend="dense",
+        )
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the CPU error path")

@@ -116,8 +116,12 @@ def test_bf16_close_to_fp32_reference():
     want = out_and_grads("reference")(*inputs)
     errors = [max_err(a, b) for a, b in zip(got, want)]
     chunked_errors = [max_err(a, b) for a, b in zip(chunked, want)]
-    print("bf16 max error out/dq/dk/dv: pallas " + " ".join(f"{e:.1e}" for e in errors)
-          + " | chunked " + " ".join(f"{e:.1e}" for e in chunked_errors))  # fmt: skip
+    print(
+        "bf16 max error out/dq/dk/dv: pallas "
+        + " ".join(f"{e:.1e}" for e in errors)
+        + " | chunked "
+        + " ".join(f"{e:.1e}" for e in chunked_errors)
+    )
     assert all(a.dtype == jnp.bfloat16 for a in got)
     assert errors[0] <= 1e-2 and max(errors[1:]) <= 2e-2, errors
     assert max(errors) <= 2 * max(chunked_errors) + 1e-3
@@ -130,8 +134,7 @@ def test_padding_and_empty_queries_are_exactly_zero():
     k_end[1, 3] = k_start[1, 3]  # a real token whose range is empty
     k_start[2, 7], k_end[2, 7] = 30, 30
     q, k, v, cotangent = (normal(rng, (3, 48, 2, 16)) for _ in range(4))
-    out, dq, dk, dv = out_and_grads("pallas", blocks)(q, k, v, cotangent, seg, seg, k_start,
-                                                      k_end)  # fmt: skip
+    out, dq, dk, dv = out_and_grads("pallas", blocks)(q, k, v, cotangent, seg, seg, k_start, k_end)
     empty = (seg == 0) | (k_end <= k_start)
     for x in (out, dq):
         assert np.all(np.isfinite(x))
@@ -184,8 +187,9 @@ def test_lowers_to_triton_for_an_h100(hq, hkv, d):
 
     def grads(q, k, v, seg, k_start, k_end):
         def loss(q, k, v):
-            out = ap.range_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
-                                     k_start=k_start, k_end=k_end)  # fmt: skip
+            out = ap.range_attention(
+                q, k, v, q_segment_ids=seg, kv_segment_ids=seg, k_start=k_start, k_end=k_end
+            )
             return jnp.sum(out.astype(jnp.float32))
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -193,8 +197,9 @@ def test_lowers_to_triton_for_an_h100(hq, hkv, d):
     t = 1000
     bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
     i32 = jax.ShapeDtypeStruct((2, t), jnp.int32)
-    text = ap.lower_for_gpu(grads, bf16(2, t, hq, d), bf16(2, t, hkv, d), bf16(2, t, hkv, d),
-                            i32, i32, i32)  # fmt: skip
+    text = ap.lower_for_gpu(
+        grads, bf16(2, t, hq, d), bf16(2, t, hkv, d), bf16(2, t, hkv, d), i32, i32, i32
+    )
     for kernel in ("range_attention_forward", "range_attention_dq", "range_attention_dkdv"):
         assert f'name = "{kernel}"' in text, kernel
     assert text.count("__gpu$xla.gpu.triton") == 3
@@ -211,7 +216,8 @@ def test_cpu_refuses_pallas_and_auto_is_chunked():
     ids = dict(q_segment_ids=seg, kv_segment_ids=seg, k_start=k_start, k_end=k_end)
     with pytest.raises(ValueError, match="needs an NVIDIA GPU"):
         attention(q, q, q, **ids, backend="pallas")
-    np.testing.assert_array_equal(attention(q, q, q, **ids, backend="auto"),
-                                  attention(q, q, q, **ids, backend="chunked"))  # fmt: skip
+    np.testing.assert_array_equal(
+        attention(q, q, q, **ids, backend="auto"), attention(q, q, q, **ids, backend="chunked")
+    )
     with pytest.raises(ValueError, match="power of two"):
         ap.BlockSizes(q=24)

@@ -88,18 +88,25 @@ def step_by_step_hidden(model, sample_image, question, answer):
     ids += [SPECIAL.im_start, *question, SPECIAL.im_end, SPECIAL.im_start, *answer, SPECIAL.im_end]
     length = len(ids)
     features = model.vit_model(
-        jnp.asarray(sample_image.patches)[None], jnp.asarray(sample_image.position_ids)[None],
-        jnp.ones((1, n), jnp.int32))  # fmt: skip
+        jnp.asarray(sample_image.patches)[None],
+        jnp.asarray(sample_image.position_ids)[None],
+        jnp.ones((1, n), jnp.int32),
+    )
     table = jnp.asarray(sincos_2d_table(70, lm.config.hidden_size))
     image_rows = model.connector(features)[0] + table[sample_image.position_ids]
     embeddings = lm.embed(jnp.asarray(ids)[None]).at[0, 1 : n + 1].set(image_rows)
     positions = np.concatenate([np.zeros(n + 2), 1 + np.arange(length - n - 2)]).astype(np.int32)
     k_end = np.arange(length, dtype=np.int32) + 1
     k_end[: n + 2] = n + 2
-    return np.asarray(lm(
-        embeddings, positions=jnp.asarray(positions)[None],
-        segment_ids=jnp.ones((1, length), jnp.int32), k_start=jnp.zeros((1, length), jnp.int32),
-        k_end=jnp.asarray(k_end)[None]))[0]  # fmt: skip
+    return np.asarray(
+        lm(
+            embeddings,
+            positions=jnp.asarray(positions)[None],
+            segment_ids=jnp.ones((1, length), jnp.int32),
+            k_start=jnp.zeros((1, length), jnp.int32),
+            k_end=jnp.asarray(k_end)[None],
+        )
+    )[0]
 
 
 def test_packed_forward_equals_step_by_step_and_two_samples_equal_each_alone():
@@ -111,14 +118,16 @@ def test_packed_forward_equals_step_by_step_and_two_samples_equal_each_alone():
     ]
     alone = []
     for image, question, answer in samples:
-        pack = pack_samples([[image, Text(question), Text(answer, loss=True)]], row_length=24,
-                            special=SPECIAL)  # fmt: skip
+        pack = pack_samples(
+            [[image, Text(question), Text(answer, loss=True)]], row_length=24, special=SPECIAL
+        )
         hidden = hidden_of(model, pack)[0]
         reference = step_by_step_hidden(model, image, question, answer)
         np.testing.assert_allclose(hidden[: len(reference)], reference, atol=1e-5, rtol=0)
         alone.append(reference)
-    both = pack_samples([[im, Text(q), Text(a, loss=True)] for im, q, a in samples],
-                        row_length=48, special=SPECIAL)  # fmt: skip
+    both = pack_samples(
+        [[im, Text(q), Text(a, loss=True)] for im, q, a in samples], row_length=48, special=SPECIAL
+    )
     assert both.num_rows == 1 and both.segment_ids.max() == 2
     hidden = hidden_of(model, both)[0]
     n0 = len(alone[0])

@@ -31,8 +31,16 @@ CONFIG = {"teacher_mode": "ema", "lr": 1e-5, "freeze_vit": True, "name": "run", 
 
 def _optimizer_config():
     # No warmup: the first step already moves the params, so the EMA differs from them.
-    return run_config.complete({"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 0, "total_steps": 10,
-                                "eps": 1e-8, "freeze_vit": True})  # fmt: skip
+    return run_config.complete(
+        {
+            "lr": 1e-3,
+            "min_lr": 1e-4,
+            "warmup_steps": 0,
+            "total_steps": 10,
+            "eps": 1e-8,
+            "freeze_vit": True,
+        }
+    )
 
 
 def _abstract_params(mesh):
@@ -55,10 +63,11 @@ def _random_like(abstract, seed):
 def _host(tree):
     """Every leaf on the host (rng keys as their key data), to compare after donation."""
     return jax.tree.map(
-        lambda x: np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-                             else x),
+        lambda x: np.asarray(
+            jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ),
         tree,
-    )  # fmt: skip
+    )
 
 
 def _assert_same(got, want):

@@ -139,8 +139,11 @@ def test_every_config_key_is_one_setting_and_is_read_by_the_code():
     names = collections.Counter(key.split(".")[-1] for key in keys)
     assert not [n for n, count in names.items() if count > 1], names.most_common(3)
     root = pathlib.Path(__file__).resolve().parents[1]
-    sources = [root / "train.py"] + [p for folder in ("opsd_jax", "models", "scripts", "bench")
-                                     for p in (root / folder).rglob("*.py")]  # fmt: skip
+    sources = [root / "train.py"] + [
+        p
+        for folder in ("opsd_jax", "models", "scripts", "bench")
+        for p in (root / folder).rglob("*.py")
+    ]
     code = "\n".join(p.read_text() for p in sources)
     unread = []
     for key in keys:

@@ -38,8 +38,6 @@ SOURCE = dict(heldout_fraction=FIELDS["heldout_fraction"], max_reference_rounds=
 SMALL = ImageTransform(112, 56, 14)
 
 
-
-
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy")
@@ -86,8 +84,13 @@ def test_bad_rows_are_skipped_and_counted(corrupt_parquet):
     it = _iterate(config, "all")
     samples = list(it)
     assert [s.pid for s in samples] == [f"toy_count_train_{i:05d}" for i in range(10)]
-    expected = {"bad_image": 2, "missing_field": 1, "empty_question": 1, "missing_vt_image": 1,
-                "too_long": 1}  # fmt: skip
+    expected = {
+        "bad_image": 2,
+        "missing_field": 1,
+        "empty_question": 1,
+        "missing_vt_image": 1,
+        "too_long": 1,
+    }
     assert {k: v for k, v in it.skipped.items() if v} == expected
     assert it.num_yielded == 10
     assert it.metrics()["data/skipped/bad_image"] == 2
@@ -108,11 +111,14 @@ def test_decode_row_edge_cases(toy_dir):
     # A column absent from the file behaves like None.
     no_vt = {k: v for k, v in record.items() if k != "reasoning_image_0"}
     assert decode_row(no_vt, "m", max_reference_rounds=ROUNDS).reason == "missing_vt_image"
-    assert isinstance(decode_row(no_vt, "m", max_reference_rounds=ROUNDS, require_vt=False),
-                      RawSample)  # fmt: skip
+    assert isinstance(
+        decode_row(no_vt, "m", max_reference_rounds=ROUNDS, require_vt=False), RawSample
+    )
     assert (
-        decode_row({k: v for k, v in record.items() if k != "pid"}, "m",
-                   max_reference_rounds=ROUNDS).reason == "missing_field"  # fmt: skip
+        decode_row(
+            {k: v for k, v in record.items() if k != "pid"}, "m", max_reference_rounds=ROUNDS
+        ).reason
+        == "missing_field"
     )
     no_answer = dict(record, answer=None)
     assert decode_row(no_answer, "m", max_reference_rounds=ROUNDS).reason == "missing_field"
@@ -163,12 +169,18 @@ def test_process_shards_are_disjoint(toy_dir):
 def test_process_blocks_reassemble_the_single_process_stream(toy_dir, block):
     # The trainer's multi-host contract: dealing blocks of `block` rows to 2 processes and
     # putting each micro-batch together process-major gives the single-process order.
-    specs = [DatasetSpec(n, os.path.join(toy_dir, n), weight=1.0) for n in ("toy_maze", "toy_count")]
+    specs = [
+        DatasetSpec(n, os.path.join(toy_dir, n), weight=1.0) for n in ("toy_maze", "toy_count")
+    ]
     config = _config(specs)
     single = [s.pid for s in _iterate(config, "train").take(4 * 2 * block)]
     local = [
-        [s.pid for s in _iterate(config, "train", process_index=p, process_count=2,
-                                 process_block=block).take(4 * block)]  # fmt: skip
+        [
+            s.pid
+            for s in _iterate(
+                config, "train", process_index=p, process_count=2, process_block=block
+            ).take(4 * block)
+        ]
         for p in range(2)
     ]
     joined = []
@@ -207,7 +219,9 @@ def test_heldout_split_is_stable_and_disjoint(toy_dir):
     assert all(("_train_" in p) for p in train)
     # num_used_data caps after the split
     capped = open_source(
-        DatasetSpec("m", spec.path, num_used_data=5), "train", heldout_fraction=0.25,
+        DatasetSpec("m", spec.path, num_used_data=5),
+        "train",
+        heldout_fraction=0.25,
         max_reference_rounds=ROUNDS,
     )
     assert [capped[i]["pid"] for i in range(len(capped))] == train[:5]
@@ -217,8 +231,12 @@ def test_heldout_split_is_stable_and_disjoint(toy_dir):
 
 
 def test_jsonl_and_parquet_layouts_read_the_same(toy_dir):
-    parquet = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count")), "all", **SOURCE))
-    jsonl = list(iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count_jsonl")), "all", **SOURCE))
+    parquet = list(
+        iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count")), "all", **SOURCE)
+    )
+    jsonl = list(
+        iter_samples(DatasetSpec("x", os.path.join(toy_dir, "toy_count_jsonl")), "all", **SOURCE)
+    )
     assert len(parquet) == len(jsonl) == 48
     for a, b in zip(parquet, jsonl):
         assert isinstance(a, RawSample) and isinstance(b, RawSample)
@@ -250,8 +268,12 @@ def test_config_from_dict(toy_dir):
     )
     assert config.datasets == (DatasetSpec("maze", os.path.join(toy_dir, "toy_maze"), weight=2.0),)
     assert config.image_transform == ImageTransform.vit_thinkmorph_train()
-    assert DataConfig.from_dict(dict(builders.data_fields(), datasets=[{"name": "a", "path": "p"}])
-                                ).datasets[0].name == "a"  # fmt: skip
+    assert (
+        DataConfig.from_dict(dict(builders.data_fields(), datasets=[{"name": "a", "path": "p"}]))
+        .datasets[0]
+        .name
+        == "a"
+    )
     with pytest.raises(TypeError):
         DataConfig.from_dict(dict(builders.data_fields(), datasets=[], no_such_knob=1))
     with pytest.raises(TypeError, match="heldout_fraction"):  # a field the run config sets
@@ -306,8 +328,21 @@ def _tree_bytes(root):
 
 def test_toy_generator_is_deterministic(tmp_path):
     for name, seed in (("a", 7), ("b", 7), ("c", 8)):
-        make_toy_data.main(["--out", str(tmp_path / name), "--seed", str(seed), "--num_train", "6",
-                  "--num_test", "2", "--jsonl", "--corpus_out", str(tmp_path / f"{name}.txt")])  # fmt: skip
+        make_toy_data.main(
+            [
+                "--out",
+                str(tmp_path / name),
+                "--seed",
+                str(seed),
+                "--num_train",
+                "6",
+                "--num_test",
+                "2",
+                "--jsonl",
+                "--corpus_out",
+                str(tmp_path / f"{name}.txt"),
+            ]
+        )
     a, b, c = (_tree_bytes(tmp_path / n) for n in "abc")
     assert a == b and len(a) > 4
     assert a != c

@@ -19,8 +19,9 @@ from opsd_jax.parallel import mesh as mesh_lib
 
 def cache_case(rng, layers, rows, slots, kv_heads, group, dim, dtype):
     q = jnp.asarray(rng.normal(size=(rows, kv_heads * group, dim)), dtype)
-    k, v = (jnp.asarray(rng.normal(size=(layers, rows, slots, kv_heads, dim)), dtype)
-            for _ in range(2))  # fmt: skip
+    k, v = (
+        jnp.asarray(rng.normal(size=(layers, rows, slots, kv_heads, dim)), dtype) for _ in range(2)
+    )
     return q, k, v
 
 
@@ -29,15 +30,15 @@ def test_kernel_matches_the_xla_decode_attention(dtype, tol):
     """BAGEL's GQA group of 7 (padded to 16 query rows), lengths 0, 1, a block edge, mid-block
     and full; every layer of the stack."""
     rng = np.random.default_rng(0)
-    q, k, v = cache_case(rng, layers=3, rows=5, slots=128, kv_heads=2, group=7, dim=32,
-                         dtype=dtype)  # fmt: skip
+    q, k, v = cache_case(rng, layers=3, rows=5, slots=128, kv_heads=2, group=7, dim=32, dtype=dtype)
     lengths = jnp.array([0, 1, 64, 100, 128], jnp.int32)
     for layer in range(3):
         got = dap.filled_cache_attention(q, k, v, jnp.int32(layer), lengths, interpret=True)
         want = attention.decode_attention(q, k[layer], v[layer], lengths)
         assert got.dtype == q.dtype and got.shape == q.shape
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                                   atol=tol, rtol=tol)  # fmt: skip
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+        )
     assert not np.asarray(got[0], np.float32).any()  # a row of length 0 returns 0
 
 
@@ -45,8 +46,9 @@ def test_slots_past_a_rows_length_do_not_matter():
     """NaN in every slot at and past each row's length (in its last key block and beyond)
     leaves the output exactly as it was."""
     rng = np.random.default_rng(1)
-    q, k, v = cache_case(rng, layers=2, rows=3, slots=192, kv_heads=1, group=4, dim=16,
-                         dtype=jnp.float32)  # fmt: skip
+    q, k, v = cache_case(
+        rng, layers=2, rows=3, slots=192, kv_heads=1, group=4, dim=16, dtype=jnp.float32
+    )
     lengths = jnp.array([3, 70, 150], jnp.int32)
     past = jnp.arange(192)[None, :, None, None] >= lengths[:, None, None, None]
     poisoned = [jnp.where(past[None], jnp.nan, x) for x in (k, v)]
@@ -59,8 +61,9 @@ def test_a_cache_of_any_length_from_one_block_up():
     """7170 slots (the recipe's) or 100: the last key block starts early and masks the slots
     the block before it covered; each row's result is the XLA one."""
     rng = np.random.default_rng(5)
-    q, k, v = cache_case(rng, layers=2, rows=5, slots=100, kv_heads=2, group=3, dim=16,
-                         dtype=jnp.float32)  # fmt: skip
+    q, k, v = cache_case(
+        rng, layers=2, rows=5, slots=100, kv_heads=2, group=3, dim=16, dtype=jnp.float32
+    )
     lengths = jnp.array([1, 36, 64, 65, 100], jnp.int32)
     got = dap.filled_cache_attention(q, k, v, jnp.int32(1), lengths, interpret=True)
     want = attention.decode_attention(q, k[1], v[1], lengths)
@@ -71,14 +74,16 @@ def test_shapes_it_does_not_take_are_refused_and_routed_to_xla():
     assert dap.supported(128, 7170) and dap.supported(128, 64)
     assert not dap.supported(72, 7170) and not dap.supported(128, 63)
     rng = np.random.default_rng(2)
-    q, k, v = cache_case(rng, layers=1, rows=2, slots=40, kv_heads=1, group=2, dim=16,
-                         dtype=jnp.float32)  # fmt: skip
+    q, k, v = cache_case(
+        rng, layers=1, rows=2, slots=40, kv_heads=1, group=2, dim=16, dtype=jnp.float32
+    )
     with pytest.raises(ValueError, match="at least 64 slots"):
         dap.filled_cache_attention(q, k, v, 0, jnp.array([5, 9]), interpret=True)
     lengths = jnp.array([5, 9], jnp.int32)
     np.testing.assert_array_equal(  # cache_attention falls back to the XLA path
         np.asarray(attention.cache_attention(q, k, v, 0, lengths, backend="pallas")),
-        np.asarray(attention.decode_attention(q, k[0], v[0], lengths)))  # fmt: skip
+        np.asarray(attention.decode_attention(q, k[0], v[0], lengths)),
+    )
 
 
 @pytest.mark.parametrize("layout, tensor", [("replicated", None), ("tensor", 2)])
@@ -86,8 +91,9 @@ def test_per_device_dispatch_on_a_decode_mesh_matches_one_device(layout, tensor)
     """cache_attention under the sampler's decode mesh and rules: rows over 'data', kv heads
     (and their query heads) over 'tensor', each device running the kernel on its own part."""
     rng = np.random.default_rng(3)
-    q, k, v = cache_case(rng, layers=2, rows=4, slots=128, kv_heads=2, group=3, dim=16,
-                         dtype=jnp.float32)  # fmt: skip
+    q, k, v = cache_case(
+        rng, layers=2, rows=4, slots=128, kv_heads=2, group=3, dim=16, dtype=jnp.float32
+    )
     lengths = jnp.array([1, 60, 65, 128], jnp.int32)
     want = attention.decode_attention(q, k[1], v[1], lengths)
     view = mesh_lib.decode_mesh(mesh_lib.make_mesh(), layout, tensor)
@@ -99,8 +105,10 @@ def test_per_device_dispatch_on_a_decode_mesh_matches_one_device(layout, tensor)
 
 def test_kernel_lowers_to_triton_for_an_h100():
     rng = np.random.default_rng(4)
-    q, k, v = cache_case(rng, layers=2, rows=2, slots=128, kv_heads=1, group=7, dim=128,
-                         dtype=jnp.bfloat16)  # fmt: skip
-    text = lower_for_gpu(dap.filled_cache_attention, q, k, v, jnp.int32(1),
-                         jnp.array([3, 128], jnp.int32))  # fmt: skip
+    q, k, v = cache_case(
+        rng, layers=2, rows=2, slots=128, kv_heads=1, group=7, dim=128, dtype=jnp.bfloat16
+    )
+    text = lower_for_gpu(
+        dap.filled_cache_attention, q, k, v, jnp.int32(1), jnp.array([3, 128], jnp.int32)
+    )
     assert "__gpu$xla.gpu.triton" in text and dap.KERNEL_NAME in text

@@ -16,7 +16,7 @@ from test_sampler import (
     decode_text,
     prompt_pack,
     prompts,
-    scripted_pack,  # fmt: skip
+    scripted_pack,
 )
 
 from models.bagel import Bagel
@@ -43,8 +43,9 @@ def bf16_setup():
     mesh, model, graphdef, params, rest = training_model("bfloat16")
     samples = (prompts(3) + prompts(4) + prompts(5))[:8]  # 8 rows: one per device
     with mesh_lib.use_mesh(mesh):
-        pack = jax.tree.map(lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)),
-                            prompt_pack(samples))  # fmt: skip
+        pack = jax.tree.map(
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), prompt_pack(samples)
+        )
     return mesh, model, graphdef, params, rest, pack
 
 
@@ -52,11 +53,21 @@ def round_collectives(graphdef, state, pack, do_sample=False):
     """The collectives of one compiled decode round, under the active mesh and rules."""
     rules = tuple(spmd.get_logical_axis_rules())
     slots = pack.row_length + NEW_TOKENS + 2
-    decode_state = sampler.prefill_rows(graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules)
-    settings = sampler.RoundSettings(1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end,
-                                      VOCAB_LIMIT, NEW_TOKENS + 1)  # fmt: skip
-    lowered = sampler.decode_round.lower(graphdef, state, decode_state, jax.random.key(0),
-                                          jnp.arange(8, dtype=jnp.int32), settings, rules)  # fmt: skip
+    decode_state = sampler.prefill_rows(
+        graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules
+    )
+    settings = sampler.RoundSettings(
+        1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end, VOCAB_LIMIT, NEW_TOKENS + 1
+    )
+    lowered = sampler.decode_round.lower(
+        graphdef,
+        state,
+        decode_state,
+        jax.random.key(0),
+        jnp.arange(8, dtype=jnp.int32),
+        settings,
+        rules,
+    )
     return hlo_stats.collectives(hlo_stats.partitioned_hlo(lowered))
 
 
@@ -66,8 +77,9 @@ def big(found):
 
 def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
     mesh, _, graphdef, params, rest, _ = bf16_setup
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="replicated", mesh=mesh,
-                                        dtype=jnp.bfloat16)  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="replicated", mesh=mesh, dtype=jnp.bfloat16
+    )
     assert dict(copy.mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
     for x in jax.tree.leaves(copy.state):
         assert x.sharding.is_fully_replicated
@@ -83,8 +95,9 @@ def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
     assert all(x.is_deleted() for x in leaves)
     assert not any(x.is_deleted() for x in jax.tree.leaves(params))  # the training params live on
 
-    tensor = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
-                                          dtype=jnp.bfloat16, tensor_size=2)  # fmt: skip
+    tensor = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, tensor_size=2
+    )
     assert dict(tensor.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     layers = tensor.state["language_model"]["layers"]["und"]
     assert layers["gate_proj"]["kernel"][...].sharding.spec == P(None, None, "tensor")  # MLP
@@ -104,8 +117,9 @@ def test_replicated_decode_round_moves_no_weight(bf16_setup):
     gathers = [c for c in big(found) if c.kind == "all-gather"]
     assert any(c.count >= layers * (NEW_TOKENS + 1) for c in gathers), describe(found)
 
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="replicated", mesh=mesh,
-                                        dtype=jnp.bfloat16)  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="replicated", mesh=mesh, dtype=jnp.bfloat16
+    )
     with copy.activate():
         found = round_collectives(copy.graphdef, copy.state, pack)
     assert not big(found), f"the replicated round moves more than scalars:\n{describe(found)}"
@@ -116,8 +130,9 @@ def test_replicated_decode_round_moves_no_weight(bf16_setup):
 
 def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
     mesh, _, graphdef, params, rest, pack = bf16_setup
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
-                                        dtype=jnp.bfloat16, tensor_size=2)  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, tensor_size=2
+    )
     llm = BagelConfig.tiny().llm
     rows, steps = 8 // copy.mesh.shape["data"], NEW_TOKENS + 1
     for do_sample in (False, True):
@@ -127,13 +142,22 @@ def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
         # Megatron layout: the attention output and the MLP output of each layer (and the
         # embedding of the fed token, whose table is split over the vocabulary) are summed over
         # 'tensor'.
-        layer_outputs = [c for c in moved if c.kind == "all-reduce"
-                         and [s.dims for s in c.operands] == [(rows, 1, llm.hidden_size)]]  # fmt: skip
+        layer_outputs = [
+            c
+            for c in moved
+            if c.kind == "all-reduce"
+            and [s.dims for s in c.operands] == [(rows, 1, llm.hidden_size)]
+        ]
         assert sum(c.count for c in layer_outputs) == steps * (2 * llm.num_hidden_layers + 1)
         assert all(c.group_size == 2 for c in layer_outputs)  # inside one tensor group
         # Sampling draws from the whole vocabulary's CDF: the bf16 logits, gathered once a step.
-        logits = [c for c in moved if c.kind == "all-gather" and c.dtypes == {"bf16"}
-                  and [s.dims for s in c.results] == [(rows, llm.vocab_size)]]  # fmt: skip
+        logits = [
+            c
+            for c in moved
+            if c.kind == "all-gather"
+            and c.dtypes == {"bf16"}
+            and [s.dims for s in c.results] == [(rows, llm.vocab_size)]
+        ]
         assert sum(c.count for c in logits) == (steps if do_sample else 0)
         others = [c for c in moved if c not in layer_outputs + logits]
         assert not others, f"more than layer outputs and logits move:\n{describe(others)}"
@@ -143,8 +167,9 @@ def test_same_completions_as_sampling_on_the_training_params(bf16_setup):
     """bf16, one row per device: the copy decodes bit for bit what the sharded params decode
     (greedy and sampled: tokens and log-probs), and a seed reproduces its batch."""
     mesh, model, graphdef, params, rest, pack = bf16_setup
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="replicated", mesh=mesh,
-                                        dtype=jnp.bfloat16)  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="replicated", mesh=mesh, dtype=jnp.bfloat16
+    )
     for kwargs in (dict(do_sample=False), dict(temperature=0.7)):
         kwargs.update(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=NEW_TOKENS)
         with mesh_lib.use_mesh(mesh):
@@ -161,12 +186,22 @@ def test_tensor_layout_decodes_what_one_device_decodes():
     log-probs to float32 summation order."""
     mesh, model, graphdef, params, rest = training_model("float32")
     samples = prompts(3) + prompts(4) + prompts(5)[:2]
-    kwargs = dict(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=NEW_TOKENS,
-                  do_sample=False, cache_dtype="float32")  # fmt: skip
-    ref = sampler.sample(nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest)),
-                         prompt_pack(samples), jax.random.key(0), **kwargs)  # fmt: skip
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
-                                        dtype=jnp.float32, tensor_size=2)  # fmt: skip
+    kwargs = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        cache_dtype="float32",
+    )
+    ref = sampler.sample(
+        nnx.merge(graphdef, jax.device_get(params), jax.device_get(rest)),
+        prompt_pack(samples),
+        jax.random.key(0),
+        **kwargs,
+    )
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.float32, tensor_size=2
+    )
     out = sampler.sample(copy, prompt_pack(samples), jax.random.key(0), **kwargs)
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
@@ -178,11 +213,21 @@ def test_image_skip_rounds_and_budgets_on_a_copy():
     scripts = [[7, 50, eos, 11, 12, eos], [7, 8, eos], [50, eos] + [13] * 6, [9] * 12]
     model = ScriptedModel(scripts)
     graphdef, state = nnx.split(model)
-    copy = decode_copy.make_decode_copy(graphdef, state, layout="replicated",
-                                        mesh=mesh_lib.make_mesh(), dtype=jnp.float32)  # fmt: skip
-    out = sampler.sample(copy, scripted_pack(len(scripts)), jax.random.key(0), special=SPECIAL,
-                         vocab_limit=VOCAB_LIMIT, max_new_tokens=6, do_sample=False,
-                         max_image_skips=1, decode_text=decode_text, cache_dtype="float32")  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, state, layout="replicated", mesh=mesh_lib.make_mesh(), dtype=jnp.float32
+    )
+    out = sampler.sample(
+        copy,
+        scripted_pack(len(scripts)),
+        jax.random.key(0),
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=6,
+        do_sample=False,
+        max_image_skips=1,
+        decode_text=decode_text,
+        cache_dtype="float32",
+    )
     assert out.row(0) == [7, 50, 11, 12] and out.finished[0] and out.rounds[0] == 2
     assert out.row(1) == [7, 8] and out.finished[1] and out.rounds[1] == 1
     assert out.row(2) == [50, 13, 13, 13, 13] and not out.finished[2] and out.rounds[2] == 2

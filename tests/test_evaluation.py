@@ -98,11 +98,11 @@ def toy(tmp_path_factory):
     data = toy_data.write_toy_data(str(root / "data"), num_train=4, num_test=2)
     corpus = toy_data.toy_corpus_text(num_train=4, num_test=2).splitlines()
     model_dir = toy_model.write_toy_model(root / "model", corpus=corpus)
-    model, _, tokenizer = load_hf(model_dir,
-                                  config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip
+    model, _, tokenizer = load_hf(model_dir, config_changes={"llm": {"compute_dtype": "float32"}})
     data_config = builders.data_config(
         [{"name": name, "path": path} for name, path in data.items()],
-        image_transform={"max_size": 112, "min_size": 56, "stride": 14, "max_pixels": 112 * 112})
+        image_transform={"max_size": 112, "min_size": 56, "stride": 14, "max_pixels": 112 * 112},
+    )
     # The toy heldout split: the test files' rows plus any train rows hashing below 5 %.
     samples = evaluation.load_eval_samples(data_config, "eval", max_per_dataset=2)
     return {"model": model, "tokenizer": tokenizer, "samples": samples, "root": root}
@@ -110,12 +110,20 @@ def toy(tmp_path_factory):
 
 def fake_sample(pid, dataset, answer, num_vt=1):
     def vit(h, w, value):
-        return VitImageInputs(np.full((h * w, 588), value, np.float32), vit_position_ids(h, w),
-                              h, w)  # fmt: skip
+        return VitImageInputs(
+            np.full((h * w, 588), value, np.float32), vit_position_ids(h, w), h, w
+        )
 
-    return Sample(pid=pid, dataset=dataset, question=f"question {pid}?", answer=answer,
-                  problem_image=vit(2, 2, 0.5), vt_images=[vit(1, 2, -0.5)] * num_vt,
-                  thoughts=["look", "so"], full_text_only_thought=None)  # fmt: skip
+    return Sample(
+        pid=pid,
+        dataset=dataset,
+        question=f"question {pid}?",
+        answer=answer,
+        problem_image=vit(2, 2, 0.5),
+        vt_images=[vit(1, 2, -0.5)] * num_vt,
+        thoughts=["look", "so"],
+        full_text_only_thought=None,
+    )
 
 
 def scripted_sampler(texts, tokenizer, seen):
@@ -128,10 +136,13 @@ def scripted_sampler(texts, tokenizer, seen):
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row
         lengths = np.array([len(row) for row in ids])
-        return Completions(tokens=tokens, lengths=lengths,
-                           logprobs=np.zeros(tokens.shape, np.float32),
-                           finished=lengths < max_new_tokens,
-                           rounds=np.ones(len(ids), np.int32))  # fmt: skip
+        return Completions(
+            tokens=tokens,
+            lengths=lengths,
+            logprobs=np.zeros(tokens.shape, np.float32),
+            finished=lengths < max_new_tokens,
+            rounds=np.ones(len(ids), np.int32),
+        )
 
     return sample_fn
 
@@ -155,9 +166,13 @@ def test_accuracy_of_scripted_outputs_is_exact(toy):
     texts = [text for _, _, text, _ in script]
     seen = []
     result = evaluation.evaluate(
-        None, samples, tokenizer, max_new_tokens=64, batch_size=3,
+        None,
+        samples,
+        tokenizer,
+        max_new_tokens=64,
+        batch_size=3,
         sample_fn=scripted_sampler(texts, tokenizer, seen),
-    )  # fmt: skip
+    )
     assert [r["correct"] for r in result.records] == [c for *_, c in script]
     assert [r["pid"] for r in result.records] == [s.pid for s in samples]
     assert [r["generation"] for r in result.records] == texts  # decode(encode(t)) == t
@@ -186,9 +201,16 @@ def test_contexts_give_the_right_prompts(toy):
     packs = {}
     for context, noise in (("student", False), ("teacher", False), ("teacher", True)):
         seen = []
-        evaluation.evaluate(None, samples, tokenizer, context=context, max_new_tokens=4,
-                            batch_size=2, options=builders.prompt_options(noise_vt=noise),
-                            sample_fn=scripted_sampler(["x", "y"], tokenizer, seen))  # fmt: skip
+        evaluation.evaluate(
+            None,
+            samples,
+            tokenizer,
+            context=context,
+            max_new_tokens=4,
+            batch_size=2,
+            options=builders.prompt_options(noise_vt=noise),
+            sample_fn=scripted_sampler(["x", "y"], tokenizer, seen),
+        )
         packs[context, noise] = seen[0][0]
     student, teacher, noisy = (
         packs["student", False],
@@ -218,9 +240,16 @@ def test_evaluate_runs_on_the_toy_model_and_writes_files(toy, tmp_path):
     samples = toy["samples"]
     assert {s.dataset for s in samples} == {"toy_maze", "toy_count"}
     lines = []
-    result = evaluation.evaluate(toy["model"], samples, toy["tokenizer"], context="teacher",
-                                 max_new_tokens=5, batch_size=2, cache_dtype="float32",
-                                 log=lines.append)  # fmt: skip
+    result = evaluation.evaluate(
+        toy["model"],
+        samples,
+        toy["tokenizer"],
+        context="teacher",
+        max_new_tokens=5,
+        batch_size=2,
+        cache_dtype="float32",
+        log=lines.append,
+    )
     assert len(result.records) == len(samples) and len(lines) == -(-len(samples) // 2)
     for record, sample in zip(result.records, samples):
         assert record["pid"] == sample.pid and record["reference"] == sample.answer
@@ -229,8 +258,15 @@ def test_evaluate_runs_on_the_toy_model_and_writes_files(toy, tmp_path):
     paths = evaluation.save_results(result, tmp_path, "teacher")
     written = [json.loads(x) for x in Path(paths["generations"]).read_text().splitlines()]
     assert [w["pid"] for w in written] == [s.pid for s in samples]
-    assert set(written[0]) >= {"pid", "dataset", "question", "reference", "generation",
-                               "extracted", "correct"}  # fmt: skip
+    assert set(written[0]) >= {
+        "pid",
+        "dataset",
+        "question",
+        "reference",
+        "generation",
+        "extracted",
+        "correct",
+    }
     summary = json.loads(Path(paths["summary"]).read_text())
     assert summary["overall"]["num_samples"] == len(samples)
     assert summary["settings"]["context"] == "teacher"
@@ -265,12 +301,23 @@ def test_cli_writes_under_the_run_by_default(tmp_path, monkeypatch, capsys):
 
     (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
     (tmp_path / "run" / "checkpoints" / "3" / "commit_success.txt").write_text("ok")
-    monkeypatch.setattr(evaluate_cli, "setup", lambda args: (None, None, [], builders.prompt_options(), None,
-                                                             None))  # fmt: skip
-    records = [{"dataset": "d", "correct": True, "completion_length": 1, "has_answer_tag": True,
-                "finished": True}]  # fmt: skip
-    monkeypatch.setattr(evaluation, "evaluate", lambda *a, **k: evaluation.EvalResult(
-        records, evaluation.summarize(records)))  # fmt: skip
+    monkeypatch.setattr(
+        evaluate_cli, "setup", lambda args: (None, None, [], builders.prompt_options(), None, None)
+    )
+    records = [
+        {
+            "dataset": "d",
+            "correct": True,
+            "completion_length": 1,
+            "has_answer_tag": True,
+            "finished": True,
+        }
+    ]
+    monkeypatch.setattr(
+        evaluation,
+        "evaluate",
+        lambda *a, **k: evaluation.EvalResult(records, evaluation.summarize(records)),
+    )
     monkeypatch.chdir(tmp_path)
     evaluate_cli.main(["--checkpoint", str(tmp_path / "run")])
     assert not (tmp_path / "results").exists()
@@ -288,12 +335,28 @@ def test_cli_on_an_fsdp_mesh(toy, tmp_path, capsys):
     from scripts import evaluate as evaluate_cli
 
     data = toy["root"] / "data"
-    evaluate_cli.main([
-        "--model_dir", str(toy["root"] / "model"), "--compute_dtype", "float32",
-        "--data", f"toy_maze={data / 'toy_maze'}", "--data", f"toy_count={data / 'toy_count'}",
-        "--image_size", "112,56", "--num_samples", "1", "--batch_size", "8",
-        "--max_new_tokens", "3", "--out", str(tmp_path),
-    ])  # fmt: skip
+    evaluate_cli.main(
+        [
+            "--model_dir",
+            str(toy["root"] / "model"),
+            "--compute_dtype",
+            "float32",
+            "--data",
+            f"toy_maze={data / 'toy_maze'}",
+            "--data",
+            f"toy_count={data / 'toy_count'}",
+            "--image_size",
+            "112,56",
+            "--num_samples",
+            "1",
+            "--batch_size",
+            "8",
+            "--max_new_tokens",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "| toy_maze | 1 |" in out and "| **overall** | 2 |" in out
     summary = json.loads((tmp_path / "student_summary.json").read_text())

@@ -47,14 +47,21 @@ def test_the_cuda_plugin_is_installed():
 def tiny_model_config(backend: str) -> BagelConfig:
     """The tiny config's model as train.py builds it, with the attention `backend`."""
     config = smoke.get_config()
-    return BagelConfig.tiny(llm=dict(
-        compute_dtype=config.compute_dtype, remat=config.remat, attention_backend=backend,
-        unroll_layers=config.unroll_layers, attention_block=config.attention_block))  # fmt: skip
+    return BagelConfig.tiny(
+        llm=dict(
+            compute_dtype=config.compute_dtype,
+            remat=config.remat,
+            attention_backend=backend,
+            unroll_layers=config.unroll_layers,
+            attention_block=config.attention_block,
+        )
+    )
 
 
 def abstract_split(model_config, mesh):
-    graphdef, abstract = mesh_lib.abstract_model(lambda: Bagel(model_config, rngs=nnx.Rngs(0)),
-                                                 mesh)  # fmt: skip
+    graphdef, abstract = mesh_lib.abstract_model(
+        lambda: Bagel(model_config, rngs=nnx.Rngs(0)), mesh
+    )
     params, rest = nnx.split_state(abstract, nnx.Param, ...)
     return graphdef, params, rest
 
@@ -73,13 +80,19 @@ def tiny_train_step(mesh, options):
     rest = host_rest(model_config)
     optimizer = train_step.make_optimizer(config)
     state = train_step.abstract_state(params, optimizer, config.teacher_mode, jax.random.key(0))
-    loss_fn = train_step.make_opsd_loss(graphdef, rest, run_config.loss_settings(config),
-                                        config.teacher_mode)  # fmt: skip
+    loss_fn = train_step.make_opsd_loss(
+        graphdef, rest, run_config.loss_settings(config), config.teacher_mode
+    )
     step = run_config.train_step_for(config, loss_fn, optimizer, state)
     shapes = pack_shapes.pack_shapes(config)
-    batch = tuple(distributed.abstract_micro_batches(
-        shaped_pack([], shapes[name][0], config.rows_per_micro_batch, SPECIAL, [], fixed=True),
-        config.gradient_accumulation_steps, mesh) for name in ("student", "teacher"))  # fmt: skip
+    batch = tuple(
+        distributed.abstract_micro_batches(
+            shaped_pack([], shapes[name][0], config.rows_per_micro_batch, SPECIAL, [], fixed=True),
+            config.gradient_accumulation_steps,
+            mesh,
+        )
+        for name in ("student", "teacher")
+    )
     with mesh_lib.use_mesh(mesh):
         return step.lower(state, batch).compile(compiler_options=options)
 
@@ -105,13 +118,16 @@ def test_a_deviceless_compile_needs_the_cub_flag():
     compiler rewrites a long sort into a CUB call and asks the CUDA runtime for its scratch
     size, which fails without a device. DEVICELESS_OPTIONS keeps XLA's own sort instead."""
     text = gpu_target.target_config("h100").replace(
-        "  ecc_enabled: true\n", '  ecc_enabled: true\n  cub_version: "3.1.2"\n')
+        "  ecc_enabled: true\n", '  ecc_enabled: true\n  cub_version: "3.1.2"\n'
+    )
     assert "cub_version" in text
-    device = topologies.get_topology_desc(platform="cuda", target_config=text,
-                                          topology="1x1x1").devices[0]  # fmt: skip
+    device = topologies.get_topology_desc(
+        platform="cuda", target_config=text, topology="1x1x1"
+    ).devices[0]
     mesh = jax.sharding.Mesh(np.array([device]), ("x",))
-    keys = jax.ShapeDtypeStruct((1 << 20,), jnp.float32,
-                                sharding=jax.sharding.NamedSharding(mesh, P()))  # fmt: skip
+    keys = jax.ShapeDtypeStruct(
+        (1 << 20,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P())
+    )
     lowered = jax.jit(jnp.argsort).lower(keys)
     with pytest.raises(Exception, match="cudaErrorInvalidDevice"):
         lowered.compile()
@@ -157,44 +173,74 @@ def h100_sampler() -> SamplerPrograms:
     def rows_of(dtype, *tail):
         return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
 
-    prompt = shaped_pack([], pack_shapes.PackShape(prompt_len, patches, 0), rows, SPECIAL, [],
-                         fixed=True)  # fmt: skip
+    prompt = shaped_pack(
+        [], pack_shapes.PackShape(prompt_len, patches, 0), rows, SPECIAL, [], fixed=True
+    )
     prompt = jax.tree.map(lambda x: rows_of(x.dtype, *x.shape[1:]), prompt)
     rules = mesh_lib.DECODE_RULES
     with mesh_lib.use_mesh(view, rules):
-        lowered = sampler.prefill_rows.lower(graphdef, copy, prompt, new_tokens, slots,
-                                         jnp.dtype(jnp.bfloat16), rules)  # fmt: skip
+        lowered = sampler.prefill_rows.lower(
+            graphdef, copy, prompt, new_tokens, slots, jnp.dtype(jnp.bfloat16), rules
+        )
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
-    cache = on_view((llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
-                    jnp.bfloat16, sampler.CACHE_NAMES)  # fmt: skip
+    cache = on_view(
+        (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
+        jnp.bfloat16,
+        sampler.CACHE_NAMES,
+    )
     decode_state = sampler.DecodeState(
-        cache=(cache, cache), kv_length=rows_of(jnp.int32), rope=rows_of(jnp.int32),
-        tokens=rows_of(jnp.int32, new_tokens), logprobs=rows_of(jnp.float32, new_tokens),
-        length=rows_of(jnp.int32), budget=rows_of(jnp.int32), active=rows_of(jnp.bool_),
-        finished=rows_of(jnp.bool_))  # fmt: skip
+        cache=(cache, cache),
+        kv_length=rows_of(jnp.int32),
+        rope=rows_of(jnp.int32),
+        tokens=rows_of(jnp.int32, new_tokens),
+        logprobs=rows_of(jnp.float32, new_tokens),
+        length=rows_of(jnp.int32),
+        budget=rows_of(jnp.int32),
+        active=rows_of(jnp.bool_),
+        finished=rows_of(jnp.bool_),
+    )
     key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(
-        view, jax.sharding.PartitionSpec()))  # fmt: skip
-    settings = sampler.RoundSettings(1.0, True, SPECIAL.im_start, SPECIAL.im_end,
-                                      llm.vocab_size, new_tokens + 1)  # fmt: skip
+    key = jax.ShapeDtypeStruct(
+        key.shape,
+        key.dtype,
+        sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
+    )
+    settings = sampler.RoundSettings(
+        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
+    )
     with mesh_lib.use_mesh(view, rules):
-        lowered = sampler.decode_round.lower(graphdef, copy, decode_state, key,
-                                              rows_of(jnp.int32), settings, rules)  # fmt: skip
+        lowered = sampler.decode_round.lower(
+            graphdef, copy, decode_state, key, rows_of(jnp.int32), settings, rules
+        )
         decode, decode_text = hlo_stats.compile_and_read(lowered, options)
     # The weights one decode step must read: the LM's layers, final norm and lm_head (of the
     # embedding table only the fed rows; the ViT not at all).
     lm = copy["language_model"]
-    decode_weights = sum(x.size * x.dtype.itemsize
-                         for name in ("layers", "norm", "lm_head")
-                         for x in jax.tree.leaves(lm[name]))  # fmt: skip
-    layer_shapes = {tuple(sorted(d for d in x.shape[1:] if d != 1))  # projections, not biases
-                    for path, x in jax.tree_util.tree_flatten_with_path(lm["layers"])[0]
-                    if "kernel" in jax.tree_util.keystr(path)}  # fmt: skip
+    decode_weights = sum(
+        x.size * x.dtype.itemsize
+        for name in ("layers", "norm", "lm_head")
+        for x in jax.tree.leaves(lm[name])
+    )
+    layer_shapes = {
+        tuple(sorted(d for d in x.shape[1:] if d != 1))  # projections, not biases
+        for path, x in jax.tree_util.tree_flatten_with_path(lm["layers"])[0]
+        if "kernel" in jax.tree_util.keystr(path)
+    }
     inputs = (copy, decode_state, key, rows_of(jnp.int32), settings, rules)
     local_cache = cache.sharding.shard_shape(cache.shape)
-    return SamplerPrograms(refresh_compiled, refresh_text, prefill_text, decode, decode_text,
-                           decode_weights, lowered, layer_shapes, inputs,
-                           int(np.prod(local_cache[1:])), llm.num_hidden_layers)  # fmt: skip
+    return SamplerPrograms(
+        refresh_compiled,
+        refresh_text,
+        prefill_text,
+        decode,
+        decode_text,
+        decode_weights,
+        lowered,
+        layer_shapes,
+        inputs,
+        int(np.prod(local_cache[1:])),
+        llm.num_hidden_layers,
+    )
 
 
 def big(found):
@@ -220,8 +266,8 @@ def test_decode_round_moves_no_weight_and_reads_every_weight(h100_sampler):
     # is not hundreds of times the floor either (the counter counts each kernel once per step).
     weights = h100_sampler.decode_weight_bytes
     assert weights <= step_bytes < 100 * weights, (
-        f"{step_bytes} bytes per step, weights {weights}:\n"
-        + hbm_traffic.describe(kernels))  # fmt: skip
+        f"{step_bytes} bytes per step, weights {weights}:\n" + hbm_traffic.describe(kernels)
+    )
 
 
 def test_importing_opsd_jax_keeps_the_plugin_quiet_without_a_driver():
@@ -235,8 +281,14 @@ def test_importing_opsd_jax_keeps_the_plugin_quiet_without_a_driver():
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
 
     def run(code):
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env=env, cwd=ROOT, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=ROOT,
+            timeout=120,
+        )
 
     guarded = run("import jax, opsd_jax; print(jax.devices()[0].platform)")
     if opsd_jax._no_nvidia_driver():
@@ -265,10 +317,14 @@ def test_decode_loop_reads_the_weights_in_place(h100_sampler):
     copies every layer's matrices (shown here, so the check can fail)."""
     copies = layer_weight_copies(h100_sampler.decode.as_text(), h100_sampler.layer_weight_shapes)
     assert not copies, hbm_traffic.describe(copies)
-    defaults = {**gpu_target.DEVICELESS_OPTIONS, "xla_gpu_enable_triton_gemm": True,
-                "xla_gpu_dot_merger_threshold_mb": 32}  # fmt: skip
-    with mesh_lib.use_mesh(mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated"),
-                           mesh_lib.DECODE_RULES):  # fmt: skip
+    defaults = {
+        **gpu_target.DEVICELESS_OPTIONS,
+        "xla_gpu_enable_triton_gemm": True,
+        "xla_gpu_dot_merger_threshold_mb": 32,
+    }
+    with mesh_lib.use_mesh(
+        mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated"), mesh_lib.DECODE_RULES
+    ):
         before = h100_sampler.decode_lowered.compile(compiler_options=defaults)
     copied = layer_weight_copies(before.as_text(), h100_sampler.layer_weight_shapes)
     assert len({k.result for k in copied}) >= 3, hbm_traffic.describe(copied)
@@ -294,14 +350,15 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     copies every layer's K and V slice: shown here, so the check can fail."""
     text = h100_sampler.decode.as_text()
     kernels = hbm_traffic.loop_traffic(text)
-    calls = sum(k.count for k in kernels
-                if k.kernel_name == decode_attention_pallas.KERNEL_NAME)  # fmt: skip
+    calls = sum(k.count for k in kernels if k.kernel_name == decode_attention_pallas.KERNEL_NAME)
     assert calls == h100_sampler.layers, hbm_traffic.describe(kernels)
     copies = layer_cache_copies(text, h100_sampler.layer_cache_elements)
     assert not copies, hbm_traffic.describe(copies)
 
-    graphdef, _, _ = abstract_split(BagelConfig.tiny(llm=dict(
-        compute_dtype="bfloat16", attention_backend="chunked")), gpu_target.make_mesh("h100", 2))  # fmt: skip
+    graphdef, _, _ = abstract_split(
+        BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="chunked")),
+        gpu_target.make_mesh("h100", 2),
+    )
     view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.decode_round.lower(graphdef, *h100_sampler.decode_inputs)

@@ -65,9 +65,12 @@ def test_toy_configs_read_back_as_the_tiny_preset(toy_bf16):
 
 @pytest.mark.parametrize(
     "toy, gen_expert, dtype",
-    [("toy_bf16", False, jnp.float32), ("toy_fp32_sharded", True, jnp.float32),
-     ("toy_bf16", True, jnp.bfloat16)],
-)  # fmt: skip
+    [
+        ("toy_bf16", False, jnp.float32),
+        ("toy_fp32_sharded", True, jnp.float32),
+        ("toy_bf16", True, jnp.bfloat16),
+    ],
+)
 def test_hf_to_ours_to_hf_is_bit_identical(toy, gen_expert, dtype, request, tmp_path):
     source = request.getfixturevalue(toy)
     model, config, _ = hf_load.load_hf(source, dtype=dtype, build_gen_expert=gen_expert)
@@ -176,7 +179,9 @@ def _reference_model(config: BagelConfig, tensors: dict) -> Bagel:
         put(getattr(model.connector, name).kernel, tensors[f"connector.{name}.weight"].T)
         put(getattr(model.connector, name).bias, tensors[f"connector.{name}.bias"])
     put(model.vit_pos_embed, tensors["vit_pos_embed.pos_embed"])
-    unset = [p for p, v in hf_export.flat_params(model).items() if isinstance(v, jax.ShapeDtypeStruct)]
+    unset = [
+        p for p, v in hf_export.flat_params(model).items() if isinstance(v, jax.ShapeDtypeStruct)
+    ]
     assert not unset, unset
     return model
 
@@ -328,7 +333,9 @@ def test_a_checkpoint_without_the_fixed_table_gets_the_computed_one(toy_bf16, tm
     toy_model.write_weights(source, tensors, "bf16", "ema", 1)
     model, config, _ = hf_load.load_hf(source, tokenizer=False)
     np.testing.assert_array_equal(np.asarray(model.vit_pos_embed[...]), sincos_2d_table(70, 64))
-    out = hf_export.save_hf(model, tmp_path / "out", source)  # exported without the key, like the source
+    out = hf_export.save_hf(
+        model, tmp_path / "out", source
+    )  # exported without the key, like the source
     assert "vit_pos_embed.pos_embed" not in WeightDirectory(out).keys()
 
 
@@ -462,8 +469,14 @@ def test_export_from_a_training_checkpoint(loaded_bf16, toy_bf16, tmp_path, capl
 
     # The trainer's own checkpoint: a step directory under <dir>/<step>/ with the teacher copy.
     params = nnx.state(loaded_bf16[0], nnx.Param)
-    state = TrainState(step=jnp.int32(7), params=params, opt_state={"count": jnp.int32(7)},
-                       teacher_params=params, rng=None, bad_steps=jnp.int32(0))  # fmt: skip
+    state = TrainState(
+        step=jnp.int32(7),
+        params=params,
+        opt_state={"count": jnp.int32(7)},
+        teacher_params=params,
+        rng=None,
+        bad_steps=jnp.int32(0),
+    )
     with Checkpointer(tmp_path / "checkpoints", save_every=1, async_save=False) as checkpointer:
         checkpointer.save(7, state, data_state=None, config={"teacher_mode": "ema"})
     mesh = mesh_lib.make_mesh()

@@ -17,14 +17,23 @@ LINT_IMPORTS = pathlib.Path(sys.executable).parent / "lint-imports"  # requireme
 
 def lint(tree: pathlib.Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([str(LINT_IMPORTS), "--no-cache"], cwd=tree, capture_output=True,
-                          text=True, timeout=120, env={**env, "PYTHONPATH": str(tree)})  # fmt: skip
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PYTHONPATH": str(tree)},
+    )
 
 
 def copy_packages(tmp_path: pathlib.Path) -> pathlib.Path:
     for name in ("models", "opsd_jax"):
-        shutil.copytree(ROOT / name, tmp_path / name,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"))  # fmt: skip
+        shutil.copytree(
+            ROOT / name,
+            tmp_path / name,
+            ignore=shutil.ignore_patterns("__pycache__", "*.safetensors"),
+        )
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     return tmp_path
 

@@ -118,8 +118,11 @@ def test_file_choice_with_one_file_and_errors(two_files, tmp_path):
     toy_model.write_toy_model(only_model, dtype="fp32", weights_name="model")
     assert hf_load.initial_weights(only_model) == hf_load.InitialWeights("model", "model", "model")
     assert hf_load.initial_weights(two_files, finetune_from_ema=True) == hf_load.InitialWeights(
-        "ema", "ema", "model")  # fmt: skip
-    with pytest.raises(hf_layout.HFCheckpointError, match="finetune_from_ema=True .*ema.safetensors"):
+        "ema", "ema", "model"
+    )
+    with pytest.raises(
+        hf_layout.HFCheckpointError, match="finetune_from_ema=True .*ema.safetensors"
+    ):
         hf_load.initial_weights(only_model, finetune_from_ema=True)
     with pytest.raises(hf_layout.HFCheckpointError, match="weights='model'"):
         hf_load.initial_weights(two_files, "model", finetune_from_ema=True)
@@ -133,8 +136,9 @@ def test_resume_model_only(two_files, mesh, file_params, tmp_path):
     params = jax.tree.map(lambda x: x + 1.0, file_params["model"])
     ema = jax.tree.map(lambda x: x - 1.0, file_params["model"])
     config = run_config(two_files, teacher_mode="ema")
-    state = train_step.init_state(params, train_step.make_optimizer(config), "ema",
-                                  jax.random.key(0), teacher_source=ema)  # fmt: skip
+    state = train_step.init_state(
+        params, train_step.make_optimizer(config), "ema", jax.random.key(0), teacher_source=ema
+    )
     checkpoints = tmp_path / "checkpoints"
     with Checkpointer(checkpoints, save_every=1) as checkpointer:
         checkpointer.save(1, state, data_state=None, config=config.to_dict(), force=True)
@@ -153,11 +157,20 @@ def test_resume_model_only(two_files, mesh, file_params, tmp_path):
     assert_same(start.teacher_source, file_params["model"])
 
     # A run saved with a fixed teacher has no EMA to fine-tune from.
-    fixed = train_step.init_state(params, train_step.make_optimizer(config), "fixed",
-                                  jax.random.key(0), teacher_source=ema)  # fmt: skip
+    fixed = train_step.init_state(
+        params, train_step.make_optimizer(config), "fixed", jax.random.key(0), teacher_source=ema
+    )
     fixed_checkpoints = tmp_path / "fixed"
     with Checkpointer(fixed_checkpoints, save_every=1) as checkpointer:
         checkpointer.save(1, fixed, data_state=None, config={"teacher_mode": "fixed"}, force=True)
     with pytest.raises(ValueError, match="teacher_mode='fixed', so it has no EMA weights"):
-        load(run_config(two_files, teacher_mode="ema", finetune_from_ema=True,
-                        resume_from=str(fixed_checkpoints), resume_model_only=True), mesh)  # fmt: skip
+        load(
+            run_config(
+                two_files,
+                teacher_mode="ema",
+                finetune_from_ema=True,
+                resume_from=str(fixed_checkpoints),
+                resume_model_only=True,
+            ),
+            mesh,
+        )

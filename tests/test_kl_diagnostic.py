@@ -39,10 +39,15 @@ class CharTokenizer:
 def model(tmp_path_factory):
     """BagelConfig.tiny() with the toy checkpoint's random weights (loading them is much faster
     than Bagel's op-by-op initialisation on CPU); its tokenizer is not used."""
-    model_dir = toy_model.write_toy_model(tmp_path_factory.mktemp("kl_model"), dtype="fp32",
-                                               corpus=["a b c"], tokenizer_vocab_size=300)  # fmt: skip
-    model, config, _ = load_hf(model_dir, tokenizer=False,
-                               config_changes={"llm": {"compute_dtype": "float32"}})  # fmt: skip
+    model_dir = toy_model.write_toy_model(
+        tmp_path_factory.mktemp("kl_model"),
+        dtype="fp32",
+        corpus=["a b c"],
+        tokenizer_vocab_size=300,
+    )
+    model, config, _ = load_hf(
+        model_dir, tokenizer=False, config_changes={"llm": {"compute_dtype": "float32"}}
+    )
     assert config.llm.vocab_size > VOCAB_LIMIT
     return model
 
@@ -51,15 +56,23 @@ def samples(num=3, seed=0):
     rng = np.random.default_rng(seed)
 
     def vit(h, w):
-        return VitImageInputs(rng.uniform(-1, 1, (h * w, 588)).astype(np.float32),
-                              vit_position_ids(h, w), h, w)  # fmt: skip
+        return VitImageInputs(
+            rng.uniform(-1, 1, (h * w, 588)).astype(np.float32), vit_position_ids(h, w), h, w
+        )
 
     return [
-        Sample(pid=f"p{i}", dataset="even" if i % 2 == 0 else "odd", question=f"what is {i}?",
-               answer=str(i), problem_image=vit(2, 2), vt_images=[vit(2, 1)],
-               thoughts=["first", "then"], full_text_only_thought=f"it is {i}" if i else None)
+        Sample(
+            pid=f"p{i}",
+            dataset="even" if i % 2 == 0 else "odd",
+            question=f"what is {i}?",
+            answer=str(i),
+            problem_image=vit(2, 2),
+            vt_images=[vit(2, 1)],
+            thoughts=["first", "then"],
+            full_text_only_thought=f"it is {i}" if i else None,
+        )
         for i in range(num)
-    ]  # fmt: skip
+    ]
 
 
 def test_kl_from_logits_matches_numpy():
@@ -67,14 +80,18 @@ def test_kl_from_logits_matches_numpy():
     teacher, student = rng.normal(0, 2, (2, 3, 11)), rng.normal(0, 2, (2, 3, 11))
 
     def log_softmax(x):
-        return x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
-            -1, keepdims=True)  # fmt: skip
+        return (
+            x
+            - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - x.max(-1, keepdims=True)
+        )
 
     for limit in (None, 7):
         t, s = teacher[..., :limit], student[..., :limit]
         expected = (np.exp(log_softmax(t)) * (log_softmax(t) - log_softmax(s))).sum(-1)
-        got = kl_diagnostic.kl_from_logits(jnp.asarray(teacher, jnp.float32),
-                                           jnp.asarray(student, jnp.float32), limit)  # fmt: skip
+        got = kl_diagnostic.kl_from_logits(
+            jnp.asarray(teacher, jnp.float32), jnp.asarray(student, jnp.float32), limit
+        )
         np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-6)
     same = kl_diagnostic.kl_from_logits(jnp.asarray(teacher), jnp.asarray(teacher))
     assert float(jnp.abs(same).max()) == 0.0
@@ -82,11 +99,9 @@ def test_kl_from_logits_matches_numpy():
 
 def test_reference_completion_format():
     with_text, without_text = samples(2)[1], samples(2)[0]
-    assert reference_completion(with_text) == (
-        "<think>it is 1</think><answer>1</answer>")  # fmt: skip
+    assert reference_completion(with_text) == ("<think>it is 1</think><answer>1</answer>")
     # No text-only thought: the sample's thoughts stand in for it.
-    assert reference_completion(without_text) == (
-        "<think>first then</think><answer>0</answer>")  # fmt: skip
+    assert reference_completion(without_text) == ("<think>first then</think><answer>0</answer>")
 
 
 def test_identical_contexts_give_zero_and_vt_gives_positive(model):
@@ -96,8 +111,7 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     bare = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
     no_vt = [dataclasses.replace(s, vt_images=[]) for s in data]
     same = kl_diagnostic.kl_diagnostic(model, no_vt, tokenizer, options=bare, batch_size=3)
-    expected_tokens = [len(tokenizer.encode(reference_completion(s))) + 1
-                       for s in data]  # fmt: skip
+    expected_tokens = [len(tokenizer.encode(reference_completion(s))) + 1 for s in data]
     assert [r["num_tokens"] for r in same.records] == expected_tokens
     assert [r["pid"] for r in same.records] == ["p0", "p1", "p2"]
     all_tokens = np.concatenate(list(same.token_kl.values()))
@@ -105,10 +119,17 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     assert np.abs(all_tokens).max() <= 1e-6
 
     # chunk_size=4: the shapes of test_chunked_entry_kl_equals_full_logits (one compile for both).
-    with_vt = kl_diagnostic.kl_diagnostic(model, data, tokenizer, options=bare, batch_size=3,
-                                          chunk_size=4)  # fmt: skip
-    noise = kl_diagnostic.kl_diagnostic(model, data, tokenizer, batch_size=3, chunk_size=4,
-                                        options=dataclasses.replace(bare, noise_vt=True))  # fmt: skip
+    with_vt = kl_diagnostic.kl_diagnostic(
+        model, data, tokenizer, options=bare, batch_size=3, chunk_size=4
+    )
+    noise = kl_diagnostic.kl_diagnostic(
+        model,
+        data,
+        tokenizer,
+        batch_size=3,
+        chunk_size=4,
+        options=dataclasses.replace(bare, noise_vt=True),
+    )
     for result in (with_vt, noise):
         assert result.summary["overall"]["num_tokens"] == sum(expected_tokens)
         assert result.summary["overall"]["mean"] > 1e-5
@@ -123,7 +144,8 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
         assert record["answer_mean_kl"] > 0
     assert all(abs(r["answer_mean_kl"]) <= 1e-6 for r in same.records)
     assert with_vt.summary["overall"]["answer_span_mean"] == pytest.approx(
-        np.mean([r["answer_mean_kl"] for r in with_vt.records]))
+        np.mean([r["answer_mean_kl"] for r in with_vt.records])
+    )
 
 
 def test_the_verdict_is_the_pytorch_projects_gate():
@@ -143,10 +165,10 @@ def test_chunked_entry_kl_equals_full_logits(model):
     data = samples(3)
     completions = [tokenizer.encode(reference_completion(s)) for s in data]
     bare = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
-    packs = build_training_packs(data, completions, tokenizer.encode, bare, SPECIAL,
-                                 num_rows=3, max_forward_tokens=10240)  # fmt: skip
-    chunked = kl_diagnostic.entry_kl(model, packs.student, packs.teacher, VOCAB_LIMIT,
-                                     chunk_size=4)  # fmt: skip
+    packs = build_training_packs(
+        data, completions, tokenizer.encode, bare, SPECIAL, num_rows=3, max_forward_tokens=10240
+    )
+    chunked = kl_diagnostic.entry_kl(model, packs.student, packs.teacher, VOCAB_LIMIT, chunk_size=4)
 
     @functools.partial(jax.jit, static_argnums=0)
     def logits(graphdef, params, pack):

@@ -38,7 +38,8 @@ def test_values_and_gradients_are_autodiffs(equation, x_shape, w_shape):
 
     # Gradients keep their operands' dtypes (a bf16 weight copy gets a bf16 gradient).
     grads = jax.grad(loss(weight_einsum), argnums=(0, 1))(
-        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))  # fmt: skip
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    )
     assert [g.dtype for g in grads] == [jnp.bfloat16, jnp.bfloat16]
 
 

@@ -32,8 +32,10 @@ def activation_collectives(found, weights):
 
 
 def describe(collectives):
-    return "\n".join(f"{c.kind} x{c.count}: {[str(s) for s in c.operands]} -> "
-                     f"{[str(s) for s in c.results]}" for c in collectives)  # fmt: skip
+    return "\n".join(
+        f"{c.kind} x{c.count}: {[str(s) for s in c.operands]} -> {[str(s) for s in c.results]}"
+        for c in collectives
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +45,22 @@ def fsdp_setup():
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     samples = [sample(f"s{i}", "q" * (1 + i % 3)) for i in range(8)]
-    packs = build_training_packs(samples, [[10 + i, 11, 12] for i in range(8)], encode, OPTIONS,
-                                 SPECIAL, num_rows=8, max_forward_tokens=256)  # fmt: skip
+    packs = build_training_packs(
+        samples,
+        [[10 + i, 11, 12] for i in range(8)],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=8,
+        max_forward_tokens=256,
+    )
     with mesh_lib.use_mesh(mesh):
         student = jax.tree.map(
-            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.student)  # fmt: skip
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.student
+        )
         teacher = jax.tree.map(
-            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.teacher)  # fmt: skip
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.teacher
+        )
     return mesh, graphdef, params, rest, student, teacher
 
 
@@ -107,13 +118,23 @@ def test_attention_runs_per_device_on_its_rows(backend):
     k_end = np.tile(np.arange(1, length + 1, dtype=np.int32), (rows, 1))
 
     def attend(q, k, v):
-        return attention_lib.attention(q, k, v, q_segment_ids=segments, kv_segment_ids=segments,
-                                       k_start=k_start, k_end=k_end, backend=backend,
-                                       q_block=16, kv_block=16)  # fmt: skip
+        return attention_lib.attention(
+            q,
+            k,
+            v,
+            q_segment_ids=segments,
+            kv_segment_ids=segments,
+            k_start=k_start,
+            k_end=k_end,
+            backend=backend,
+            q_block=16,
+            kv_block=16,
+        )
 
     expected = attend(q, k, v)
-    row_heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        mesh_lib.BATCH_AXES, None, "tensor", None))  # fmt: skip
+    row_heads = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, None, "tensor", None)
+    )
     with mesh_lib.use_mesh(mesh):
         args = [jax.device_put(x, row_heads) for x in (q, k, v)]
         lowered = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(attend(*a) ** 2), (0, 1, 2)))
@@ -132,8 +153,15 @@ def test_tensor_parallel_forward_equals_one_device():
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, state = nnx.split(model)
     samples = [sample(f"s{i}", "q" * (1 + i % 3)) for i in range(8)]
-    packs = build_training_packs(samples, [[10 + i, 11] for i in range(8)], encode, OPTIONS,
-                                 SPECIAL, num_rows=8, max_forward_tokens=256)  # fmt: skip
+    packs = build_training_packs(
+        samples,
+        [[10 + i, 11] for i in range(8)],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=8,
+        max_forward_tokens=256,
+    )
 
     def forward(state, pack):
         m = nnx.merge(graphdef, state)
@@ -142,7 +170,8 @@ def test_tensor_parallel_forward_equals_one_device():
     expected = jax.jit(forward)(jax.device_get(state), packs.teacher)
     with mesh_lib.use_mesh(mesh):
         pack = jax.tree.map(
-            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.teacher)  # fmt: skip
+            lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), packs.teacher
+        )
         logits = jax.jit(forward)(state, pack)
     assert logits.sharding.spec[-1] == "tensor"  # vocab split, as the rules say
     scale = float(np.abs(np.asarray(expected)).max())

@@ -27,9 +27,17 @@ def seven_b(platform="gpu", free_memory=None, **changes):
     """BAGEL-7B's decode copy (bf16) and the paper recipe's cache (16 rows, 6146 slots)."""
     cache = layout_choice.cache_nbytes(BagelConfig.bagel_7b(), 16, 6146, jnp.bfloat16)
     assert cache == 16 * 6146 * 28 * 2 * 4 * 128 * 2  # k and v, 28 layers, 4 kv heads of 128
-    arguments = dict(copy_bytes=int(15.0 * GIB), cache_bytes=cache, heads=BAGEL_7B_HEADS,
-                     num_layers=28, num_devices=8, devices_per_host=8, platform=platform,
-                     device_kind="NVIDIA H100 80GB HBM3", free_memory=free_memory)  # fmt: skip
+    arguments = dict(
+        copy_bytes=int(15.0 * GIB),
+        cache_bytes=cache,
+        heads=BAGEL_7B_HEADS,
+        num_layers=28,
+        num_devices=8,
+        devices_per_host=8,
+        platform=platform,
+        device_kind="NVIDIA H100 80GB HBM3",
+        free_memory=free_memory,
+    )
     arguments.update(changes)
     return layout_choice.choose(**arguments)
 
@@ -41,8 +49,14 @@ def test_auto_takes_the_gqa_tensor_layout_for_7b_on_gpus_and_replicated_for_the_
     assert tensor.device_bytes < replicated.device_bytes / 3  # a quarter of the weights each
     assert "'auto' -> 'tensor 4'" in choice.describe(1024)
     # The toy model on 8 CPU devices: its weights are tiny, the collectives' latency is not.
-    toy = seven_b(platform="cpu", copy_bytes=2 * 2**20, cache_bytes=2**20, heads=(4, 2, 2),
-                  num_layers=2, device_kind="cpu")  # fmt: skip
+    toy = seven_b(
+        platform="cpu",
+        copy_bytes=2 * 2**20,
+        cache_bytes=2**20,
+        heads=(4, 2, 2),
+        num_layers=2,
+        device_kind="cpu",
+    )
     assert (toy.layout, toy.tensor_size) == ("replicated", 1)
     # One device: nothing to split.
     single = seven_b(num_devices=1, devices_per_host=1)
@@ -64,22 +78,26 @@ def test_the_tensor_copy_splits_attention_and_auto_resolves(monkeypatch):
     are sharded, where an axis of all 8 devices would leave them whole on every device."""
     mesh, _, graphdef, params, rest = training_model("bfloat16")
     config = BagelConfig.tiny()
-    copy = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
-                                        dtype=jnp.bfloat16, model_config=config)  # fmt: skip
+    copy = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, model_config=config
+    )
     assert dict(copy.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     layers = copy.state["language_model"]["layers"]["und"]
     for name in ("q_proj", "k_proj", "v_proj"):
         assert layers[name]["kernel"][...].sharding.spec == P(None, None, "tensor", None), name
     copy.delete()
     # The old choice, all the host's devices: the kv heads stay whole (replicated) per device.
-    eight = decode_copy.make_decode_copy(graphdef, params, rest, layout="tensor", mesh=mesh,
-                                         dtype=jnp.bfloat16, tensor_size=8)  # fmt: skip
-    assert eight.state["language_model"]["layers"]["und"]["k_proj"]["kernel"][...].sharding.spec \
-        == P(None, None, None, None)
+    eight = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, tensor_size=8
+    )
+    assert eight.state["language_model"]["layers"]["und"]["k_proj"]["kernel"][
+        ...
+    ].sharding.spec == P(None, None, None, None)
     eight.delete()
     # 'auto' on the CPU: replicated (see above); a mesh is never made for 'auto' itself.
-    auto = decode_copy.make_decode_copy(graphdef, params, rest, layout="auto", mesh=mesh,
-                                        dtype=jnp.bfloat16, model_config=config)  # fmt: skip
+    auto = decode_copy.make_decode_copy(
+        graphdef, params, rest, layout="auto", mesh=mesh, dtype=jnp.bfloat16, model_config=config
+    )
     assert auto.layout == "replicated" and dict(auto.mesh.shape)["tensor"] == 1
     auto.delete()
     with pytest.raises(ValueError, match="'auto' is resolved first"):

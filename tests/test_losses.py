@@ -491,15 +491,25 @@ def limited_table(zs, zt, ids, vocab_limit):
     for beta, top_k in LIMIT_SETTINGS:
 
         def jsd_loss(z, beta=beta, top_k=top_k):
-            value, diag = losses.generalized_jsd(z, zt, mask, beta, top_k=top_k, clip=PADDED_CLIP,
-                                                 token_ids=ids, vocab_limit=vocab_limit)  # fmt: skip
+            value, diag = losses.generalized_jsd(
+                z,
+                zt,
+                mask,
+                beta,
+                top_k=top_k,
+                clip=PADDED_CLIP,
+                token_ids=ids,
+                vocab_limit=vocab_limit,
+            )
             return value, (diag["teacher_topk_mass"], diag["k1_reverse_kl"], diag["clip_fraction"])
 
         table[f"jsd beta={beta} top_k={top_k}"] = jax.value_and_grad(jsd_loss, has_aux=True)(zs)
     table["tinker"] = jax.value_and_grad(
-        lambda z: losses.tinker_loss(z, zt, ids, mask, vocab_limit=vocab_limit)[0])(zs)  # fmt: skip
+        lambda z: losses.tinker_loss(z, zt, ids, mask, vocab_limit=vocab_limit)[0]
+    )(zs)
     table["ce"] = jax.value_and_grad(
-        lambda z: losses.completion_ce(z, ids, mask, vocab_limit=vocab_limit)[0])(zs)  # fmt: skip
+        lambda z: losses.completion_ce(z, ids, mask, vocab_limit=vocab_limit)[0]
+    )(zs)
     return table
 
 
@@ -515,8 +525,9 @@ def test_ids_past_vocab_limit_are_no_tokens_for_any_loss():
     limited = limited_table(zs, zt, ids, vocab_limit=limit)
     cut = limited_table(zs[..., :limit], zt[..., :limit], ids, vocab_limit=None)
     for key, (value, grad) in limited.items():
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-                     value, cut[key][0])  # fmt: skip
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), value, cut[key][0]
+        )
         np.testing.assert_allclose(grad[..., :limit], cut[key][1], rtol=1e-5, atol=1e-7)
         assert (np.asarray(grad[..., limit:]) == 0).all(), key
     # Without the limit the padded ids dominate: this test would see it.

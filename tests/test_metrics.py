@@ -164,21 +164,33 @@ class FakeWandb(types.ModuleType):
 
     def init(self, **kwargs):
         self.inits.append(kwargs)
-        return types.SimpleNamespace(log=lambda record, step: self.logged.append((step, record)),
-                                     finish=lambda: None)  # fmt: skip
+        return types.SimpleNamespace(
+            log=lambda record, step: self.logged.append((step, record)), finish=lambda: None
+        )
 
 
 def test_wandb_gets_the_run_id_and_resume_mode(tmp_path, clock, monkeypatch):
     fake = FakeWandb()
     monkeypatch.setitem(sys.modules, "wandb", fake)
     options = {"project": "p", "name": "n", "id": "abc123", "resume": "allow"}
-    logger = MetricsLogger(str(tmp_path), total_steps=4, start_step=2, log_every=1,
-                           progress_bar=False, wandb=options, config={"lr": 1.0})  # fmt: skip
+    logger = MetricsLogger(
+        str(tmp_path),
+        total_steps=4,
+        start_step=2,
+        log_every=1,
+        progress_bar=False,
+        wandb=options,
+        config={"lr": 1.0},
+    )
     logger.log_step(3, {"loss": 2.0})
     logger.close()
     (init,) = fake.inits
-    assert (init["project"], init["name"], init["id"], init["resume"]) == ("p", "n", "abc123",
-                                                                          "allow")  # fmt: skip
+    assert (init["project"], init["name"], init["id"], init["resume"]) == (
+        "p",
+        "n",
+        "abc123",
+        "allow",
+    )
     assert fake.logged[0][0] == 3 and fake.logged[0][1]["loss"] == 2.0
 
 
@@ -215,7 +227,9 @@ def test_log_text_and_config(tmp_path, clock, capsys):
     events = acc.Tensors("completion/text_summary")
     assert events[0].step == 3
     assert events[0].tensor_proto.string_val == [b"The answer is 42."]
-    assert json.loads(acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0]) == {"lr": 1e-5}
+    assert json.loads(acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0]) == {
+        "lr": 1e-5
+    }
 
 
 def _log_four_steps_and_a_completion(clock):
@@ -258,14 +272,17 @@ def test_control_characters_in_text_are_escaped_in_every_sink(tmp_path, clock, c
     logger.close()
     controls = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # every control but newline
     out = capsys.readouterr().out
-    assert out == ("[step 3] completion: red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f "
-                   "csi\\x9b2J\\nnext\\tline é\n")  # fmt: skip
+    assert out == (
+        "[step 3] completion: red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f "
+        "csi\\x9b2J\\nnext\\tline é\n"
+    )
     raw = (tmp_path / "text.jsonl").read_text(encoding="utf-8")
     assert not controls.search(raw) and raw.count("\n") == 1
     assert json.loads(raw)["text"] == text  # the exact text, in JSON escapes
     logged = _accumulator(tmp_path).Tensors("completion/text_summary")[0].tensor_proto.string_val[0]
-    assert logged.decode() == ("red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f csi\\x9b2J\n"
-                               "next\tline é")  # fmt: skip
+    assert logged.decode() == (
+        "red \\x1b[31mtext\\x1b[0m\\x07 nul\\x00 del\\x7f csi\\x9b2J\nnext\tline é"
+    )
 
 
 @pytest.mark.parametrize(

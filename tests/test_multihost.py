@@ -47,9 +47,16 @@ def _env(devices: int) -> dict:
 
 
 def _command(results_dir, total_steps, *extra):
-    return [sys.executable, "train.py", "--config", "configs/smoke.py",
-            f"--config.results_dir={results_dir}", f"--config.total_steps={total_steps}",
-            *COMMON, *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/smoke.py",
+        f"--config.results_dir={results_dir}",
+        f"--config.total_steps={total_steps}",
+        *COMMON,
+        *extra,
+    ]
 
 
 def _free_port() -> int:
@@ -70,13 +77,13 @@ def _start_two_processes(results_dir, total_steps, model_path):
                 f"--config.coordinator_address=127.0.0.1:{port}",
                 "--config.num_processes=2",
                 f"--config.process_id={i}",
-            ),  # fmt: skip
+            ),
             cwd=ROOT,
             env=_env(4),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(2)
     ]
 
@@ -137,9 +144,13 @@ def test_two_processes_train_like_one_process_and_restore(tmp_path):
 
     # The one-process reference runs while the first two-process launch does (2 cores).
     reference = subprocess.Popen(
-        _command(single, 3, f"--config.model_path={model_path}"), cwd=ROOT, env=_env(8),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        _command(single, 3, f"--config.model_path={model_path}"),
+        cwd=ROOT,
+        env=_env(8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     first = _wait(_start_two_processes(multi, 3, model_path))
     (reference_output,) = _wait([reference])
     assert "step 3/3" in reference_output
@@ -170,8 +181,19 @@ def test_pad_pack_adds_inert_padding_only():
     pack = pack_samples(samples, row_length=16, num_rows=2, special=special)
     padded = pad_pack(pack, 32, 8, 6)
     assert pack_sizes(padded) == (32, 8, 6)
-    for name in ("tokens", "positions", "segment_ids", "k_start", "k_end", "loss_rows",
-                 "loss_targets", "loss_mask", "loss_sample", "vit_patches", "vit_slots"):  # fmt: skip
+    for name in (
+        "tokens",
+        "positions",
+        "segment_ids",
+        "k_start",
+        "k_end",
+        "loss_rows",
+        "loss_targets",
+        "loss_mask",
+        "loss_sample",
+        "vit_patches",
+        "vit_slots",
+    ):
         before, after = getattr(pack, name), getattr(padded, name)
         width = before.shape[1]
         np.testing.assert_array_equal(after[:, :width], before)  # content untouched

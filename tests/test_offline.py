@@ -31,17 +31,23 @@ from opsd_jax.training import losses, offline_collect, train_step
 
 # The interleaved target (ThinkMorph's output split at the VT images); TEXT_ONLY: the reference
 # completion after the student prompt / the OPSD teacher context.
-OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d",
-                        offline_target="interleaved")  # fmt: skip
+OPTIONS = builders.prompt_options(
+    system_prompt="ab", reference_intro="c", transition_prompt="d", offline_target="interleaved"
+)
 TEXT_ONLY = dataclasses.replace(OPTIONS, offline_target="text_only")
 
 
 def sample(pid, thoughts=("t0", "t1"), vts=((1, 1),), answer="A", question="q"):
     return types.SimpleNamespace(
-        pid=pid, dataset="toy", question=question, answer=answer, problem_image=vit(1, 2, 0.5),
-        vt_images=[vit(h, w, -0.5) for h, w in vts], thoughts=list(thoughts),
+        pid=pid,
+        dataset="toy",
+        question=question,
+        answer=answer,
+        problem_image=vit(1, 2, 0.5),
+        vt_images=[vit(h, w, -0.5) for h, w in vts],
+        thoughts=list(thoughts),
         full_text_only_thought="unused",
-    )  # fmt: skip
+    )
 
 
 def test_views_share_the_target_and_differ_by_the_vt_images():
@@ -50,9 +56,15 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
     segments = ["<think>t0</think><image_start>", "<image_end><think>t1</think><answer>A</answer>"]
     assert offline_views.target_segments(s) == segments
     assert offline_views.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
-    packs = offline_views.build_offline_packs([s, sample("b", vts=((1, 2),))], encode, OPTIONS,
-                                              SPECIAL, num_rows=1, max_forward_tokens=256,
-                                              with_teacher=True)  # fmt: skip
+    packs = offline_views.build_offline_packs(
+        [s, sample("b", vts=((1, 2),))],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        with_teacher=True,
+    )
     target = encode(segments[0]) + [IME] + encode(segments[1]) + [IME]
     for j in range(2):
         rows = {}
@@ -68,8 +80,9 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
         # The teacher's second block sits after the VT image block: later rows, same targets.
         assert (rows["teacher"] >= rows["student"]).all()
     # The longer (teacher) view decides what is dropped.
-    packs = offline_views.build_offline_packs([s], encode, OPTIONS, SPECIAL, num_rows=1,
-                                              max_forward_tokens=60, with_teacher=True)  # fmt: skip
+    packs = offline_views.build_offline_packs(
+        [s], encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=60, with_teacher=True
+    )
     assert packs.kept == [] and packs.dropped == [0]
 
 
@@ -83,8 +96,10 @@ def test_text_only_target_is_the_reference_completion_after_each_context():
     target = encode("<think>all text</think><answer>A</answer>")
     student = offline_views.view_items(s, encode, TEXT_ONLY, with_vt=False)
     teacher = offline_views.view_items(s, encode, TEXT_ONLY, with_vt=True)
-    for view, context in ((student, prompt_items(s, encode, TEXT_ONLY)),
-                          (teacher, teacher_context_items(s, encode, TEXT_ONLY))):  # fmt: skip
+    for view, context in (
+        (student, prompt_items(s, encode, TEXT_ONLY)),
+        (teacher, teacher_context_items(s, encode, TEXT_ONLY)),
+    ):
         assert len(view) == len(context) + 1
         assert isinstance(view[-1], Text) and view[-1].loss and view[-1].ids == target
         assert not any(isinstance(it, Text) and it.loss for it in view[:-1])
@@ -92,11 +107,14 @@ def test_text_only_target_is_the_reference_completion_after_each_context():
     assert sum(isinstance(it, Image) for it in teacher) == 2
     assert sum(isinstance(it, Image) for it in student) == 1
     # A cache records its target: one made for the other target is refused, naming it.
-    assert offline_cache.prompt_settings(TEXT_ONLY)["target_format"] != (
-        offline_cache.prompt_settings(OPTIONS)["target_format"])
+    assert (
+        offline_cache.prompt_settings(TEXT_ONLY)["target_format"]
+        != (offline_cache.prompt_settings(OPTIONS)["target_format"])
+    )
     with pytest.raises(ValueError, match="offline_target='nope'"):
-        offline_views.view_items(s, encode, dataclasses.replace(OPTIONS, offline_target="nope"),
-                                 with_vt=False)  # fmt: skip
+        offline_views.view_items(
+            s, encode, dataclasses.replace(OPTIONS, offline_target="nope"), with_vt=False
+        )
 
 
 # ---- the cache on disk: crash between a shard's rename and its listing, resume, 2 processes ---
@@ -134,20 +152,39 @@ def toy_data(tmp_path_factory):
     config = builders.data_config(
         [dict(name="count", path=str(root / "count")), dict(name="maze", path=str(root / "maze"))],
         image_transform=dict(max_size=112, min_size=56, stride=14, max_pixels=112 * 112),
-        heldout_fraction=0.0)
+        heldout_fraction=0.0,
+    )
     return config
 
 
 def _collect(directory, data_config, process=0, count=1, **kwargs):
-    manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
-                                           logprob_dtype="float16", max_forward_tokens=4096)  # fmt: skip
+    manifest = offline_cache.make_manifest(
+        BagelConfig.tiny(),
+        _Tokenizer(),
+        OPTIONS,
+        top_k=4,
+        logprob_dtype="float16",
+        max_forward_tokens=4096,
+    )
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     return offline_collect.collect(
-        collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=data_config,
-        options=OPTIONS, mesh=mesh, directory=str(directory), manifest=manifest,
-        samples_per_batch=2, rows_per_batch=1, max_forward_tokens=4096, shard_samples=3,
-        process_index=process, process_count=count, log=lambda line: None, **kwargs,
-    )  # fmt: skip
+        collect_step=_fake_step,
+        params=None,
+        tokenizer=_Tokenizer(),
+        data_config=data_config,
+        options=OPTIONS,
+        mesh=mesh,
+        directory=str(directory),
+        manifest=manifest,
+        samples_per_batch=2,
+        rows_per_batch=1,
+        max_forward_tokens=4096,
+        shard_samples=3,
+        process_index=process,
+        process_count=count,
+        log=lambda line: None,
+        **kwargs,
+    )
 
 
 def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_path, toy_data):
@@ -168,8 +205,11 @@ def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_pat
     assert len(keys) == len(set(keys)) == 23
     assert {k.split("/")[0] for k in keys} == {"count", "maze"}
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
-    listed = {s["file"] for p in (0, 1) for s in json.load(open(tmp_path / f"progress-p{p}.json"))
-              ["shards"]}  # fmt: skip
+    listed = {
+        s["file"]
+        for p in (0, 1)
+        for s in json.load(open(tmp_path / f"progress-p{p}.json"))["shards"]
+    }
     assert listed == {f for f in os.listdir(tmp_path) if f.endswith(".parquet")}
     # A sample reads back as written (log-probs through float16).
     cached = reader.lookup(keys[0])
@@ -180,37 +220,66 @@ def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_pat
     # Another model config: the collector refuses to mix it into this cache.
     with pytest.raises(offline_cache.CacheError, match="model_config.llm.hidden_size"):
         offline_collect.collect(
-            collect_step=_fake_step, params=None, tokenizer=_Tokenizer(), data_config=toy_data,
-            options=OPTIONS, mesh=None, directory=str(tmp_path), samples_per_batch=2,
+            collect_step=_fake_step,
+            params=None,
+            tokenizer=_Tokenizer(),
+            data_config=toy_data,
+            options=OPTIONS,
+            mesh=None,
+            directory=str(tmp_path),
+            samples_per_batch=2,
             manifest=offline_cache.make_manifest(
-                BagelConfig.tiny(llm=dict(hidden_size=128)), _Tokenizer(), OPTIONS, top_k=4,
-                logprob_dtype="float16", max_forward_tokens=4096),
-            rows_per_batch=1, max_forward_tokens=4096, shard_samples=3, log=lambda line: None,
-        )  # fmt: skip
+                BagelConfig.tiny(llm=dict(hidden_size=128)),
+                _Tokenizer(),
+                OPTIONS,
+                top_k=4,
+                logprob_dtype="float16",
+                max_forward_tokens=4096,
+            ),
+            rows_per_batch=1,
+            max_forward_tokens=4096,
+            shard_samples=3,
+            log=lambda line: None,
+        )
 
 
 def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
-    manifest = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), OPTIONS, top_k=4,
-                                           logprob_dtype="float16", max_forward_tokens=64)  # fmt: skip
+    manifest = offline_cache.make_manifest(
+        BagelConfig.tiny(),
+        _Tokenizer(),
+        OPTIONS,
+        top_k=4,
+        logprob_dtype="float16",
+        max_forward_tokens=64,
+    )
     offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
     runtime = dict(remat="none", unroll_layers=True, attention_block=128)
-    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime),
-                                 _Tokenizer(), OPTIONS)  # runtime switches do not matter
+    offline_cache.check_manifest(
+        str(tmp_path), BagelConfig.tiny(llm=runtime), _Tokenizer(), OPTIONS
+    )  # runtime switches do not matter
     # ... not even when an older manifest recorded them.
-    older = dict(manifest, model_config=dict(manifest["model_config"], llm=dict(
-        manifest["model_config"]["llm"], unroll_layers=False, attention_block=512)))  # fmt: skip
+    older = dict(
+        manifest,
+        model_config=dict(
+            manifest["model_config"],
+            llm=dict(manifest["model_config"]["llm"], unroll_layers=False, attention_block=512),
+        ),
+    )
     offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), older)
-    offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=runtime), _Tokenizer(),
-                                 OPTIONS)  # fmt: skip
+    offline_cache.check_manifest(
+        str(tmp_path), BagelConfig.tiny(llm=runtime), _Tokenizer(), OPTIONS
+    )
     offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), manifest)
     with pytest.raises(offline_cache.CacheError, match="tokenizer.sha256"):
         offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(100), OPTIONS)
     with pytest.raises(offline_cache.CacheError, match="num_hidden_layers"):
-        offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(llm=dict(num_hidden_layers=3)),
-                                     _Tokenizer(), OPTIONS)  # fmt: skip
+        offline_cache.check_manifest(
+            str(tmp_path), BagelConfig.tiny(llm=dict(num_hidden_layers=3)), _Tokenizer(), OPTIONS
+        )
     with pytest.raises(offline_cache.CacheError, match="no manifest.json"):
-        offline_cache.check_manifest(str(tmp_path / "nowhere"), BagelConfig.tiny(), _Tokenizer(),
-                                     OPTIONS)  # fmt: skip
+        offline_cache.check_manifest(
+            str(tmp_path / "nowhere"), BagelConfig.tiny(), _Tokenizer(), OPTIONS
+        )
 
 
 # ---- the offline loss equals the online one on the same teacher and completion -----------------
@@ -222,27 +291,41 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     leaves, tree = jax.tree.flatten(teacher_params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
     student_params = jax.tree.unflatten(
-        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])  # fmt: skip
+        tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    )
     samples = [sample("a"), sample("b", thoughts=("x",), vts=((1, 2),), answer="BB"), sample("c")]
     k, tau, vocab = 16, 2.0, config.llm.vocab_size - 5  # a padded table: ids >= vocab masked
 
     # Collect (the teacher on both views), then through the fp32 cache on disk. One row, so
     # the trainer's text-only pack has the collector's layout and entries compare one to one.
-    packs = offline_views.build_offline_packs(samples, encode, OPTIONS, SPECIAL, num_rows=1,
-                                              max_forward_tokens=256, with_teacher=True)  # fmt: skip
+    packs = offline_views.build_offline_packs(
+        samples, encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256, with_teacher=True
+    )
     step = offline_collect.make_collect_step(graphdef, rest, top_k=k, vocab_limit=vocab)
-    top_logprobs, top_ids, vt_kl = (np.asarray(x) for x in
-                                    step(teacher_params, packs.teacher, packs.student))  # fmt: skip
+    top_logprobs, top_ids, vt_kl = (
+        np.asarray(x) for x in step(teacher_params, packs.teacher, packs.student)
+    )
     writer = offline_cache.ShardWriter(str(tmp_path), 0, "float32", shard_samples=10)
     for j, s in enumerate(samples):
         row, cols = offline_views.sample_entries(packs.teacher, j)
-        writer.add(offline_cache.cache_key(s), packs.teacher.loss_targets[row, cols],
-                   top_ids[row, cols], top_logprobs[row, cols], vt_kl[row, cols])  # fmt: skip
+        writer.add(
+            offline_cache.cache_key(s),
+            packs.teacher.loss_targets[row, cols],
+            top_ids[row, cols],
+            top_logprobs[row, cols],
+            vt_kl[row, cols],
+        )
     writer.commit()
     manifest = dict(top_k=k, logprob_dtype="float32", format=offline_cache.CACHE_FORMAT)
-    batch = offline_views.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
-                                        encode, OPTIONS, SPECIAL, num_rows=1,
-                                        max_forward_tokens=256)  # fmt: skip
+    batch = offline_views.offline_batch(
+        samples,
+        offline_cache.CacheReader(str(tmp_path), manifest),
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+    )
     pack, mask, cache = batch.pack, batch.pack.loss_mask, batch.cache
     assert batch.num_dropped == 0
     np.testing.assert_array_equal(pack.tokens, packs.student.tokens)
@@ -265,12 +348,20 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
 
     def offline(logits, norm, vt):
         return losses.cached_top_k_kl(
-            logits, cache["top_logprobs"], cache["top_ids"], mask, tau, student_norm=norm,
-            weights=cache["vt_weights"] if vt else None, **common)[0]  # fmt: skip
+            logits,
+            cache["top_logprobs"],
+            cache["top_ids"],
+            mask,
+            tau,
+            student_norm=norm,
+            weights=cache["vt_weights"] if vt else None,
+            **common,
+        )[0]
 
     def online_top_k(logits):  # the on-policy loss: teacher top-k, both renormalised, beta 0
-        return losses.generalized_jsd(logits, teacher_logits, mask, beta=0.0, temperature=tau,
-                                      top_k=k, clip=0.0, **common)[0]  # fmt: skip
+        return losses.generalized_jsd(
+            logits, teacher_logits, mask, beta=0.0, temperature=tau, top_k=k, clip=0.0, **common
+        )[0]
 
     # The VT weight is KL(teacher on the VT view || the same model on the text-only view). It
     # is the KL of two nearly equal distributions (~1e-4), which fp32 log-softmaxes give to
@@ -294,15 +385,19 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         log_p = jnp.take_along_axis(jax.nn.log_softmax(s, -1), ids, -1)
         kl = jnp.sum(q * (jnp.log(q) - log_p), -1) * tau**2
         w = jnp.where(mask, vt_weights if weighted else 1.0, 0.0)
-        per_sample = [jnp.sum((w * kl)[pack.loss_sample == i]) / jnp.sum(w[pack.loss_sample == i])
-                      for i in range(3)]  # fmt: skip
+        per_sample = [
+            jnp.sum((w * kl)[pack.loss_sample == i]) / jnp.sum(w[pack.loss_sample == i])
+            for i in range(3)
+        ]
         return sum(per_sample) / 3
 
     # The loss as a function of the student's logits: value and gradient, three settings.
     student_logits = logits_of(student_params, pack)
-    for norm, vt, online in [("top_k", False, online_top_k),
-                             ("full", False, lambda z: online_full(z, False)),
-                             ("full", True, lambda z: online_full(z, True))]:  # fmt: skip
+    for norm, vt, online in [
+        ("top_k", False, online_top_k),
+        ("full", False, lambda z: online_full(z, False)),
+        ("full", True, lambda z: online_full(z, True)),
+    ]:
         value, grad = jax.jit(jax.value_and_grad(lambda z: offline(z, norm, vt)))(student_logits)
         expected, expected_grad = jax.jit(jax.value_and_grad(online))(student_logits)
         assert float(value) > 0.01
@@ -310,42 +405,67 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         assert_close_to_scale(grad, expected_grad, rel=1e-6, err_msg=f"{norm}, vt={vt}")
     # The train step (defaults: full vocabulary, VT-weighted) against the online loss through
     # the student model: the parameter gradient.
-    settings = builders.loss_settings(kd_weight=1.0, ce_weight=0.0, kd_temperature=tau,
-                                       num_samples=3, vocab_limit=vocab)  # fmt: skip
+    settings = builders.loss_settings(
+        kd_weight=1.0, ce_weight=0.0, kd_temperature=tau, num_samples=3, vocab_limit=vocab
+    )
     grads, metrics = train_step.make_offline_grad_step(graphdef, rest, settings)(
-        student_params, pack, cache)
-    expected, expected_grads = jax.jit(jax.value_and_grad(
-        lambda p: online_full(logits_of(p, pack), True)))(student_params)  # fmt: skip
+        student_params, pack, cache
+    )
+    expected, expected_grads = jax.jit(
+        jax.value_and_grad(lambda p: online_full(logits_of(p, pack), True))
+    )(student_params)
     assert_close_to_scale(metrics["loss"], expected, rel=1e-6)
     assert_trees_close_to_scale(grads, expected_grads, rel=1e-6)
     # train.py's path: the pack and the cache at fixed shapes (wider than the content, the
     # samples in two rows), stacked as two equal micro-batches, through the one compiled step
     # (scan accumulation, mean gradient). Its loss and gradient norm are the online ones.
     shape = PackShape(row_length=512, patches=64, loss_entries=256)
-    fixed = offline_views.offline_batch(samples, offline_cache.CacheReader(str(tmp_path), manifest),
-                                        encode, OPTIONS, SPECIAL, num_rows=2,
-                                        max_forward_tokens=256, shapes=[shape])  # fmt: skip
+    fixed = offline_views.offline_batch(
+        samples,
+        offline_cache.CacheReader(str(tmp_path), manifest),
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=2,
+        max_forward_tokens=256,
+        shapes=[shape],
+    )
     assert fixed.pack.tokens.shape == (2, 512) and fixed.cache["top_ids"].shape == (2, 256, k)
     assert fixed.num_dropped == 0 and int(fixed.pack.loss_mask.sum()) == int(mask.sum())
-    optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                            optax.adamw(optax.constant_schedule(0.0)))  # fmt: skip
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(optax.constant_schedule(0.0))
+    )
     compiled = train_step.make_train_step(
-        train_step.make_offline_loss(graphdef, rest, settings), optimizer, teacher_mode="self",
-        ema_decay=0.0, schedule=optax.constant_schedule(0.0))  # fmt: skip
-    state = train_step.init_state(jax.tree.map(jnp.copy, student_params), optimizer, "self",
-                                  jax.random.key(0))  # fmt: skip
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), (fixed.pack, fixed.cache),
-                           (fixed.pack, fixed.cache))  # fmt: skip
+        train_step.make_offline_loss(graphdef, rest, settings),
+        optimizer,
+        teacher_mode="self",
+        ema_decay=0.0,
+        schedule=optax.constant_schedule(0.0),
+    )
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, student_params), optimizer, "self", jax.random.key(0)
+    )
+    stacked = jax.tree.map(
+        lambda *xs: np.stack(xs), (fixed.pack, fixed.cache), (fixed.pack, fixed.cache)
+    )
     _, step_metrics = compiled(state, stacked)
     assert_close_to_scale(step_metrics["loss"], expected, rel=1e-6)
-    expected_norm = np.sqrt(sum(np.sum(np.square(g, dtype=np.float64))
-                                for g in jax.tree.leaves(expected_grads)))  # fmt: skip
+    expected_norm = np.sqrt(
+        sum(np.sum(np.square(g, dtype=np.float64)) for g in jax.tree.leaves(expected_grads))
+    )
     assert_close_to_scale(step_metrics["grad_norm"], expected_norm, rel=1e-6)
     # A cache made for other targets (another tokenizer / prompt) is refused by name.
     other = [sample("a", answer="Z"), *samples[1:]]
     with pytest.raises(offline_cache.CacheError, match="'toy/a': the cached target"):
-        offline_views.offline_batch(other, offline_cache.CacheReader(str(tmp_path), manifest),
-                                    encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256)  # fmt: skip
+        offline_views.offline_batch(
+            other,
+            offline_cache.CacheReader(str(tmp_path), manifest),
+            encode,
+            OPTIONS,
+            SPECIAL,
+            num_rows=1,
+            max_forward_tokens=256,
+        )
 
 
 # ---- the two commands as a user runs them ------------------------------------------------------
@@ -358,15 +478,26 @@ def run_script(*args, log_compiles=False):
     env = subprocess_env(1)
     if log_compiles:  # jax logs every compilation (stderr), merged in order with the console
         env.update(JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:]
     return result.stdout
 
 
 def offline_args(results_dir, cache_dir):
-    return ["--config", "configs/offline_tiny.py", f"--config.results_dir={results_dir}",
-            f"--config.offline_cache_dir={cache_dir}"]  # fmt: skip
+    return [
+        "--config",
+        "configs/offline_tiny.py",
+        f"--config.results_dir={results_dir}",
+        f"--config.offline_cache_dir={cache_dir}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -376,8 +507,14 @@ def offline_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("offline")
     common = offline_args(root, root / "cache")
     collected = run_script("scripts/collect_traces.py", *common)
-    trained = run_script("train.py", *common, "--config.total_steps=2", "--config.log_every=1",
-                         "--config.progress_bar=False", log_compiles=True)  # fmt: skip
+    trained = run_script(
+        "train.py",
+        *common,
+        "--config.total_steps=2",
+        "--config.log_every=1",
+        "--config.progress_bar=False",
+        log_compiles=True,
+    )
     return root, collected, trained
 
 
@@ -407,15 +544,20 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/2"))
     announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
     assert len(announced) == 1 and announced[0] < first_step, out[-6000:]
-    assert re.match(r"compiling the train step for 1 x 2 rows x \(offline 1024 tokens / 256 "
-                    r"patches, cached teacher top-64\), 192 loss entries per row: [\d.]+ s",
-                    lines[announced[0]]), lines[announced[0]]  # fmt: skip
+    assert re.match(
+        r"compiling the train step for 1 x 2 rows x \(offline 1024 tokens / 256 "
+        r"patches, cached teacher top-64\), 192 loss entries per row: [\d.]+ s",
+        lines[announced[0]],
+    ), lines[announced[0]]
     compiled = [line for line in lines if "Compiling jit(train_step)" in line]
     assert len(compiled) == 1, compiled
     # The compiled step's cache argument has the fixed shape [micro-batches, rows, entries, k].
     assert "int32[1,2,192,64]" in compiled[0] and "float32[1,2,192,64]" in compiled[0]
-    later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
-             if "Compiling " in line]  # fmt: skip
+    later = [
+        re.search(r"Compiling (\S+)", line).group(1)
+        for line in lines[first_step:]
+        if "Compiling " in line
+    ]
     assert later == [], later
 
 
@@ -427,13 +569,16 @@ def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
 
     root, _, _ = offline_run
     common = offline_args(tmp_path / "straight", root / "cache")[:2] + [
-        f"--config.offline_cache_dir={root / 'cache'}", "--config.save_every=2",
-        "--config.progress_bar=False"]  # fmt: skip
+        f"--config.offline_cache_dir={root / 'cache'}",
+        "--config.save_every=2",
+        "--config.progress_bar=False",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_script("train.py", *common, f"--config.results_dir={straight}", "--config.total_steps=4")
     run_script("train.py", *common, f"--config.results_dir={resumed}", "--config.total_steps=2")
-    out = run_script("train.py", *common, f"--config.results_dir={resumed}",
-                     "--config.total_steps=4")  # fmt: skip
+    out = run_script(
+        "train.py", *common, f"--config.results_dir={resumed}", "--config.total_steps=4"
+    )
     assert "resumed from" in out and "at step 2" in out, out[-3000:]
     for item in ("params", "opt_state"):
         a = crash_drill.saved_arrays(straight / "checkpoints", 4, item)
@@ -457,17 +602,28 @@ def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_ru
     # samples left as the uninterrupted run did. Batched otherwise, a sample's rows and pack
     # sizes change, and with them the float rounding (the VT weights, KLs of ~1e-7, move by
     # ~1e-7; see test_offline_loss_and_gradient_equal_the_online_ones).
-    args = ["scripts/collect_traces.py", *offline_args(root, cache),  # the fixture's toy assets
-            "--config.offline_shard_samples=4"]  # fmt: skip
+    args = [
+        "scripts/collect_traces.py",
+        *offline_args(root, cache),  # the fixture's toy assets
+        "--config.offline_shard_samples=4",
+    ]
     progress = cache / "progress-p0.json"
 
     def listed():  # the progress file is replaced atomically: never read half-written
-        return ([k for shard in json.loads(progress.read_text())["shards"] for k in shard["keys"]]
-                if progress.exists() else [])  # fmt: skip
+        return (
+            [k for shard in json.loads(progress.read_text())["shards"] for k in shard["keys"]]
+            if progress.exists()
+            else []
+        )
 
     with open(tmp_path / "killed.log", "w") as log:
-        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=subprocess_env(1),
-                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            env=subprocess_env(1),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             while process.poll() is None and not listed():
                 time.sleep(0.01)
@@ -478,8 +634,11 @@ def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_ru
     before = listed()
     assert 0 < len(before) < 16, before  # killed mid-run, not before the first shard or after
     out = run_script(*args)
-    assert re.search(rf"done: {16 - len(before)} samples written, {len(before)} were cached "
-                     r"before, skipped none", out), out  # fmt: skip
+    assert re.search(
+        rf"done: {16 - len(before)} samples written, {len(before)} were cached "
+        r"before, skipped none",
+        out,
+    ), out
     assert not [f for f in os.listdir(cache) if f.endswith(".tmp")]
     shards = json.loads(progress.read_text())["shards"]
     assert {s["file"] for s in shards} == {f for f in os.listdir(cache) if f.endswith(".parquet")}
@@ -490,8 +649,9 @@ def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_ru
     for key in keys:
         got, want = resumed.lookup(key), reference.lookup(key)
         for field in ("target_ids", "top_ids", "top_logprobs", "vt_weights"):
-            np.testing.assert_array_equal(getattr(got, field), getattr(want, field),
-                                          err_msg=f"{key} {field}")  # fmt: skip
+            np.testing.assert_array_equal(
+                getattr(got, field), getattr(want, field), err_msg=f"{key} {field}"
+            )
 
 
 def test_offline_config_values_are_checked(tmp_path):
@@ -513,7 +673,7 @@ def test_offline_config_values_are_checked(tmp_path):
         ("offline_logprob_dtype", "int8", "offline_logprob_dtype='int8': allowed values"),
         ("offline_cache_dir", "", "offline_cache_dir is empty"),
         ("offline_cache_dir", str(tmp_path / "none"), "no manifest.json; make the cache first"),
-    ]:  # fmt: skip
+    ]:
         bad = config.copy_and_resolve_references()
         with bad.unlocked():
             bad[key] = value
@@ -528,9 +688,20 @@ def test_offline_config_values_are_checked(tmp_path):
     # offline trainer's loss, steps and collector settings.
     paper, offline = thinkmorph_7b.get_config().to_dict(), offline_7b.get_config().to_dict()
     changed = {k for k in paper if paper[k] != offline[k]}
-    assert changed == {"mode", "teacher_mode", "offline_cache_dir", "ce_weight",
-                       "gradient_accumulation_steps", "total_steps", "save_every",
-                       "results_dir"}  # fmt: skip
-    assert (offline["kd_weight"], offline["kd_temperature"], offline["kd_use_vt_weights"],
-            offline["offline_top_k"], offline["offline_logprob_dtype"]) == (
-                0.5, 2.0, True, 256, "float16")  # fmt: skip
+    assert changed == {
+        "mode",
+        "teacher_mode",
+        "offline_cache_dir",
+        "ce_weight",
+        "gradient_accumulation_steps",
+        "total_steps",
+        "save_every",
+        "results_dir",
+    }
+    assert (
+        offline["kd_weight"],
+        offline["kd_temperature"],
+        offline["kd_use_vt_weights"],
+        offline["offline_top_k"],
+        offline["offline_logprob_dtype"],
+    ) == (0.5, 2.0, True, 256, "float16")

@@ -67,8 +67,16 @@ SHAPES = {"student": [PackShape(64, 16, 16)], "teacher": [PackShape(96, 16, 16)]
 
 def test_training_packs_take_the_fixed_shape_and_cut_completions_that_do_not_fit():
     samples = [sample("a"), sample("b", "qq")]
-    packs = build_training_packs(samples, [[7, 8], [9]], encode, OPTIONS, SPECIAL, num_rows=1,
-                                 max_forward_tokens=256, shapes=SHAPES)  # fmt: skip
+    packs = build_training_packs(
+        samples,
+        [[7, 8], [9]],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        shapes=SHAPES,
+    )
     assert packs.student.tokens.shape == (1, 64) and packs.teacher.tokens.shape == (1, 96)
     assert packs.student.vit_patches.shape == (1, 16, 588)
     assert packs.student.loss_rows.shape == packs.teacher.loss_rows.shape == (1, 16)
@@ -80,8 +88,16 @@ def test_training_packs_take_the_fixed_shape_and_cut_completions_that_do_not_fit
 
     # A long completion no longer fits next to the other sample: it is cut, in both packs.
     long = list(range(10, 40))
-    packs = build_training_packs(samples, [[7, 8], long], encode, OPTIONS, SPECIAL, num_rows=1,
-                                 max_forward_tokens=256, shapes=SHAPES)  # fmt: skip
+    packs = build_training_packs(
+        samples,
+        [[7, 8], long],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        shapes=SHAPES,
+    )
     assert packs.num_truncated == 1 and packs.kept == [0, 1]
     assert 0 < len(packs.completions[1]) < len(long) and packs.completions[0] == [7, 8]
     assert int(packs.student.loss_mask.sum()) == 2 + 1 + len(packs.completions[1]) + 1
@@ -94,13 +110,27 @@ def test_sft_pack_takes_the_fixed_shape_and_samples_that_fit_no_row_are_dropped(
     long.full_text_only_thought, long.thoughts = "", []
     short = sample("s")
     short.full_text_only_thought = "x"
-    packs = build_sft_packs([short, long], encode, OPTIONS, SPECIAL, num_rows=1,
-                            max_forward_tokens=256, shapes=[PackShape(96, 8, 48)])  # fmt: skip
+    packs = build_sft_packs(
+        [short, long],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        shapes=[PackShape(96, 8, 48)],
+    )
     assert packs.kept == [0] and packs.num_dropped == 1
     assert packs.pack.tokens.shape == (1, 96) and packs.pack.vit_patches.shape == (1, 8, 588)
     with pytest.raises(ValueError, match="no sample fits the fixed pack shape"):
-        build_sft_packs([long], encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=256,
-                        shapes=[PackShape(96, 8, 48)])  # fmt: skip
+        build_sft_packs(
+            [long],
+            encode,
+            OPTIONS,
+            SPECIAL,
+            num_rows=1,
+            max_forward_tokens=256,
+            shapes=[PackShape(96, 8, 48)],
+        )
 
 
 def test_cut_and_dropped_samples_are_reported_with_the_sizes_to_raise():

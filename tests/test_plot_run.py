@@ -13,11 +13,16 @@ from scripts import plot_run
 def write_run(run_dir, steps=6, offset=0.0, with_eval=True):
     """A run as the trainer writes it: TensorBoard events + metrics.jsonl; returns what was logged."""
     logged = {}
-    with MetricsLogger(str(run_dir), total_steps=steps, log_every=1, progress_bar=False,
-                       is_main=True) as logger:  # fmt: skip
+    with MetricsLogger(
+        str(run_dir), total_steps=steps, log_every=1, progress_bar=False, is_main=True
+    ) as logger:
         for step in range(1, steps + 1):
-            scalars = {"loss": 1.0 / step + offset, "jsd": 0.5 / step, "lr": 1e-4 * step,
-                       "completion_length": 10.0 + step}  # fmt: skip
+            scalars = {
+                "loss": 1.0 / step + offset,
+                "jsd": 0.5 / step,
+                "lr": 1e-4 * step,
+                "completion_length": 10.0 + step,
+            }
             if with_eval and step % 2 == 0:
                 scalars.update({"eval/accuracy": 0.1 * step, "eval/toy_maze/accuracy": 0.05 * step})
             logger.log_step(step, scalars)
@@ -33,8 +38,10 @@ def is_png(path):
 
 def test_events_and_jsonl_read_back_what_was_logged(tmp_path):
     logged = write_run(tmp_path / "run")
-    for series in (plot_run.read_events(str(tmp_path / "run")),
-                   plot_run.read_jsonl(str(tmp_path / "run"))):  # fmt: skip
+    for series in (
+        plot_run.read_events(str(tmp_path / "run")),
+        plot_run.read_jsonl(str(tmp_path / "run")),
+    ):
         for key in ("loss", "jsd", "lr", "completion_length", "eval/accuracy"):
             steps, values = series[key]
             assert steps.tolist() == [s for s, _ in logged[key]]
@@ -98,11 +105,17 @@ def test_one_colour_per_run_in_every_panel_and_log_scale_across_magnitudes():
 
     steps = np.arange(1, 11)
     runs = {
-        "opsd": {"loss": (steps, 0.005 + 0.001 / steps), "eval/accuracy": (steps, 0.3 + steps / 50),
-                 "eval/toy_maze/accuracy": (steps, 0.2 + steps / 50)},
-        "sft": {"loss": (steps, 6.0 + 1.0 / steps), "eval/accuracy": (steps, 0.4 + steps / 50),
-                "eval/toy_maze/accuracy": (steps, 0.5 + steps / 50)},
-    }  # fmt: skip
+        "opsd": {
+            "loss": (steps, 0.005 + 0.001 / steps),
+            "eval/accuracy": (steps, 0.3 + steps / 50),
+            "eval/toy_maze/accuracy": (steps, 0.2 + steps / 50),
+        },
+        "sft": {
+            "loss": (steps, 6.0 + 1.0 / steps),
+            "eval/accuracy": (steps, 0.4 + steps / 50),
+            "eval/toy_maze/accuracy": (steps, 0.5 + steps / 50),
+        },
+    }
     for key in ("loss", "eval/accuracy"):
         figure, axis = _panel(key, runs)
         by_run = {}

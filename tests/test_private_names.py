@@ -29,12 +29,19 @@ def private_uses(path: pathlib.Path) -> list[str]:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] in OUTSIDE:
                 continue
-            uses += [f"from {node.module} import {a.name}" for a in node.names
-                     if a.name.startswith("_") and not a.name.startswith("__")]  # fmt: skip
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-              and node.value.id in modules and node.attr.startswith("_")
-              and not node.attr.startswith("__")
-              and modules[node.value.id].split(".")[0] not in OUTSIDE):  # fmt: skip
+            uses += [
+                f"from {node.module} import {a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in modules
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and modules[node.value.id].split(".")[0] not in OUTSIDE
+        ):
             uses.append(f"{node.value.id}.{node.attr} ({modules[node.value.id]})")
     return uses
 
@@ -52,9 +59,13 @@ def test_no_private_name_is_used_across_modules():
 
 def test_the_scan_finds_both_kinds_of_use(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from opsd_jax.sampling.sampler import _x\n"
-                   "from opsd_jax.sampling import sampler\n"
-                   "sampler._y()\n"
-                   "import torch\ntorch._foreach_add_\n")  # fmt: skip
-    assert private_uses(bad) == ["from opsd_jax.sampling.sampler import _x",
-                                 "sampler._y (opsd_jax.sampling.sampler)"]  # fmt: skip
+    bad.write_text(
+        "from opsd_jax.sampling.sampler import _x\n"
+        "from opsd_jax.sampling import sampler\n"
+        "sampler._y()\n"
+        "import torch\ntorch._foreach_add_\n"
+    )
+    assert private_uses(bad) == [
+        "from opsd_jax.sampling.sampler import _x",
+        "sampler._y (opsd_jax.sampling.sampler)",
+    ]

@@ -227,7 +227,8 @@ def _where_route(gen_index, fn, und, gen, *inputs):
         return und_out
     rows, length = inputs[0].shape[:2]
     mask = jax.vmap(lambda m, i: m.at[i].set(True, mode="drop"))(
-        jnp.zeros((rows, length), bool), gen_index)  # fmt: skip
+        jnp.zeros((rows, length), bool), gen_index
+    )
     gen_out = fn(gen, *inputs)
 
     def pick(u, g):
@@ -243,8 +244,14 @@ def _fresh_logits(lm, tokens, positions, seg, k_start, k_end, gen_mask):
     @jax.jit
     def run(state, gen_mask):
         model = nnx.merge(graphdef, state)
-        hidden = model(model.embed(tokens), positions=positions, segment_ids=seg,
-                       k_start=k_start, k_end=k_end, gen_mask=gen_mask)  # fmt: skip
+        hidden = model(
+            model.embed(tokens),
+            positions=positions,
+            segment_ids=seg,
+            k_start=k_start,
+            k_end=k_end,
+            gen_mask=gen_mask,
+        )
         return model.logits(hidden)
 
     return np.asarray(run(state, gen_mask))
@@ -309,8 +316,9 @@ def test_a_gen_expert_model_on_a_pack_without_gen_tokens_does_an_und_only_models
 
     rng = np.random.default_rng(8)
     special = SpecialTokens(1020, 1021, 1022, 1023)
-    image = Image(patchify(rng.uniform(-1, 1, (56, 56, 3)).astype(np.float32)),
-                  vit_position_ids(4, 4))  # fmt: skip
+    image = Image(
+        patchify(rng.uniform(-1, 1, (56, 56, 3)).astype(np.float32)), vit_position_ids(4, 4)
+    )
     sample = [Text([5, 6, 7]), image, Text(list(range(10, 30)), loss=True)]
     pack = pack_samples([sample, sample], 64, special=special)
     pack = jax.tree.map(jnp.asarray, pack)

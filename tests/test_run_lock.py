@@ -26,10 +26,13 @@ def test_a_second_acquire_is_refused_and_names_the_holder(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path):
-    code = ("import sys, time; from opsd_jax.io import run_lock;"
-            "run_lock.acquire([sys.argv[1]]); print('held', flush=True); time.sleep(60)")  # fmt: skip
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    code = (
+        "import sys, time; from opsd_jax.io import run_lock;"
+        "run_lock.acquire([sys.argv[1]]); print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(run_lock.RunLockError, match=f"process {holder.pid} "):
         run_lock.acquire([tmp_path])
@@ -49,8 +52,13 @@ def test_the_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path):
 
 def test_a_reused_process_id_does_not_hold_the_lock(tmp_path):
     # Our own pid, but a process start that is not ours: the lock's process is gone.
-    stale = dict(host=socket.gethostname(), pid=os.getpid(), process_start="1",
-                 started="2026-01-01T00:00:00", command="train.py")  # fmt: skip
+    stale = dict(
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        process_start="1",
+        started="2026-01-01T00:00:00",
+        command="train.py",
+    )
     (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps(stale))
     said = []
     run_lock.acquire([tmp_path], say=said.append).release()
@@ -58,8 +66,13 @@ def test_a_reused_process_id_does_not_hold_the_lock(tmp_path):
 
 
 def test_a_lock_from_another_host_is_refused_with_what_to_check(tmp_path):
-    other = dict(host="gpu-node-7", pid=4242, process_start=None,
-                 started="2026-01-01T00:00:00", command="train.py --config x")  # fmt: skip
+    other = dict(
+        host="gpu-node-7",
+        pid=4242,
+        process_start=None,
+        started="2026-01-01T00:00:00",
+        command="train.py --config x",
+    )
     (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps(other))
     with pytest.raises(run_lock.RunLockError, match="process 4242 on host gpu-node-7.*delete"):
         run_lock.acquire([tmp_path])
@@ -83,8 +96,9 @@ def test_train_refuses_a_held_results_dir_before_any_compute(tmp_path):
     naming the first run, and writes nothing there."""
     lock = run_lock.acquire([tmp_path])  # this test process plays the first run
     try:
-        result = run_train(f"--config.results_dir={tmp_path}", "--config.total_steps=2",
-                           timeout=300)  # fmt: skip
+        result = run_train(
+            f"--config.results_dir={tmp_path}", "--config.total_steps=2", timeout=300
+        )
     finally:
         lock.release()
     assert result.returncode == 2, result.stderr[-3000:]

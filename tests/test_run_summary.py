@@ -6,13 +6,17 @@ from opsd_jax.evaluation.run_summary import RunSummary
 def summary_of(accuracies: dict[int, tuple[float, float | None]]) -> RunSummary:
     summary = RunSummary()
     for step, (student, teacher) in accuracies.items():
-        records = [{"correct": False, "reference": "red", "generation": f"wrong at {step}"},
-                   {"correct": True, "reference": "blue", "generation": f"right at {step}"}]  # fmt: skip
-        summary.add_eval(step, "student", {"overall": {"accuracy": student, "num_samples": 8}},
-                         records)  # fmt: skip
+        records = [
+            {"correct": False, "reference": "red", "generation": f"wrong at {step}"},
+            {"correct": True, "reference": "blue", "generation": f"right at {step}"},
+        ]
+        summary.add_eval(
+            step, "student", {"overall": {"accuracy": student, "num_samples": 8}}, records
+        )
         if teacher is not None:
-            summary.add_eval(step, "teacher", {"overall": {"accuracy": teacher,
-                                                           "num_samples": 8}}, [])  # fmt: skip
+            summary.add_eval(
+                step, "teacher", {"overall": {"accuracy": teacher, "num_samples": 8}}, []
+            )
     return summary
 
 
@@ -24,11 +28,13 @@ def test_table_rows_change_and_example():
     assert lines[3] == "    10 |           62.5% |                         -"
     assert lines[4] == "    20 |           50.0% |                     87.5%"
     # The change is first -> last, with the best named (a peak is not the result).
-    assert lines[5] == ("  no VT: 25.0% at step 0 -> 50.0% at step 20 (+25.0 points; best 62.5% "
-                        "at step 10)")
+    assert lines[5] == (
+        "  no VT: 25.0% at step 0 -> 50.0% at step 20 (+25.0 points; best 62.5% at step 10)"
+    )
     # The example is from the latest evaluation, a right answer where there is one.
-    assert lines[6] == ("  a held-out answer without VT (step 20, right; reference 'blue'): "
-                        "'right at 20'")  # fmt: skip
+    assert lines[6] == (
+        "  a held-out answer without VT (step 20, right; reference 'blue'): 'right at 20'"
+    )
 
 
 def test_no_evaluation_no_table_and_a_single_one_has_no_change():

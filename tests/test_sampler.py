@@ -62,9 +62,16 @@ def full_forward_logits(model, prompt, completion):
 
 def test_greedy_decode_equals_argmax_of_full_forward(model):
     samples = prompts()
-    out = sampler.sample(model, prompt_pack(samples), jax.random.key(0), special=SPECIAL,
-                         vocab_limit=VOCAB_LIMIT, max_new_tokens=6, do_sample=False,
-                         cache_dtype="float32")  # fmt: skip
+    out = sampler.sample(
+        model,
+        prompt_pack(samples),
+        jax.random.key(0),
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=6,
+        do_sample=False,
+        cache_dtype="float32",
+    )
     for b, prompt in enumerate(samples):
         completion = []
         for _ in range(6):
@@ -78,8 +85,13 @@ def test_greedy_decode_equals_argmax_of_full_forward(model):
 
 def test_logprobs_match_the_forward_and_seeds_reproduce(model):
     samples = prompts(1)
-    kwargs = dict(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=5, temperature=0.7,
-                  cache_dtype="float32")  # fmt: skip
+    kwargs = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=5,
+        temperature=0.7,
+        cache_dtype="float32",
+    )
     out = sampler.sample(model, prompt_pack(samples), jax.random.key(3), **kwargs)
     for b, prompt in enumerate(samples):
         tokens = out.row(b)
@@ -100,9 +112,16 @@ def test_sampler_and_losses_share_one_vocab_limit(model):
     for either. Without the limit the loss's softmax would also spread over ids 1004..1023."""
     samples = prompts(2)[:1]
     # The sampling settings of the test above: its compiled decode is reused.
-    out = sampler.sample(model, prompt_pack(samples), jax.random.key(5), special=SPECIAL,
-                         vocab_limit=VOCAB_LIMIT, max_new_tokens=5, temperature=0.7,
-                         cache_dtype="float32")  # fmt: skip
+    out = sampler.sample(
+        model,
+        prompt_pack(samples),
+        jax.random.key(5),
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=5,
+        temperature=0.7,
+        cache_dtype="float32",
+    )
     tokens = out.row(0)
     pack = pack_samples([samples[0] + [Text(tokens)]], row_length=48, special=SPECIAL)
     length = int((pack.segment_ids[0] > 0).sum())
@@ -119,15 +138,22 @@ def test_sampler_and_losses_share_one_vocab_limit(model):
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_a_row_decodes_the_same_alone_or_in_a_batch(model, do_sample):
     samples = prompts(2)
-    kwargs = dict(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=5, do_sample=do_sample,
-                  cache_dtype="float32")  # fmt: skip
+    kwargs = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=5,
+        do_sample=do_sample,
+        cache_dtype="float32",
+    )
     batch = sampler.sample(model, prompt_pack(samples), jax.random.key(5), **kwargs)
     for b in range(len(samples)):
-        alone = sampler.sample(model, prompt_pack([samples[b]]), jax.random.key(5),
-                               row_ids=np.array([b]), **kwargs)  # fmt: skip
+        alone = sampler.sample(
+            model, prompt_pack([samples[b]]), jax.random.key(5), row_ids=np.array([b]), **kwargs
+        )
         assert alone.row(0) == batch.row(b)
-        np.testing.assert_allclose(alone.logprobs[0, : alone.lengths[0]],
-                                   batch.logprobs[b, : batch.lengths[b]], atol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(
+            alone.logprobs[0, : alone.lengths[0]], batch.logprobs[b, : batch.lengths[b]], atol=1e-5
+        )
 
 
 def test_sampling_on_an_fsdp_mesh_matches_one_device(model):
@@ -138,8 +164,13 @@ def test_sampling_on_an_fsdp_mesh_matches_one_device(model):
     sharded = nnx.merge(graphdef, jax.device_put(state, shardings))
     assert len(sharded.language_model.embed_tokens[...].sharding.device_set) == 8
     samples = prompts(3) + prompts(4) + prompts(5)[:2]  # 8 rows: one per device
-    kwargs = dict(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=4, do_sample=False,
-                  cache_dtype="float32")  # fmt: skip
+    kwargs = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=4,
+        do_sample=False,
+        cache_dtype="float32",
+    )
     with jax.set_mesh(mesh):
         pack = jax.tree.map(
             lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)),
@@ -198,16 +229,27 @@ class ScriptedModel(nnx.Module):
 
 
 def scripted_pack(num_rows):
-    return pack_samples([[Text([r])] for r in range(num_rows)], row_length=4, special=SPECIAL,
-                        one_sample_per_row=True)  # fmt: skip
+    return pack_samples(
+        [[Text([r])] for r in range(num_rows)],
+        row_length=4,
+        special=SPECIAL,
+        one_sample_per_row=True,
+    )
 
 
 def run_scripted(scripts, max_new_tokens, max_image_skips):
     return sampler.sample(
-        ScriptedModel(scripts), scripted_pack(len(scripts)), jax.random.key(0), special=SPECIAL,
-        vocab_limit=VOCAB_LIMIT, max_new_tokens=max_new_tokens, do_sample=False,
-        max_image_skips=max_image_skips, decode_text=decode_text, cache_dtype="float32",
-    )  # fmt: skip
+        ScriptedModel(scripts),
+        scripted_pack(len(scripts)),
+        jax.random.key(0),
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        max_image_skips=max_image_skips,
+        decode_text=decode_text,
+        cache_dtype="float32",
+    )
 
 
 def test_eos_stops_a_row_and_the_budget_stops_the_rest():

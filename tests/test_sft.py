@@ -22,9 +22,14 @@ OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", trans
 
 def sample(pid, question="q", answer="A", thought="t", problem=(1, 2)):
     return types.SimpleNamespace(
-        pid=pid, question=question, answer=answer, problem_image=vit(*problem, 0.5),
-        vt_images=[vit(1, 1, -0.5)], thoughts=["x0", "x1"], full_text_only_thought=thought,
-    )  # fmt: skip
+        pid=pid,
+        question=question,
+        answer=answer,
+        problem_image=vit(*problem, 0.5),
+        vt_images=[vit(1, 1, -0.5)],
+        thoughts=["x0", "x1"],
+        full_text_only_thought=thought,
+    )
 
 
 SAMPLES = [sample("a"), sample("b", "qq", "B", "two"), sample("c", "qqq", "C", None)]
@@ -45,8 +50,9 @@ def test_reference_completion_is_the_thinkmorph_text_only_format():
 
 @pytest.mark.parametrize("use_vt", [[False, False, False], [True, False, True]])
 def test_loss_entries_are_exactly_the_target_tokens(use_vt):
-    packs = build_sft_packs(SAMPLES, encode, OPTIONS, SPECIAL, num_rows=2, max_forward_tokens=128,
-                            use_vt=use_vt)  # fmt: skip
+    packs = build_sft_packs(
+        SAMPLES, encode, OPTIONS, SPECIAL, num_rows=2, max_forward_tokens=128, use_vt=use_vt
+    )
     pack = packs.pack
     assert packs.kept == [0, 1, 2] and packs.num_dropped == 0 and packs.with_vt == use_vt
     for index, text in enumerate(EXPECTED):
@@ -70,8 +76,9 @@ def test_loss_entries_are_exactly_the_target_tokens(use_vt):
 
 def test_over_long_samples_are_dropped_and_vt_choice_is_seeded():
     long = sample("long", thought="x" * 60)
-    packs = build_sft_packs([long, SAMPLES[0]], encode, OPTIONS, SPECIAL, num_rows=1,
-                            max_forward_tokens=64)  # fmt: skip
+    packs = build_sft_packs(
+        [long, SAMPLES[0]], encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=64
+    )
     assert packs.kept == [1] and packs.num_dropped == 1
     with pytest.raises(ValueError, match="no sample fits max_forward_tokens=8"):
         build_sft_packs([long], encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=8)
@@ -82,19 +89,35 @@ def test_over_long_samples_are_dropped_and_vt_choice_is_seeded():
 
 
 def test_sft_step_reduces_ce_on_a_fixed_batch():
-    model = Bagel(BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")),
-                  rngs=nnx.Rngs(0))  # fmt: skip
+    model = Bagel(
+        BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")), rngs=nnx.Rngs(0)
+    )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    config = run_config.complete(dict(lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50,
-                                      lr_scheduler="constant", eps=1e-8))  # fmt: skip
+    config = run_config.complete(
+        dict(
+            lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant", eps=1e-8
+        )
+    )
     optimizer = train_step.make_optimizer(config)
     state = train_step.init_state(params, optimizer, "self", jax.random.key(0))
     assert state.teacher_params is None  # SFT keeps no teacher copy
     loss_fn = train_step.make_sft_loss(graphdef, rest, builders.loss_settings(num_samples=3))
-    step = train_step.make_train_step(loss_fn, optimizer, teacher_mode="self", ema_decay=0.0,
-                                      schedule=train_step.learning_rate_schedule(config))  # fmt: skip
-    pack = build_sft_packs(SAMPLES, encode, OPTIONS, SPECIAL, num_rows=1, max_forward_tokens=128,
-                           use_vt=[True, False, False]).pack  # fmt: skip
+    step = train_step.make_train_step(
+        loss_fn,
+        optimizer,
+        teacher_mode="self",
+        ema_decay=0.0,
+        schedule=train_step.learning_rate_schedule(config),
+    )
+    pack = build_sft_packs(
+        SAMPLES,
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=128,
+        use_vt=[True, False, False],
+    ).pack
     micro_batches = (jax.tree.map(lambda x: x[None], pack),)  # one micro-batch
     ces = []
     for _ in range(6):

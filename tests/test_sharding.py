@@ -108,8 +108,13 @@ def test_sharded_multimodal_forward_matches_single_device():
     for i in range(8):
         h, w = 1 + i % 3, 2 + i % 2
         pixels = rng.uniform(-1, 1, (14 * h, 14 * w, 3)).astype(np.float32)
-        samples.append([Image(patchify(pixels), vit_position_ids(h, w)), Text([3 + i, 4, 5]),
-                        Text([6, 7], loss=True)])  # fmt: skip
+        samples.append(
+            [
+                Image(patchify(pixels), vit_position_ids(h, w)),
+                Text([3 + i, 4, 5]),
+                Text([6, 7], loss=True),
+            ]
+        )
     pack = pack_samples(samples, row_length=24, num_rows=8, special=special)
     graphdef, state = nnx.split(model)
 

@@ -17,9 +17,12 @@ from opsd_jax.data.image_transform import patchify, vit_position_ids
 # 84 / 14 = a 6 x 6 patch grid, so a full-size image uses every row of the position table in
 # the same order as HF's (non-NaViT) SigLIP, which indexes positions 0..35 row-major.
 CONFIG = SiglipConfig(
-    hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_hidden_layers=2,
     image_size=84,
-)  # fmt: skip
+)
 GRID = CONFIG.num_patches_per_side
 
 
@@ -31,12 +34,17 @@ def _np(t):
 def torch_vit():
     torch.manual_seed(0)
     hf_config = transformers.SiglipVisionConfig(
-        hidden_size=CONFIG.hidden_size, intermediate_size=CONFIG.intermediate_size,
-        num_hidden_layers=CONFIG.num_hidden_layers, num_attention_heads=CONFIG.num_attention_heads,
-        image_size=CONFIG.image_size, patch_size=CONFIG.patch_size, num_channels=3,
-        hidden_act="gelu_pytorch_tanh", layer_norm_eps=CONFIG.layer_norm_eps,
+        hidden_size=CONFIG.hidden_size,
+        intermediate_size=CONFIG.intermediate_size,
+        num_hidden_layers=CONFIG.num_hidden_layers,
+        num_attention_heads=CONFIG.num_attention_heads,
+        image_size=CONFIG.image_size,
+        patch_size=CONFIG.patch_size,
+        num_channels=3,
+        hidden_act="gelu_pytorch_tanh",
+        layer_norm_eps=CONFIG.layer_norm_eps,
         attn_implementation="eager",
-    )  # fmt: skip
+    )
     model = transformers.SiglipVisionModel(hf_config).float().eval()
     with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
         for name, p in model.named_parameters():
@@ -93,8 +101,13 @@ def encode(encoder, patches, position_ids, image_ids):
 
 
 def make_encoder(backend="chunked", seed=0):
-    return SiglipVisionEncoder(CONFIG, compute_dtype="float32", attention_backend=backend,
-                               remat="none", rngs=nnx.Rngs(seed))  # fmt: skip
+    return SiglipVisionEncoder(
+        CONFIG,
+        compute_dtype="float32",
+        attention_backend=backend,
+        remat="none",
+        rngs=nnx.Rngs(seed),
+    )
 
 
 def random_image(rng, h, w):
@@ -111,8 +124,12 @@ def test_matches_transformers_siglip(torch_vit, backend):
         with torch.no_grad():
             pixels = torch.from_numpy(image.transpose(2, 0, 1)[None].copy())
             ref = _np(torch_vit(pixel_values=pixels).last_hidden_state[0])
-        ours = encode(encoder, patchify(image), vit_position_ids(GRID, GRID, GRID),
-                      np.ones(GRID * GRID, np.int32))  # fmt: skip
+        ours = encode(
+            encoder,
+            patchify(image),
+            vit_position_ids(GRID, GRID, GRID),
+            np.ones(GRID * GRID, np.int32),
+        )
         np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 

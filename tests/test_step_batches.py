@@ -13,16 +13,34 @@ from opsd_jax.data import pack_shapes
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training.step_batches import OpsdBatches, SftBatches, step_batches_for
 
-SIZES = dict(pack_row_tokens=192, pack_row_patches=16, pack_student_row_tokens=128,
-             pack_student_row_patches=8, pack_loss_entries=64, samples_per_micro_batch=2,
-             rows_per_micro_batch=1, gradient_accumulation_steps=2, max_forward_tokens=192)  # fmt: skip
+SIZES = dict(
+    pack_row_tokens=192,
+    pack_row_patches=16,
+    pack_student_row_tokens=128,
+    pack_student_row_patches=8,
+    pack_loss_entries=64,
+    samples_per_micro_batch=2,
+    rows_per_micro_batch=1,
+    gradient_accumulation_steps=2,
+    max_forward_tokens=192,
+)
 
 
 def batches_for(mode, **changes):
     config = run_config.complete(dict(SIZES, mode=mode, teacher_mode="self", **changes))
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    return step_batches_for(mode, config, pack_shapes.pack_shapes(config), encode, OPTIONS,
-                            SPECIAL, mesh, local_samples=2, local_rows=1, sample_offset=0)  # fmt: skip
+    return step_batches_for(
+        mode,
+        config,
+        pack_shapes.pack_shapes(config),
+        encode,
+        OPTIONS,
+        SPECIAL,
+        mesh,
+        local_samples=2,
+        local_rows=1,
+        sample_offset=0,
+    )
 
 
 def shapes_of(tree):

@@ -21,8 +21,9 @@ def test_the_shipped_stage1_model_is_what_its_manifest_says():
     it describes reads the VT image (with VT far above without)."""
     manifest = make_toy_stage1.read_manifest(tiny.STAGE1_MODEL)
     assert make_toy_stage1.file_hashes(tiny.STAGE1_MODEL) == manifest["sha256"]
-    assert {"ema.safetensors", "llm_config.json", "vit_config.json",
-            "tokenizer.json"} <= set(manifest["sha256"])  # fmt: skip
+    assert {"ema.safetensors", "llm_config.json", "vit_config.json", "tokenizer.json"} <= set(
+        manifest["sha256"]
+    )
     assert manifest["command"].startswith("python scripts/make_toy_stage1.py")
     assert re.fullmatch(r"[0-9a-f]{40}", manifest["commit"]), manifest["commit"]
     accuracy = manifest["heldout_accuracy_fp32_checkpoint"]
@@ -39,29 +40,51 @@ def test_chance_accuracy_is_known_only_for_uniform_answers():
 def test_tiny_config_starts_from_stage1_evaluates_and_summarises(tmp_path):
     # A small toy data set written first (train.py reuses it): writing the default 4096 rows
     # is not what this test is about.
-    toy_data.write_toy_data(str(tmp_path / "toy" / "data"), seed=0, num_train=320, num_test=64,
-                            tasks=["toy_majority"])  # fmt: skip
-    command = [sys.executable, "train.py", "--config", "configs/tiny.py",
-               f"--config.results_dir={tmp_path}", "--config.total_steps=4",
-               "--config.eval_every=2", "--config.eval_samples_per_dataset=16",
-               "--config.eval_batch_size=16", "--config.warmup_steps=1", "--config.log_every=1"]  # fmt: skip
-    result = subprocess.run(command, cwd=make_toy_stage1.ROOT, env=subprocess_env(1),
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    toy_data.write_toy_data(
+        str(tmp_path / "toy" / "data"), seed=0, num_train=320, num_test=64, tasks=["toy_majority"]
+    )
+    command = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny.py",
+        f"--config.results_dir={tmp_path}",
+        "--config.total_steps=4",
+        "--config.eval_every=2",
+        "--config.eval_samples_per_dataset=16",
+        "--config.eval_batch_size=16",
+        "--config.warmup_steps=1",
+        "--config.log_every=1",
+    ]
+    result = subprocess.run(
+        command,
+        cwd=make_toy_stage1.ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = result.stdout
     assert result.returncode == 0, out[-4000:] + result.stderr[-4000:]
     assert f"model {tiny.STAGE1_MODEL}:" in out
     for step in (0, 2, 4):
         for context in (r"student context \(without VT\)", r"teacher context \(with VT\)"):
-            assert re.search(rf"\[step {step}\] held-out accuracy, {context}: \d+\.\d% of 16 "
-                             rf"samples", out), out[-3000:]  # fmt: skip
+            assert re.search(
+                rf"\[step {step}\] held-out accuracy, {context}: \d+\.\d% of 16 "
+                rf"samples",
+                out,
+            ), out[-3000:]
     # A sampled completion in the toy task's words, not byte noise.
     assert re.search(r"\[step \d\] completion: <think>Most dots are \w+\.</think><answer>", out)
-    table = out[out.index("held-out accuracy (16 samples, greedy, chance 25%):"):]
+    table = out[out.index("held-out accuracy (16 samples, greedy, chance 25%):") :]
     assert re.search(r"step \| +no VT \(student\) \| with VT \(teacher context\)", table)
     for step in (0, 2, 4):
         assert re.search(rf"\n +{step} \| +\d+\.\d% \| +\d+\.\d%\n", table), table[:600]
     assert re.search(r"no VT: \d+\.\d% at step 0 -> \d+\.\d% at step 4", table)
-    assert re.search(r"a held-out answer without VT \(step 4, (right|wrong); reference '\w+'\): "
-                     r"'.*<answer>", table)  # fmt: skip
+    assert re.search(
+        r"a held-out answer without VT \(step 4, (right|wrong); reference '\w+'\): "
+        r"'.*<answer>",
+        table,
+    )
     assert (tmp_path / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert table.index("summary.png") < table.index("next:")

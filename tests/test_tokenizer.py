@@ -135,6 +135,7 @@ def test_importing_the_tokenizer_without_pytorch_prints_nothing():
     code = "import sys; sys.modules['torch'] = None; import opsd_jax.io.tokenizer"  # torch hidden
     root = pathlib.Path(__file__).resolve().parents[1]
     env = {k: v for k, v in subprocess_env(1).items() if not k.startswith("TRANSFORMERS_")}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stderr == "" and result.stdout == "", result.stderr

@@ -12,10 +12,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_quick_toy_experiment_writes_table_plot_and_checkpoints(tmp_path):
     env = subprocess_env(1)  # one CPU device, as the experiment's train.py runs use
-    command = [sys.executable, "scripts/toy_experiment.py", "--quick", "--seed", "0",
-               "--out", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600, check=False)  # fmt: skip
+    command = [
+        sys.executable,
+        "scripts/toy_experiment.py",
+        "--quick",
+        "--seed",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for stage, step in (("sft", 3), ("opsd", 2), ("control", 2)):
         assert (tmp_path / stage / "checkpoints" / str(step) / "commit_success.txt").exists()

@@ -23,18 +23,37 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def train_command(*overrides):
-    return [sys.executable, "train.py", "--config", "configs/smoke.py",
-            "--config.progress_bar=False", *overrides]  # fmt: skip
+    return [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/smoke.py",
+        "--config.progress_bar=False",
+        *overrides,
+    ]
 
 
 def run_train(*overrides, timeout=600, log_compiles=False, env=None):
     env = env or subprocess_env(1)  # one CPU device, as on a user's laptop
     if log_compiles:  # jax logs every compilation (stderr), merged in order with the console
         env.update(JAX_LOG_COMPILES="1", PYTHONUNBUFFERED="1")
-        return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)  # fmt: skip
-    return subprocess.run(train_command(*overrides), cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            train_command(*overrides),
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
+    return subprocess.run(
+        train_command(*overrides),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_corrupted_toy_data(data_dir, seed=0):
@@ -66,9 +85,14 @@ def write_corrupted_toy_data(data_dir, seed=0):
 
 
 # Shared by the tests below: 6 steps in one uninterrupted run, a checkpoint after every step.
-COMMON = ["--config.total_steps=6", "--config.save_every=1", "--config.log_every=1",
-          "--config.max_checkpoints=2", "--config.lr_scheduler=constant",
-          "--config.warmup_steps=0"]  # fmt: skip
+COMMON = [
+    "--config.total_steps=6",
+    "--config.save_every=1",
+    "--config.log_every=1",
+    "--config.max_checkpoints=2",
+    "--config.lr_scheduler=constant",
+    "--config.warmup_steps=0",
+]
 
 
 def reference_args(results_dir, *overrides):
@@ -92,8 +116,12 @@ def straight(tmp_path_factory):
     write_corrupted_toy_data(root / "toy" / "data")
     # Held-out evaluation at the last step (greedy, 2 samples per dataset): it reads the params
     # only, so the run stays the reference of the resumed runs below.
-    result = run_train(*reference_args(root), "--config.eval_every=6",
-                       "--config.eval_samples_per_dataset=2", log_compiles=True)  # fmt: skip
+    result = run_train(
+        *reference_args(root),
+        "--config.eval_every=6",
+        "--config.eval_samples_per_dataset=2",
+        log_compiles=True,
+    )
     return root, result
 
 
@@ -118,17 +146,21 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
     assert not (root / "run.lock").exists()  # the run gave its directory back
     # The held-out accuracy is on the console, and the run ends with what to run next.
-    assert re.search(r"\[step 6\] held-out accuracy, student context \(without VT\): "
-                     r"\d+\.\d% of 4 samples \(toy_maze \d", result.stdout), result.stdout[-3000:]
+    assert re.search(
+        r"\[step 6\] held-out accuracy, student context \(without VT\): "
+        r"\d+\.\d% of 4 samples \(toy_maze \d",
+        result.stdout,
+    ), result.stdout[-3000:]
     assert (root / "eval" / "step6_student_summary.json").is_file()
     assert (root / "eval" / "step0_student_summary.json").is_file()
     # The end-of-run summary: both evaluations in the table, the change, the plot.
-    table = result.stdout[result.stdout.index("held-out accuracy (4 samples, greedy"):]
+    table = result.stdout[result.stdout.index("held-out accuracy (4 samples, greedy") :]
     assert re.search(r"\n\s+0 \|\s+\d+\.\d%\n\s+6 \|\s+\d+\.\d%\n", table), table[:800]
-    assert re.search(r"no VT: \d+\.\d% at step 0 -> \d+\.\d% at step 6 \([+-]\d+\.\d points",
-                     table), table[:800]  # fmt: skip
+    assert re.search(
+        r"no VT: \d+\.\d% at step 0 -> \d+\.\d% at step 6 \([+-]\d+\.\d points", table
+    ), table[:800]
     assert (root / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    tail = result.stdout[result.stdout.index("next:"):]
+    tail = result.stdout[result.stdout.index("next:") :]
     assert f"python scripts/evaluate.py --checkpoint {root}" in tail
     assert f"python scripts/plot_run.py {root}" in tail
     assert f"python scripts/convert_hf.py jax-to-hf --ckpt {root / 'checkpoints'}" in tail
@@ -151,8 +183,7 @@ def fake_wandb_env(tmp_path):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(FAKE_WANDB)
     env = subprocess_env(1)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent),
-                                                      env.get("PYTHONPATH")]))  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent), env.get("PYTHONPATH")]))
     env["FAKE_WANDB_LOG"] = str(tmp_path / "wandb_inits.jsonl")
     return env, tmp_path / "wandb_inits.jsonl"
 
@@ -167,13 +198,19 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step 1/6"))
     announced = [i for i, line in enumerate(lines) if line.startswith("compiling the train step")]
     assert len(announced) == 1 and announced[0] < first_step, result.stdout[-6000:]
-    assert re.match(r"compiling the train step for 2 x 1 rows x \(student 512 tokens / 128 "
-                    r"patches, teacher 1024 tokens / 256 patches\), 64 loss entries per row: "
-                    r"[\d.]+ s", lines[announced[0]]), lines[announced[0]]  # fmt: skip
+    assert re.match(
+        r"compiling the train step for 2 x 1 rows x \(student 512 tokens / 128 "
+        r"patches, teacher 1024 tokens / 256 patches\), 64 loss entries per row: "
+        r"[\d.]+ s",
+        lines[announced[0]],
+    ), lines[announced[0]]
     compiled = [line for line in lines if "Compiling jit(train_step)" in line]
     assert len(compiled) == 1, compiled
-    later = [re.search(r"Compiling (\S+)", line).group(1) for line in lines[first_step:]
-             if "Compiling " in line]  # fmt: skip
+    later = [
+        re.search(r"Compiling (\S+)", line).group(1)
+        for line in lines[first_step:]
+        if "Compiling " in line
+    ]
     # The sampler, for a prompt length it has not met (and the held-out evaluation's greedy
     # rounds, with its sampling key folded once): no training program.
     sampling = ("jit(prefill_rows)", "jit(decode_round)", "jit(_threefry_fold_in)")
@@ -188,20 +225,27 @@ def test_a_second_identical_run_compiles_nothing_the_first_compiled(straight, tm
     cache, lines = tmp_path / "cache", []
     for name in ("first", "second"):
         shutil.copytree(root / "toy", tmp_path / name / "toy")
-        run = run_train(f"--config.results_dir={tmp_path / name}", "--config.total_steps=2",
-                        f"--config.compilation_cache_dir={cache}")  # fmt: skip
+        run = run_train(
+            f"--config.results_dir={tmp_path / name}",
+            "--config.total_steps=2",
+            f"--config.compilation_cache_dir={cache}",
+        )
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert f"compilation cache: {cache}" in run.stdout
-        counts = re.search(rf"compilation cache {re.escape(str(cache))}: (\d+) programs read "
-                           r"from it, (\d+) compiled and written", run.stdout)  # fmt: skip
+        counts = re.search(
+            rf"compilation cache {re.escape(str(cache))}: (\d+) programs read "
+            r"from it, (\d+) compiled and written",
+            run.stdout,
+        )
         assert counts, run.stdout[-3000:]
         lines.append((run.stdout, int(counts.group(1)), int(counts.group(2))))
     (_, first_read, first_compiled), (second_out, second_read, second_compiled) = lines
     # (The first run may read back what it wrote itself: a program met twice in one run.)
     assert first_compiled >= 3  # train step, decode copy, sampler rounds, ...
     assert second_compiled == 0 and second_read == first_read + first_compiled, lines[1][1:]
-    assert re.search(r"compiling the train step .* s \(read from the compilation cache\)",
-                     second_out), second_out[-3000:]  # fmt: skip
+    assert re.search(
+        r"compiling the train step .* s \(read from the compilation cache\)", second_out
+    ), second_out[-3000:]
 
 
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
@@ -216,8 +260,9 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     env = dict(wandb_env, PYTHONUNBUFFERED="1")
     wandb_args = ("--config.wandb_project=opsd",)
     command = train_command(*reference_args(tmp_path, "--config.save_every=1000", *wandb_args))
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     output = []
     for line in process.stdout:
         output.append(line)
@@ -256,9 +301,13 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
     shutil.copytree(root / "toy", tmp_path / "toy")
     checkpoints = tmp_path / "checkpoints"
     launches = crash_drill.kill_and_resume(
-        train_command(*reference_args(tmp_path)), cwd=str(ROOT), env=subprocess_env(1),
-        checkpoint_dir=str(checkpoints), kills=5, rng=random.Random(0),
-    )  # fmt: skip
+        train_command(*reference_args(tmp_path)),
+        cwd=str(ROOT),
+        env=subprocess_env(1),
+        checkpoint_dir=str(checkpoints),
+        kills=5,
+        rng=random.Random(0),
+    )
     assert [x.kill for x in launches].count("save") == 3
     assert [x.kill for x in launches].count("startup") == 2
     # At least one kill left the step it was saving half-written, and no launch resumed from
@@ -277,8 +326,12 @@ def test_train_refuses_a_teacher_change_on_resume_before_any_compute(straight, t
     assert result.returncode == 0
     shutil.copytree(root / "toy", tmp_path / "toy")
     shutil.copytree(root / "checkpoints", tmp_path / "checkpoints")
-    refused = run_train(f"--config.results_dir={tmp_path}", "--config.total_steps=7",
-                        "--config.teacher_mode=fixed", timeout=300)  # fmt: skip
+    refused = run_train(
+        f"--config.results_dir={tmp_path}",
+        "--config.total_steps=7",
+        "--config.teacher_mode=fixed",
+        timeout=300,
+    )
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert "teacher_mode: 'ema' -> 'fixed'" in refused.stderr
     assert "allow_config_change=True" in refused.stderr and "Traceback" not in refused.stderr
@@ -294,10 +347,21 @@ def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_pat
     assert result.returncode == 0
     image = tmp_path / "picture.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8)).save(image)
-    command = [sys.executable, "scripts/generate.py", "--checkpoint", str(root), "--image",
-               str(image), "--question", "Which way out?", "--max_new_tokens", "6"]  # fmt: skip
-    run = subprocess.run(command, cwd=ROOT, env=subprocess_env(1), capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
+    command = [
+        sys.executable,
+        "scripts/generate.py",
+        "--checkpoint",
+        str(root),
+        "--image",
+        str(image),
+        "--question",
+        "Which way out?",
+        "--max_new_tokens",
+        "6",
+    ]
+    run = subprocess.run(
+        command, cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"model: params of {root / 'checkpoints' / '6'} on " in run.stderr, run.stderr
     summary = re.search(r"^answer: .*; (\d+) tokens, (\d+) round\(s\), ", run.stderr, re.M)
@@ -311,26 +375,46 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     exceed max_consecutive_bad_steps=2, so the run saves and stops with an error naming the
     last good step, whose state the saved checkpoint holds."""
     env = dict(subprocess_env(1), OPSD_INJECT="2:grads,4:loss,5:loss,6:loss")
-    command = [sys.executable, "tests/train_with_injected_nans.py", *train_command(
-        f"--config.results_dir={tmp_path}", "--config.total_steps=8", "--config.save_every=1",
-        "--config.max_checkpoints=10", "--config.log_every=1",
-        "--config.max_consecutive_bad_steps=2")[2:]]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)  # fmt: skip
+    command = [
+        sys.executable,
+        "tests/train_with_injected_nans.py",
+        *train_command(
+            f"--config.results_dir={tmp_path}",
+            "--config.total_steps=8",
+            "--config.save_every=1",
+            "--config.max_checkpoints=10",
+            "--config.log_every=1",
+            "--config.max_consecutive_bad_steps=2",
+        )[2:],
+    ]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert re.findall(r"\[inject\] step (\d+): (\w+)", output) == [
-        ("2", "grads"), ("4", "loss"), ("5", "loss"), ("6", "loss")]  # fmt: skip
-    assert ("3 consecutive steps with a non-finite loss or gradient (limit "
-            "max_consecutive_bad_steps=2)") in output, output[-3000:]  # fmt: skip
+        ("2", "grads"),
+        ("4", "loss"),
+        ("5", "loss"),
+        ("6", "loss"),
+    ]
+    assert (
+        "3 consecutive steps with a non-finite loss or gradient (limit max_consecutive_bad_steps=2)"
+    ) in output, output[-3000:]
     assert "Saved step 6" in output and "those after step 3, the last good step" in output
-    assert re.search(r"step 2: non-finite loss or gradient, update skipped \(1 in a row\); "
-                     r"samples \['\w+", output), output[-3000:]  # fmt: skip
+    assert re.search(
+        r"step 2: non-finite loss or gradient, update skipped \(1 in a row\); "
+        r"samples \['\w+",
+        output,
+    ), output[-3000:]
     assert "step 6: non-finite loss or gradient, update skipped (3 in a row)" in output
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["nonfinite"]) for r in records] == [
-        (1, 0.0), (2, 1.0), (3, 0.0), (4, 1.0), (5, 1.0)]  # fmt: skip
+        (1, 0.0),
+        (2, 1.0),
+        (3, 0.0),
+        (4, 1.0),
+        (5, 1.0),
+    ]
     checkpoints = tmp_path / "checkpoints"
     assert sorted(int(p.name) for p in checkpoints.iterdir()) == [1, 2, 3, 4, 5, 6]
     saved = crash_drill.saved_arrays
@@ -346,8 +430,12 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
 
 
 def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.lr_schedular=cosine",
-                       "--config.nonexistent_key=1", "--config.data.image_transform.max_sise=3")  # fmt: skip
+    result = run_train(
+        f"--config.results_dir={tmp_path}",
+        "--config.lr_schedular=cosine",
+        "--config.nonexistent_key=1",
+        "--config.data.image_transform.max_sise=3",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
@@ -358,17 +446,27 @@ def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
         "  --config.data.image_transform.max_sise: no such key; did you mean "
         "data.image_transform.max_size, data.image_transform.max_pixels, "
         "data.image_transform.min_size?",
-    ]  # fmt: skip
+    ]
     assert not (tmp_path / "checkpoints").exists()
-    missing = subprocess.run([sys.executable, "train.py", "--config", "configs/nope.py"], cwd=ROOT,
-                             env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    missing = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/nope.py"],
+        cwd=ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert missing.returncode == 2
     assert missing.stderr == "train.py: --config configs/nope.py: no such file\n"
 
 
 def test_bad_values_are_all_named_before_any_compute(tmp_path):
-    result = run_train(f"--config.results_dir={tmp_path}", "--config.teacher_mode=mentor",
-                       "--config.jsd_beta=2.0", "--config.model_path=/nonexistent")  # fmt: skip
+    result = run_train(
+        f"--config.results_dir={tmp_path}",
+        "--config.teacher_mode=mentor",
+        "--config.jsd_beta=2.0",
+        "--config.model_path=/nonexistent",
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
@@ -405,8 +503,11 @@ def _valid_config(tmp_path):
         ("rows_per_micro_batch", 3, "rows_per_micro_batch=3 exceeds samples_per_micro_batch=2"),
         ("model_path", "/nonexistent/model", "model_path='/nonexistent/model': not a directory"),
         ("compute_dtype", "fp8", "compute_dtype='fp8'"),
-        ("sampler_layout", "fsdp", "sampler_layout='fsdp': allowed values are 'replicated', "
-         "'tensor'"),
+        (
+            "sampler_layout",
+            "fsdp",
+            "sampler_layout='fsdp': allowed values are 'replicated', 'tensor'",
+        ),
         ("sample_prompt_buckets", (512, 256), "sample_prompt_buckets=(512, 256): must be"),
         ("sample_prompt_buckets", (), "sample_prompt_buckets=(): must be"),
     ],
@@ -461,7 +562,9 @@ def test_a_broken_data_file_is_one_error_naming_it_before_any_compute(tmp_path, 
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     last = [line for line in result.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("train.py: ") and str(path) in last, result.stderr[-2000:]
-    assert ("not a readable parquet file" if damage == "corrupt" else "no column 'question'") in last
+    assert (
+        "not a readable parquet file" if damage == "corrupt" else "no column 'question'"
+    ) in last
     assert "Traceback" not in result.stderr and not (tmp_path / "checkpoints").exists()
 
 
@@ -499,28 +602,45 @@ def test_a_truncated_model_file_is_one_error_line(toy_model, tmp_path):
     """train.py and convert_hf.py on an HF directory whose weight file was cut short: one
     `error:` line naming the file, no traceback (nor orbax's at shutdown), nothing written."""
     model = damaged_copy(toy_model, tmp_path, "truncated")
-    result = run_train(f"--config.results_dir={tmp_path / 'run'}", f"--config.model_path={model}",
-                       timeout=300)  # fmt: skip
+    result = run_train(
+        f"--config.results_dir={tmp_path / 'run'}", f"--config.model_path={model}", timeout=300
+    )
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"train.py: error: {model}/ema.safetensors" in result.stderr
     assert "truncated" in result.stderr
     convert = subprocess.run(
-        [sys.executable, "scripts/convert_hf.py", "hf-to-jax", "--hf_dir", str(model), "--out",
-         str(tmp_path / "converted")], cwd=ROOT, env=subprocess_env(1), capture_output=True,
-        text=True, timeout=300)  # fmt: skip
+        [
+            sys.executable,
+            "scripts/convert_hf.py",
+            "hf-to-jax",
+            "--hf_dir",
+            str(model),
+            "--out",
+            str(tmp_path / "converted"),
+        ],
+        cwd=ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert convert.returncode == 1 and "Traceback" not in convert.stderr, convert.stderr[-3000:]
     assert f"error: {model}/ema.safetensors" in convert.stderr
     assert not (tmp_path / "converted").exists()
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("no_tokenizer", "no tokenizer files"),
-    ("missing_tensor", "connector.fc1.bias"),
-    ("misshaped_tensor", "connector.fc1.bias"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("no_tokenizer", "no tokenizer files"),
+        ("missing_tensor", "connector.fc1.bias"),
+        ("misshaped_tensor", "connector.fc1.bias"),
+    ],
+)
 def test_other_broken_model_directories_raise_what_train_prints_as_one_line(
-        toy_model, tmp_path, damage, message):  # fmt: skip
+    toy_model, tmp_path, damage, message
+):
     """The loader's error for each damage is one of the errors train.py and convert_hf.py print
     as one line (the truncated case above runs them end to end), and names the directory."""
     import train
@@ -542,17 +662,30 @@ def test_an_unwritable_results_dir_and_a_broken_config_file_are_one_line(tmp_pat
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert f"cannot create the run directory {blocker / 'run'}" in result.stderr
     config = tmp_path / "broken.py"
-    config.write_text("from configs import smoke\n\ndef get_config()\n    return smoke.get_config()\n")
-    result = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT,
-                            env=subprocess_env(1), capture_output=True, text=True, timeout=300)  # fmt: skip
+    config.write_text(
+        "from configs import smoke\n\ndef get_config()\n    return smoke.get_config()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "train.py", "--config", str(config)],
+        cwd=ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.strip() == f"train.py: --config {config}:3: expected ':'"
 
 
 def test_ctrl_c_during_the_first_compile_is_one_line_and_exit_130(tmp_path):
-    process = subprocess.Popen(train_command(f"--config.results_dir={tmp_path}"), cwd=ROOT,
-                               env=dict(subprocess_env(1), PYTHONUNBUFFERED="1"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        train_command(f"--config.results_dir={tmp_path}"),
+        cwd=ROOT,
+        env=dict(subprocess_env(1), PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in process.stdout:
         if line.startswith("model "):  # loaded: the train step's compile comes next
             process.send_signal(signal.SIGINT)
@@ -594,18 +727,40 @@ def test_shipped_configs_load_and_the_paper_recipe_is_exact(tmp_path):
 
     paper = thinkmorph_7b.get_config()
     # opsd_loss_spec.md §b.1 (Visual-OPSD paper, Appendix C).
-    expected = dict(teacher_mode="ema", ema_decay=0.995, jsd_beta=0.5, jsd_temperature=1.0,
-                    jsd_top_k=256, jsd_token_clip=0.05, ce_weight=0.0, jsd_weight=1.0,
-                    sample_max_new_tokens=1024, sample_max_image_skips=1, max_forward_tokens=10240,
-                    lr=1e-5, min_lr=1e-7, warmup_steps=200, lr_scheduler="cosine", beta1=0.9,
-                    beta2=0.95, eps=1e-15, max_grad_norm=1.0, gradient_accumulation_steps=2,
-                    total_steps=1000, save_every=500)  # fmt: skip
+    expected = dict(
+        teacher_mode="ema",
+        ema_decay=0.995,
+        jsd_beta=0.5,
+        jsd_temperature=1.0,
+        jsd_top_k=256,
+        jsd_token_clip=0.05,
+        ce_weight=0.0,
+        jsd_weight=1.0,
+        sample_max_new_tokens=1024,
+        sample_max_image_skips=1,
+        max_forward_tokens=10240,
+        lr=1e-5,
+        min_lr=1e-7,
+        warmup_steps=200,
+        lr_scheduler="cosine",
+        beta1=0.9,
+        beta2=0.95,
+        eps=1e-15,
+        max_grad_norm=1.0,
+        gradient_accumulation_steps=2,
+        total_steps=1000,
+        save_every=500,
+    )
     assert {k: paper[k] for k in expected} == expected
     assert [(d["name"], d["num_used_data"]) for d in paper.data.datasets] == [
-        ("Visual_Search", 6990), ("Spatial_Navigation", 6000), ("Jigsaw_Assembly", 6000),
-        ("Chart_Refocus", 6000)]  # fmt: skip
-    assert dict(paper.data.image_transform) == dict(max_size=980, min_size=378, stride=14,
-                                                    max_pixels=2_007_040)  # fmt: skip
+        ("Visual_Search", 6990),
+        ("Spatial_Navigation", 6000),
+        ("Jigsaw_Assembly", 6000),
+        ("Chart_Refocus", 6000),
+    ]
+    assert dict(paper.data.image_transform) == dict(
+        max_size=980, min_size=378, stride=14, max_pixels=2_007_040
+    )
     with paper.unlocked():
         paper.model_path = str(tmp_path)
         paper.data_root = str(tmp_path)

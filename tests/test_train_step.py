@@ -22,8 +22,9 @@ OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", trans
 
 
 def optim_config(**changes):
-    values = dict(lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant",
-                  eps=1e-8)  # fmt: skip
+    values = dict(
+        lr=3e-3, min_lr=1e-5, warmup_steps=0, total_steps=50, lr_scheduler="constant", eps=1e-8
+    )
     return run_config.complete(dict(values, **changes))
 
 
@@ -36,8 +37,9 @@ def split_model():
 
 
 def packs_for(samples, completions, num_rows=1):
-    return build_training_packs(samples, completions, encode, OPTIONS, SPECIAL, num_rows=num_rows,
-                                max_forward_tokens=256)  # fmt: skip
+    return build_training_packs(
+        samples, completions, encode, OPTIONS, SPECIAL, num_rows=num_rows, max_forward_tokens=256
+    )
 
 
 SAMPLES = [sample("a"), sample("b", "qq", vts=((1, 2),)), sample("c", "qqq"), sample("d")]
@@ -54,9 +56,11 @@ def test_loss_falls_on_a_repeated_batch(split_model, mode):
         leaves, tree = jax.tree.flatten(params)
         keys = jax.random.split(jax.random.key(1), len(leaves))
         student = jax.tree.unflatten(
-            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])  # fmt: skip
-    state = train_step.init_state(student, optimizer, mode, jax.random.key(0),
-                                  teacher_source=jax.tree.map(jnp.copy, params))  # fmt: skip
+            tree, [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+        )
+    state = train_step.init_state(
+        student, optimizer, mode, jax.random.key(0), teacher_source=jax.tree.map(jnp.copy, params)
+    )
     settings = builders.loss_settings(num_samples=2, jsd_top_k=0, jsd_token_clip=0.0)
     grad_step = train_step.make_grad_step(graphdef, rest, settings, mode)
     apply_update = train_step.make_apply_update(optimizer, mode, ema_decay=0.5)
@@ -113,7 +117,8 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     def one_step(params, student, teacher):
         state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))
         grads, metrics = train_step.make_grad_step(graphdef, rest, settings, "ema")(
-            state.params, state.teacher_params, student, teacher)  # fmt: skip
+            state.params, state.teacher_params, student, teacher
+        )
         grads_copy = jax.tree.map(jnp.copy, grads)
         state, _ = train_step.make_apply_update(optimizer, "ema", 0.9)(state, grads, 1)
         return state, metrics, grads_copy
@@ -134,8 +139,12 @@ def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     # log-probabilities of magnitude ~log(vocab), whose fp32 round-off (not the loss's own size)
     # sets what another reduction order may change: one ulp of such a log-probability.
     vocab = params["language_model"]["embed_tokens"][...].shape[0]
-    assert_close_to_scale(float(metrics["loss"]), float(ref_metrics["loss"]),
-                          rel=float(np.finfo(np.float32).eps), scale=np.log(vocab))  # fmt: skip
+    assert_close_to_scale(
+        float(metrics["loss"]),
+        float(ref_metrics["loss"]),
+        rel=float(np.finfo(np.float32).eps),
+        scale=np.log(vocab),
+    )
     assert_trees_close_to_scale(grads, ref_grads, rel=1e-4)
     # Adam divides by sqrt(v): for gradients near zero it turns round-off into a visible
     # fraction of lr, so the updated params get a tolerance relative to lr (3e-3).
@@ -149,18 +158,25 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
     packs = packs_for(SAMPLES[:2], COMPLETIONS[:2])
     vocab = int(packs.student.loss_targets.max()) + 1
     keys = jax.random.split(jax.random.key(3))
-    student, teacher = (jax.random.normal(k, packs.student.loss_targets.shape + (vocab,))
-                        for k in keys)  # fmt: skip
+    student, teacher = (
+        jax.random.normal(k, packs.student.loss_targets.shape + (vocab,)) for k in keys
+    )
     settings = builders.loss_settings(jsd_loss_kind="tinker", num_samples=2)
     loss, metrics = train_step.completion_loss(student, teacher, packs.student, settings)
     _, diag = train_step.losses.tinker_loss(
-        student, teacher, packs.student.loss_targets, packs.student.loss_mask,
-        sample_ids=packs.student.loss_sample, num_samples=2)  # fmt: skip
+        student,
+        teacher,
+        packs.student.loss_targets,
+        packs.student.loss_mask,
+        sample_ids=packs.student.loss_sample,
+        num_samples=2,
+    )
     assert float(metrics["tinker_k1"]) == float(metrics["jsd"]) == float(loss)
     assert float(metrics["tinker_surrogate"]) == float(diag["pytorch_surrogate"])
     assert float(metrics["tinker_surrogate"]) != float(loss)
-    jsd_metrics = train_step.completion_loss(student, teacher, packs.student,
-                                             builders.loss_settings(num_samples=2))[1]  # fmt: skip
+    jsd_metrics = train_step.completion_loss(
+        student, teacher, packs.student, builders.loss_settings(num_samples=2)
+    )[1]
     assert not {"tinker_k1", "tinker_surrogate"} & set(jsd_metrics)
 
 
@@ -173,8 +189,16 @@ SHAPES = {"student": [PackShape(64, 16, 16)], "teacher": [PackShape(128, 16, 16)
 
 
 def fixed_packs(samples, completions):
-    packs = build_training_packs(samples, completions, encode, OPTIONS, SPECIAL, num_rows=1,
-                                 max_forward_tokens=256, shapes=SHAPES)  # fmt: skip
+    packs = build_training_packs(
+        samples,
+        completions,
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        shapes=SHAPES,
+    )
     return packs.student, packs.teacher
 
 
@@ -186,11 +210,17 @@ def make_step(split_model, config, mode="ema", num_samples=2, **kwargs):
         graphdef, rest, builders.loss_settings(num_samples=num_samples), mode
     )
     step = train_step.make_train_step(
-        loss_fn, optimizer, teacher_mode=mode, ema_decay=0.5, frozen=frozen,
-        schedule=train_step.learning_rate_schedule(config), **kwargs,
-    )  # fmt: skip
-    state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, mode,
-                                  jax.random.key(0), frozen=frozen)  # fmt: skip
+        loss_fn,
+        optimizer,
+        teacher_mode=mode,
+        ema_decay=0.5,
+        frozen=frozen,
+        schedule=train_step.learning_rate_schedule(config),
+        **kwargs,
+    )
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, mode, jax.random.key(0), frozen=frozen
+    )
     return step, state, optimizer, loss_fn
 
 
@@ -201,26 +231,31 @@ def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(sp
     config = optim_config()
     step, state, optimizer, _ = make_step(split_model, config)
     micro = [fixed_packs(SAMPLES[:2], COMPLETIONS[:2]), fixed_packs(SAMPLES[2:], COMPLETIONS[2:])]
-    grad_step = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2),
-                                          "ema")  # fmt: skip
-    ref_state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "ema",
-                                      jax.random.key(0))  # fmt: skip
+    grad_step = train_step.make_grad_step(
+        graphdef, rest, builders.loss_settings(num_samples=2), "ema"
+    )
+    ref_state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, "ema", jax.random.key(0)
+    )
     grads = [grad_step(ref_state.params, ref_state.teacher_params, *p) for p in micro]
     summed = jax.tree.map(jnp.add, grads[0][0], grads[1][0])
     loss = (grads[0][1]["loss"] + grads[1][1]["loss"]) / 2
     ref_state, ref_metrics = train_step.make_apply_update(optimizer, "ema", 0.5)(
-        ref_state, summed, 2, loss)  # fmt: skip
+        ref_state, summed, 2, loss
+    )
 
     leaf = jax.tree.leaves(state.params)[0]
     state, metrics = step(state, stacked(*micro))
     assert leaf.is_deleted()  # donated
     np.testing.assert_allclose(float(metrics["loss"]), float(loss), rtol=1e-6)
-    np.testing.assert_allclose(float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]),
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        float(metrics["grad_norm"]), float(ref_metrics["grad_norm"]), rtol=1e-5
+    )
     assert int(state.step) == 1 and float(metrics["nonfinite"]) == 0.0
-    for a, b in zip(jax.tree.leaves((state.params, state.teacher_params, state.opt_state)),
-                    jax.tree.leaves((ref_state.params, ref_state.teacher_params,
-                                     ref_state.opt_state))):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves((state.params, state.teacher_params, state.opt_state)),
+        jax.tree.leaves((ref_state.params, ref_state.teacher_params, ref_state.opt_state)),
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
@@ -239,19 +274,25 @@ def test_frozen_vit_is_not_differentiated_and_stays_bit_identical(split_model):
     vit_before = jax.tree.map(np.asarray, state.params["vit_model"])
     llm_before = jax.tree.map(np.asarray, state.params["language_model"])
     one = [jax.tree.map(lambda x: x[0], packs) for packs in micro]
-    grad_step = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2),
-                                          "self")  # fmt: skip
+    grad_step = train_step.make_grad_step(
+        graphdef, rest, builders.loss_settings(num_samples=2), "self"
+    )
     grads, _ = grad_step(state.params, None, *one)
     trained = train_step.split_params(grads, ("vit_model",))[0]
     for _ in range(2):
         state, metrics = step(state, micro)
         if _ == 0:
-            np.testing.assert_allclose(float(metrics["grad_norm"]),
-                                       float(optax.tree.norm(trained)), rtol=1e-5)  # fmt: skip
+            np.testing.assert_allclose(
+                float(metrics["grad_norm"]), float(optax.tree.norm(trained)), rtol=1e-5
+            )
     for a, b in zip(jax.tree.leaves(vit_before), jax.tree.leaves(state.params["vit_model"])):
         np.testing.assert_array_equal(a, np.asarray(b))
-    assert any(not np.array_equal(a, np.asarray(b)) for a, b in
-               zip(jax.tree.leaves(llm_before), jax.tree.leaves(state.params["language_model"])))  # fmt: skip
+    assert any(
+        not np.array_equal(a, np.asarray(b))
+        for a, b in zip(
+            jax.tree.leaves(llm_before), jax.tree.leaves(state.params["language_model"])
+        )
+    )
     # No optimizer moments are kept for the frozen group.
     moments = sum(x.size for x in jax.tree.leaves(state.opt_state))
     trainable = sum(x.size for x in jax.tree.leaves(state.params["language_model"]))
@@ -270,8 +311,9 @@ def test_freeze_und_trains_lm_head_alone(split_model):
     flat = {path for path, _ in nnx.to_flat_state(nnx.State(trainable))}
     assert {tuple(p[:2]) for p in flat} == {("language_model", "lm_head")}, flat
     optimizer = train_step.make_optimizer(config)
-    state = train_step.init_state(jax.tree.map(jnp.copy, params), optimizer, "self",
-                                  jax.random.key(0), frozen=frozen)  # fmt: skip
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, "self", jax.random.key(0), frozen=frozen
+    )
     before = {path: np.asarray(v.get_value()) for path, v in nnx.to_flat_state(state.params)}
     grads = jax.tree.map(jnp.ones_like, trainable)
     state, _ = train_step.make_apply_update(optimizer, "self", 0.0, frozen)(state, grads, 1)
@@ -299,8 +341,9 @@ def test_logged_lr_is_the_applied_one_and_bad_steps_halt_the_state(split_model):
     assert [s for s, _, _ in logged] == [1, 2, 3, 4, 5, 5]  # the 6th: halted after 2 in a row
     assert [n for _, n, _ in logged] == [0, 1, 0, 1, 1, 0]
     # Updates applied: steps 1 and 3 (counts 0, 1); the skipped ones log the next count's lr.
-    np.testing.assert_allclose([lr for _, _, lr in logged],
-                               [float(schedule(c)) for c in (0, 1, 1, 2, 2, 2)], rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        [lr for _, _, lr in logged], [float(schedule(c)) for c in (0, 1, 1, 2, 2, 2)], rtol=1e-6
+    )
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
         np.testing.assert_array_equal(a, np.asarray(b))  # the halted step moved nothing
 
@@ -326,8 +369,10 @@ def test_learning_rate_schedule_values():
 
 @pytest.mark.parametrize("poison", ["grad", "loss"])
 def test_nonfinite_step_leaves_params_optimizer_and_ema_untouched(poison):
-    params = {"language_model": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)},
-              "vit_model": {"b": jnp.ones(4)}}  # fmt: skip
+    params = {
+        "language_model": {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)},
+        "vit_model": {"b": jnp.ones(4)},
+    }
     optimizer = train_step.make_optimizer(optim_config())
     apply_update = train_step.make_apply_update(optimizer, "ema", ema_decay=0.5)
     state = train_step.init_state(params, optimizer, "ema", jax.random.key(0))

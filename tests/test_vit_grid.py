@@ -21,9 +21,10 @@ from opsd_jax.data.sources import RawSample
 from opsd_jax.io import hf_load
 from opsd_jax.toy import model as toy_model
 
-GRID8 = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none",
-                                  attention_backend="reference"),
-                         vit=dict(image_size=112))  # fmt: skip
+GRID8 = BagelConfig.tiny(
+    llm=dict(compute_dtype="float32", remat="none", attention_backend="reference"),
+    vit=dict(image_size=112),
+)
 TOY_TRANSFORM = ImageTransform(112, 56, 14)
 
 
@@ -56,8 +57,11 @@ def test_images_get_ids_on_the_models_grid_and_too_large_ones_are_named():
     np.testing.assert_array_equal(cols, np.tile(np.arange(6), 4))
     assert sample.vt_images[0].position_ids.max() == 63
     # A 196 px transform makes up to 14 patches per side: more than the grid of 8.
-    with pytest.raises(ValueError, match=r"a 200x150 image resized to 196x140 px is 14x10 "
-                                         r"patches .* grid of 8 per side .* max_size <= 112"):
+    with pytest.raises(
+        ValueError,
+        match=r"a 200x150 image resized to 196x140 px is 14x10 "
+        r"patches .* grid of 8 per side .* max_size <= 112",
+    ):
         prepare_vit_image(picture(200, 150), ImageTransform(196, 56, 14), max_patches_per_side=8)
 
 

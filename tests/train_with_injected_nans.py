@@ -52,10 +52,13 @@ _nan_gradient.defvjp(_nan_gradient_fwd, _nan_gradient_bwd)
 def _make_poisoned_train_step(loss_fn, optimizer, **kwargs):
     plan = _injections()
     if not plan:  # then this is plain train.py, and a test relying on it would prove nothing
-        raise SystemExit("OPSD_INJECT is empty: give the steps to poison, e.g. "
-                         "OPSD_INJECT='2:grads,4:loss'")  # fmt: skip
-    steps = {kind: jnp.array([s for s, k in plan.items() if k == kind] or [-1])
-             for kind in ("grads", "loss")}  # fmt: skip
+        raise SystemExit(
+            "OPSD_INJECT is empty: give the steps to poison, e.g. OPSD_INJECT='2:grads,4:loss'"
+        )
+    steps = {
+        kind: jnp.array([s for s, k in plan.items() if k == kind] or [-1])
+        for kind in ("grads", "loss")
+    }
     current = {}  # the step being traced (a tracer of the outer function below)
 
     def poisoned_loss(params, teacher_params, packs):

@@ -72,8 +72,10 @@ class DataConfig:
         transform = self.image_transform
         patch, grid = self.vit_patch_size, self.vit_max_patches_per_side
         if transform.stride % patch:
-            raise ValueError(f"data.image_transform.stride={transform.stride} is not a multiple "
-                             f"of the ViT's patch_size={patch}")  # fmt: skip
+            raise ValueError(
+                f"data.image_transform.stride={transform.stride} is not a multiple "
+                f"of the ViT's patch_size={patch}"
+            )
         if transform.max_size > grid * patch:
             # Resized sides reach max_size: more patches than position ids (an error per image).
             raise ValueError(
@@ -86,8 +88,9 @@ class DataConfig:
     def for_model(self, model_config) -> DataConfig:
         """This config with the ViT patch size and position grid of `model_config`, a BagelConfig."""
         grid = model_config.vit_max_num_patch_per_side
-        return dataclasses.replace(self, vit_patch_size=model_config.vit.patch_size,
-                                   vit_max_patches_per_side=grid)  # fmt: skip
+        return dataclasses.replace(
+            self, vit_patch_size=model_config.vit.patch_size, vit_max_patches_per_side=grid
+        )
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> DataConfig:

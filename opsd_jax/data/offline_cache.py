@@ -124,22 +124,34 @@ def prompt_settings(options: PromptOptions) -> dict:
         if not options.noise_vt:
             del fields["noise_seed"]  # only the noise images depend on it
         return dict(fields, target_format=TARGET_FORMATS["text_only"])
-    return dict(use_system_prompt=options.use_system_prompt,
-                system_prompt=options.system_prompt if options.use_system_prompt else "",
-                instruction_suffix=options.instruction_suffix,
-                max_reference_rounds=options.max_reference_rounds,
-                target_format=TARGET_FORMATS["interleaved"])  # fmt: skip
+    return dict(
+        use_system_prompt=options.use_system_prompt,
+        system_prompt=options.system_prompt if options.use_system_prompt else "",
+        instruction_suffix=options.instruction_suffix,
+        max_reference_rounds=options.max_reference_rounds,
+        target_format=TARGET_FORMATS["interleaved"],
+    )
 
 
-def make_manifest(model_config, tokenizer, options: PromptOptions, *, top_k: int,
-                  logprob_dtype: str, max_forward_tokens: int, data: dict | None = None,
-                  model_path: str = "") -> dict:  # fmt: skip
+def make_manifest(
+    model_config,
+    tokenizer,
+    options: PromptOptions,
+    *,
+    top_k: int,
+    logprob_dtype: str,
+    max_forward_tokens: int,
+    data: dict | None = None,
+    model_path: str = "",
+) -> dict:
     return {
         "format": CACHE_FORMAT,
         "model_config": model_fingerprint(model_config),
         "model_path": str(model_path),
-        "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer),
-                      "vocab_length": tokenizer.vocab_length},  # fmt: skip
+        "tokenizer": {
+            "sha256": tokenizer_fingerprint(tokenizer),
+            "vocab_length": tokenizer.vocab_length,
+        },
         "prompt": prompt_settings(options),
         "top_k": int(top_k),
         "logprob_dtype": logprob_dtype,
@@ -171,8 +183,10 @@ def write_json_atomic(path: str, value) -> None:
 def read_manifest(directory: str) -> dict:
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        raise CacheError(f"offline_cache_dir={directory!r}: no {MANIFEST} (make the cache with "
-                         "scripts/collect_traces.py)")  # fmt: skip
+        raise CacheError(
+            f"offline_cache_dir={directory!r}: no {MANIFEST} (make the cache with "
+            "scripts/collect_traces.py)"
+        )
     with open(path) as f:
         manifest = json.load(f)
     if manifest.get("format") != CACHE_FORMAT:
@@ -184,18 +198,23 @@ def check_manifest(directory: str, model_config, tokenizer, options: PromptOptio
     """The manifest of the cache in `directory`, refused unless it was made for this model
     config, tokenizer and prompt (one CacheError naming every difference)."""
     manifest = read_manifest(directory)
-    current = {"model_config": model_fingerprint(model_config),
-               "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer),
-                             "vocab_length": tokenizer.vocab_length},
-               "prompt": prompt_settings(options)}  # fmt: skip
+    current = {
+        "model_config": model_fingerprint(model_config),
+        "tokenizer": {
+            "sha256": tokenizer_fingerprint(tokenizer),
+            "vocab_length": tokenizer.vocab_length,
+        },
+        "prompt": prompt_settings(options),
+    }
     saved = {k: manifest.get(k) for k in current}
     saved["model_config"] = _architecture(saved["model_config"])
     problems = differences(saved, current)
     if problems:
-        raise CacheError(f"{os.path.join(directory, MANIFEST)} was made with another model config,"
-                         " tokenizer or prompt than this run; make a new cache (scripts/"
-                         "collect_traces.py) or use the matching config:\n  "
-                         + "\n  ".join(problems))  # fmt: skip
+        raise CacheError(
+            f"{os.path.join(directory, MANIFEST)} was made with another model config,"
+            " tokenizer or prompt than this run; make a new cache (scripts/"
+            "collect_traces.py) or use the matching config:\n  " + "\n  ".join(problems)
+        )
     return manifest
 
 
@@ -220,9 +239,15 @@ def _schema(logprob_dtype: str):
     import pyarrow as pa
 
     values = pa.float32() if logprob_dtype == "float32" else pa.uint16()
-    return pa.schema([("key", pa.string()), ("target_ids", pa.list_(pa.int32())),
-                      ("top_ids", pa.list_(pa.int32())), ("top_logprobs", pa.list_(values)),
-                      ("vt_weights", pa.list_(pa.float32()))])  # fmt: skip
+    return pa.schema(
+        [
+            ("key", pa.string()),
+            ("target_ids", pa.list_(pa.int32())),
+            ("top_ids", pa.list_(pa.int32())),
+            ("top_logprobs", pa.list_(values)),
+            ("vt_weights", pa.list_(pa.float32())),
+        ]
+    )
 
 
 def _encode_logprobs(values: np.ndarray, logprob_dtype: str) -> np.ndarray:
@@ -239,14 +264,23 @@ def _decode_logprobs(values: np.ndarray, logprob_dtype: str) -> np.ndarray:
 class ShardWriter:
     """Process `process`'s shards: buffered samples -> an atomically committed parquet shard."""
 
-    def __init__(self, directory: str, process: int, logprob_dtype: str, shard_samples: int,
-                 on_commit: Callable[[str], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        directory: str,
+        process: int,
+        logprob_dtype: str,
+        shard_samples: int,
+        on_commit: Callable[[str], None] | None = None,
+    ):
         self.directory, self.process = directory, process
         self.logprob_dtype, self.shard_samples = logprob_dtype, shard_samples
         self.on_commit = on_commit  # called between a shard's rename and its listing (tests)
         path = _progress_path(directory, process)
-        self.progress = (_read_progress(path) if os.path.exists(path) else
-                         {"process": process, "shards": [], "skipped": {}})  # fmt: skip
+        self.progress = (
+            _read_progress(path)
+            if os.path.exists(path)
+            else {"process": process, "shards": [], "skipped": {}}
+        )
         self._rows, self._skipped = [], {}
         listed = {s["file"] for s in self.progress["shards"]}
         # Left-overs of a crash: unfinished tmp files and renamed-but-unlisted shards.
@@ -255,11 +289,15 @@ class ShardWriter:
                 os.remove(path)
 
     def add(self, key: str, target_ids, top_ids, top_logprobs, vt_weights) -> None:
-        self._rows.append(dict(
-            key=key, target_ids=np.asarray(target_ids, np.int32),
-            top_ids=np.asarray(top_ids, np.int32).reshape(-1),
-            top_logprobs=_encode_logprobs(top_logprobs, self.logprob_dtype),
-            vt_weights=np.asarray(vt_weights, np.float32)))  # fmt: skip
+        self._rows.append(
+            dict(
+                key=key,
+                target_ids=np.asarray(target_ids, np.int32),
+                top_ids=np.asarray(top_ids, np.int32).reshape(-1),
+                top_logprobs=_encode_logprobs(top_logprobs, self.logprob_dtype),
+                vt_weights=np.asarray(vt_weights, np.float32),
+            )
+        )
         if len(self._rows) >= self.shard_samples:
             self.commit()
 
@@ -285,8 +323,11 @@ class ShardWriter:
             if self.on_commit is not None:
                 self.on_commit(path)
             entry = {"file": name, "keys": columns["key"], "bytes": os.path.getsize(path)}
-        progress = dict(self.progress, shards=self.progress["shards"] + ([entry] if entry else []),
-                        skipped=dict(self.progress["skipped"], **self._skipped))  # fmt: skip
+        progress = dict(
+            self.progress,
+            shards=self.progress["shards"] + ([entry] if entry else []),
+            skipped=dict(self.progress["skipped"], **self._skipped),
+        )
         write_json_atomic(_progress_path(self.directory, self.process), progress)
         self.progress, self._rows, self._skipped = progress, [], {}
 
@@ -327,8 +368,10 @@ class CacheReader:
             for shard in progress["shards"]:
                 for row, key in enumerate(shard["keys"]):
                     if key in self.where:
-                        raise CacheError(f"{directory}: sample {key!r} is in two shards, "
-                                         f"{self.where[key][0]} and {shard['file']}")  # fmt: skip
+                        raise CacheError(
+                            f"{directory}: sample {key!r} is in two shards, "
+                            f"{self.where[key][0]} and {shard['file']}"
+                        )
                     self.where[key] = (shard["file"], row)
             self.skipped.update(progress["skipped"])
         self._files: OrderedDict = OrderedDict()
@@ -355,15 +398,20 @@ class CacheReader:
 
     def lookup(self, key: str) -> CachedSample:
         if key not in self.where:
-            raise CacheError(f"sample {key!r} is not in the offline cache {self.directory} (was "
-                             "it made over this run's data? is the collection finished?)")  # fmt: skip
+            raise CacheError(
+                f"sample {key!r} is not in the offline cache {self.directory} (was "
+                "it made over this run's data? is the collection finished?)"
+            )
         name, row = self.where[key]
         record = self._file(name).read_row_group(row).to_pylist()[0]
         ids = np.asarray(record["top_ids"], np.int32).reshape(-1, self.top_k)
         logprobs = _decode_logprobs(record["top_logprobs"], self.logprob_dtype)
-        return CachedSample(np.asarray(record["target_ids"], np.int32), ids,
-                            logprobs.reshape(-1, self.top_k),
-                            np.asarray(record["vt_weights"], np.float32))  # fmt: skip
+        return CachedSample(
+            np.asarray(record["target_ids"], np.int32),
+            ids,
+            logprobs.reshape(-1, self.top_k),
+            np.asarray(record["vt_weights"], np.float32),
+        )
 
 
 def cache_bytes(directory: str) -> tuple[int, int]:
@@ -374,4 +422,3 @@ def cache_bytes(directory: str) -> tuple[int, int]:
             total += shard["bytes"]
             count += len(shard["keys"])
     return total, count
-

@@ -53,8 +53,10 @@ def view_items(sample, encode: Encode, options: PromptOptions, *, with_vt: bool)
         context = (teacher_context_items if with_vt else prompt_items)(sample, encode, options)
         return context + [Text(encode(reference_completion(sample)), loss=True)]
     if options.offline_target != "interleaved":
-        raise ValueError(f"offline_target={options.offline_target!r}; allowed: "
-                         f"{', '.join(map(repr, OFFLINE_TARGETS))}")  # fmt: skip
+        raise ValueError(
+            f"offline_target={options.offline_target!r}; allowed: "
+            f"{', '.join(map(repr, OFFLINE_TARGETS))}"
+        )
     items = prompt_items(sample, encode, options)
     segments = target_segments(sample, options.max_reference_rounds)
     for k, text in enumerate(segments):
@@ -79,9 +81,17 @@ class OfflinePacks:
     bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
-def build_offline_packs(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
-                        *, num_rows: int, max_forward_tokens: int, with_teacher: bool,
-                        shapes: list[PackShape] | None = None) -> OfflinePacks:  # fmt: skip
+def build_offline_packs(
+    samples,
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    *,
+    num_rows: int,
+    max_forward_tokens: int,
+    with_teacher: bool,
+    shapes: list[PackShape] | None = None,
+) -> OfflinePacks:
     """Text-only (and, `with_teacher`, VT-view) packs of `samples`, loss entries aligned.
 
     A sample whose longest packed view exceeds `max_forward_tokens` is dropped, not truncated
@@ -109,8 +119,14 @@ def build_offline_packs(samples, encode: Encode, options: PromptOptions, special
         keep = [i for i, row in enumerate(rows) if row is not None]
         kept, student_items = [kept[i] for i in keep], [student_items[i] for i in keep]
         if kept:
-            pack = shaped_pack(student_items, shapes[bucket_index], num_rows, special,
-                               [rows[i] for i in keep], fixed=True)  # fmt: skip
+            pack = shaped_pack(
+                student_items,
+                shapes[bucket_index],
+                num_rows,
+                special,
+                [rows[i] for i in keep],
+                fixed=True,
+            )
             padding = float(1.0 - (pack.segment_ids > 0).mean())
             return OfflinePacks(pack, None, kept, dropped, padding, bucket_index)
     if not kept:
@@ -121,11 +137,14 @@ def build_offline_packs(samples, encode: Encode, options: PromptOptions, special
 
     def pack(items):
         return pack_samples(
-            items, row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
+            items,
+            row_length=bucket(per_row_max(items, rows_of, num_rows, sample_length)),
             num_rows=num_rows,
             max_patches=bucket(per_row_max(items, rows_of, num_rows, patches_of)),
-            max_loss_entries=entries, special=special, rows_of=rows_of,
-        )  # fmt: skip
+            max_loss_entries=entries,
+            special=special,
+            rows_of=rows_of,
+        )
 
     student_pack = pack(student_items)
     teacher_pack = pack(teacher_items) if with_teacher else None
@@ -155,14 +174,24 @@ class OfflineBatch:
 def empty_cache(num_rows: int, loss_entries: int, top_k: int) -> dict:
     """Zero cache arrays for `num_rows` rows of `loss_entries` entries: what `offline_batch`
     fills (entries without a target keep these zeros; the loss masks them out)."""
-    return dict(top_logprobs=np.zeros((num_rows, loss_entries, top_k), np.float32),
-                top_ids=np.zeros((num_rows, loss_entries, top_k), np.int32),
-                vt_weights=np.zeros((num_rows, loss_entries), np.float32))  # fmt: skip
+    return dict(
+        top_logprobs=np.zeros((num_rows, loss_entries, top_k), np.float32),
+        top_ids=np.zeros((num_rows, loss_entries, top_k), np.int32),
+        vt_weights=np.zeros((num_rows, loss_entries), np.float32),
+    )
 
 
-def offline_batch(samples, reader: CacheReader, encode: Encode, options: PromptOptions,
-                  special: SpecialTokens, *, num_rows: int, max_forward_tokens: int,
-                  shapes: list[PackShape] | None = None) -> OfflineBatch:  # fmt: skip
+def offline_batch(
+    samples,
+    reader: CacheReader,
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    *,
+    num_rows: int,
+    max_forward_tokens: int,
+    shapes: list[PackShape] | None = None,
+) -> OfflineBatch:
     """The student pack of `samples` and the cached teacher at each of its loss entries.
 
     Samples the collector skipped (too long for its max_forward_tokens) are dropped; a sample
@@ -173,14 +202,22 @@ def offline_batch(samples, reader: CacheReader, encode: Encode, options: PromptO
     for sample in usable:
         if cache_key(sample) not in reader:
             reader.lookup(cache_key(sample))  # raises the CacheError that names it
-    packs = build_offline_packs(usable, encode, options, special, num_rows=num_rows,
-                                max_forward_tokens=max_forward_tokens, with_teacher=False,
-                                shapes=shapes)  # fmt: skip
+    packs = build_offline_packs(
+        usable,
+        encode,
+        options,
+        special,
+        num_rows=num_rows,
+        max_forward_tokens=max_forward_tokens,
+        with_teacher=False,
+        shapes=shapes,
+    )
     if not packs.kept:
-        raise ValueError(f"no sample of the micro-batch is usable (max_forward_tokens="
-                         f"{max_forward_tokens}, {len(samples) - len(usable)} skipped by the "
-                         "collector" + (f", fixed pack shape {shapes[-1]}" if shapes else "")
-                         + ")")  # fmt: skip
+        raise ValueError(
+            f"no sample of the micro-batch is usable (max_forward_tokens="
+            f"{max_forward_tokens}, {len(samples) - len(usable)} skipped by the "
+            "collector" + (f", fixed pack shape {shapes[-1]}" if shapes else "") + ")"
+        )
     pack = packs.student
     cache = empty_cache(*pack.loss_mask.shape, reader.top_k)
     for j, index in enumerate(packs.kept):
@@ -188,12 +225,15 @@ def offline_batch(samples, reader: CacheReader, encode: Encode, options: PromptO
         cached = reader.lookup(key)
         row, cols = sample_entries(pack, j)
         if not np.array_equal(pack.loss_targets[row, cols], cached.target_ids):
-            raise CacheError(f"sample {key!r}: the cached target ({len(cached.target_ids)} "
-                             f"tokens) differs from this run's ({len(cols)} tokens); the cache "
-                             f"{reader.directory} was made with another tokenizer, prompt or "
-                             "data")  # fmt: skip
+            raise CacheError(
+                f"sample {key!r}: the cached target ({len(cached.target_ids)} "
+                f"tokens) differs from this run's ({len(cols)} tokens); the cache "
+                f"{reader.directory} was made with another tokenizer, prompt or "
+                "data"
+            )
         cache["top_logprobs"][row, cols] = cached.top_logprobs
         cache["top_ids"][row, cols] = cached.top_ids
         cache["vt_weights"][row, cols] = cached.vt_weights
-    return OfflineBatch(pack, cache, len(samples) - len(packs.kept), packs.padding_fraction,
-                        packs.bucket)  # fmt: skip
+    return OfflineBatch(
+        pack, cache, len(samples) - len(packs.kept), packs.padding_fraction, packs.bucket
+    )

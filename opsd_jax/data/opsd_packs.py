@@ -134,8 +134,10 @@ def bucket_in(n: int, buckets: Sequence[int]) -> int:
     for size in buckets:
         if size >= n:
             return int(size)
-    raise ValueError(f"a sampler prompt needs {n} slots, more than the largest of "
-                     f"sample_prompt_buckets={tuple(buckets)}: add a larger bucket")  # fmt: skip
+    raise ValueError(
+        f"a sampler prompt needs {n} slots, more than the largest of "
+        f"sample_prompt_buckets={tuple(buckets)}: add a larger bucket"
+    )
 
 
 def prompt_shape_bound(buckets: Sequence[int]) -> int:
@@ -145,17 +147,28 @@ def prompt_shape_bound(buckets: Sequence[int]) -> int:
     return n * (n + 1) // 2 + n
 
 
-def build_prompt_pack(samples, encode: Encode, options: PromptOptions, special: SpecialTokens,
-                      num_rows: int | None = None, buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
+def build_prompt_pack(
+    samples,
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    num_rows: int | None = None,
+    buckets: Sequence[int] | None = None,
+) -> Pack:
     """One prompt per row (the sampler's input); row length and patches rounded up to one of
     `buckets` (default: powers of two)."""
     items = [prompt_items(s, encode, options) for s in samples]
     return _one_per_row(items, special, num_rows, buckets)
 
 
-def build_teacher_prompt_pack(samples, encode: Encode, options: PromptOptions,
-                              special: SpecialTokens, num_rows: int | None = None,
-                              buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
+def build_teacher_prompt_pack(
+    samples,
+    encode: Encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    num_rows: int | None = None,
+    buckets: Sequence[int] | None = None,
+) -> Pack:
     """The teacher's context (VT images included) as sampler prompts, one per row (evaluation
     of the with-VT model)."""
     items = [teacher_context_items(s, encode, options) for s in samples]
@@ -166,9 +179,14 @@ def _one_per_row(items, special: SpecialTokens, num_rows: int | None, buckets) -
     round_up = bucket if buckets is None else (lambda n: bucket_in(n, buckets))
     longest = max(sample_length(i) for i in items)
     patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)
-    return pack_samples(items, row_length=round_up(longest), num_rows=num_rows,
-                        max_patches=round_up(patches), special=special,
-                        one_sample_per_row=True)  # fmt: skip
+    return pack_samples(
+        items,
+        row_length=round_up(longest),
+        num_rows=num_rows,
+        max_patches=round_up(patches),
+        special=special,
+        one_sample_per_row=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +238,10 @@ def build_training_packs(
 
     def items(completion_list):
         answers = [Text(c, loss=True) for c in completion_list]
-        return ([p + [a] for p, a in zip(prompts, answers)],
-                [c + [a] for c, a in zip(contexts, answers)])  # fmt: skip
+        return (
+            [p + [a] for p, a in zip(prompts, answers)],
+            [c + [a] for c, a in zip(contexts, answers)],
+        )
 
     student_items, teacher_items = items(packed_completions)
     dropped, bucket_index = 0, 0
@@ -229,52 +249,81 @@ def build_training_packs(
         rows_of = assign_rows([sample_length(i) for i in teacher_items], num_rows)
         loss_entries = bucket(per_row_max(student_items, rows_of, num_rows, loss_entries_of))
         sizes = {
-            name: PackShape(bucket(per_row_max(its, rows_of, num_rows, sample_length)),
-                            bucket(per_row_max(its, rows_of, num_rows, patches_of)), loss_entries)
+            name: PackShape(
+                bucket(per_row_max(its, rows_of, num_rows, sample_length)),
+                bucket(per_row_max(its, rows_of, num_rows, patches_of)),
+                loss_entries,
+            )
             for name, its in (("student", student_items), ("teacher", teacher_items))
-        }  # fmt: skip
+        }
     else:
         # Per sample: teacher tokens, teacher patches, student tokens, student patches, loss
         # entries; cutting one completion token shrinks the tokens and the loss entries.
-        needs = [[sample_length(t), patches_of(t), sample_length(s), patches_of(s),
-                  loss_entries_of(s)] for s, t in zip(student_items, teacher_items)]  # fmt: skip
-        capacities = [np.array([t.row_length, t.patches, s.row_length, s.patches, t.loss_entries])
-                      for s, t in zip(shapes["student"], shapes["teacher"])]  # fmt: skip
+        needs = [
+            [sample_length(t), patches_of(t), sample_length(s), patches_of(s), loss_entries_of(s)]
+            for s, t in zip(student_items, teacher_items)
+        ]
+        capacities = [
+            np.array([t.row_length, t.patches, s.row_length, s.patches, t.loss_entries])
+            for s, t in zip(shapes["student"], shapes["teacher"])
+        ]
         bucket_index, rows, cuts = choose_bucket(
-            needs, capacities, num_rows, cuttable=[len(c) for c in packed_completions],
+            needs,
+            capacities,
+            num_rows,
+            cuttable=[len(c) for c in packed_completions],
             cut_dims=np.array([True, False, True, False, True]),
-        )  # fmt: skip
+        )
         keep = [i for i, row in enumerate(rows) if row is not None]
         dropped = len(rows) - len(keep)
         if not keep:
-            raise ValueError("no sample fits the fixed pack shapes (pack_row_tokens, "
-                             f"pack_row_patches, ...): {shapes}")  # fmt: skip
+            raise ValueError(
+                "no sample fits the fixed pack shapes (pack_row_tokens, "
+                f"pack_row_patches, ...): {shapes}"
+            )
         truncated = [truncated[i] or cuts[i] > 0 for i in keep]
         kept = [kept[i] for i in keep]
         prompts, contexts = [prompts[i] for i in keep], [contexts[i] for i in keep]
-        packed_completions = [packed_completions[i][: len(packed_completions[i]) - cuts[i]]
-                              for i in keep]  # fmt: skip
+        packed_completions = [
+            packed_completions[i][: len(packed_completions[i]) - cuts[i]] for i in keep
+        ]
         student_items, teacher_items = items(packed_completions)
         rows_of = [rows[i] for i in keep]
         sizes = {name: shapes[name][bucket_index] for name in ("student", "teacher")}
     pack_items = {"student": student_items, "teacher": teacher_items}
     packs = {
-        name: shaped_pack(pack_items[name], size, num_rows, special, rows_of,
-                          fixed=shapes is not None)
+        name: shaped_pack(
+            pack_items[name], size, num_rows, special, rows_of, fixed=shapes is not None
+        )
         for name, size in sizes.items()
     }
     padding = {name: float(1.0 - (pack.segment_ids > 0).mean()) for name, pack in packs.items()}
-    return TrainingPacks(packs["student"], packs["teacher"], kept, packed_completions,
-                         sum(truncated), padding, dropped, bucket_index)  # fmt: skip
+    return TrainingPacks(
+        packs["student"],
+        packs["teacher"],
+        kept,
+        packed_completions,
+        sum(truncated),
+        padding,
+        dropped,
+        bucket_index,
+    )
 
 
-def shaped_pack(items, shape: PackShape, num_rows: int, special: SpecialTokens, rows_of, *,
-                fixed: bool) -> Pack:  # fmt: skip
+def shaped_pack(
+    items, shape: PackShape, num_rows: int, special: SpecialTokens, rows_of, *, fixed: bool
+) -> Pack:
     """pack_samples at `shape`; `fixed`: the ViT fields too even without images (zero-filled),
     so every pack of a fixed shape has the same arrays (one compiled step)."""
-    pack = pack_samples(items, row_length=shape.row_length, num_rows=num_rows,
-                        max_patches=shape.patches, max_loss_entries=shape.loss_entries,
-                        special=special, rows_of=rows_of)  # fmt: skip
+    pack = pack_samples(
+        items,
+        row_length=shape.row_length,
+        num_rows=num_rows,
+        max_patches=shape.patches,
+        max_loss_entries=shape.loss_entries,
+        special=special,
+        rows_of=rows_of,
+    )
     return pad_pack(pack, *dataclasses.astuple(shape)) if fixed else pack
 
 

@@ -51,8 +51,9 @@ class PackShape:
 
     def scaled(self, fraction: float) -> PackShape:
         """Every size times `fraction`, rounded up, never above its own size."""
-        return PackShape(*(min(v, round_up(math.ceil(v * fraction)))
-                           for v in dataclasses.astuple(self)))  # fmt: skip
+        return PackShape(
+            *(min(v, round_up(math.ceil(v * fraction))) for v in dataclasses.astuple(self))
+        )
 
 
 def round_up(n: int, multiple: int = MULTIPLE) -> int:
@@ -76,25 +77,36 @@ def pack_shapes(config) -> dict[str, list[PackShape]]:
         return config[key] or round_up(derived)
 
     tokens = size("pack_row_tokens", config.max_forward_tokens)
-    patches = size("pack_row_patches",
-                   min(tokens, per_row * image * (1 + config.max_reference_rounds)))  # fmt: skip
+    patches = size(
+        "pack_row_patches", min(tokens, per_row * image * (1 + config.max_reference_rounds))
+    )
     if config.mode == "sft":
         full = {"sft": PackShape(tokens, patches, size("pack_loss_entries", tokens))}
     elif config.mode == "offline":  # the text-only view: the problem image only, no VT images
-        full = {"offline": PackShape(tokens, size("pack_row_patches", min(tokens, per_row * image)),
-                                     size("pack_loss_entries", tokens))}
+        full = {
+            "offline": PackShape(
+                tokens,
+                size("pack_row_patches", min(tokens, per_row * image)),
+                size("pack_loss_entries", tokens),
+            )
+        }
     else:
         loss = size("pack_loss_entries", per_row * (config.sample_max_new_tokens + 1))
-        student = size("pack_student_row_tokens",
-                       min(tokens, per_row * (image + 2 + completion + PROMPT_TOKENS)))  # fmt: skip
+        student = size(
+            "pack_student_row_tokens",
+            min(tokens, per_row * (image + 2 + completion + PROMPT_TOKENS)),
+        )
         full = {
             "teacher": PackShape(tokens, patches, loss),
-            "student": PackShape(student, size("pack_student_row_patches",
-                                               min(student, per_row * image)), loss),
-        }  # fmt: skip
+            "student": PackShape(
+                student, size("pack_student_row_patches", min(student, per_row * image)), loss
+            ),
+        }
     n = config.pack_length_buckets
-    return {name: [shape.scaled(j / n) if j < n else shape for j in range(1, n + 1)]
-            for name, shape in full.items()}  # fmt: skip
+    return {
+        name: [shape.scaled(j / n) if j < n else shape for j in range(1, n + 1)]
+        for name, shape in full.items()
+    }
 
 
 def fit_rows(
@@ -123,8 +135,9 @@ def fit_rows(
         if row is not None:
             free[row] -= smallest[i]
     cuts = no_cuts
-    for i in sorted((i for i, row in enumerate(rows) if row is not None),
-                    key=lambda i: cuttable[i]):  # fmt: skip
+    for i in sorted(
+        (i for i, row in enumerate(rows) if row is not None), key=lambda i: cuttable[i]
+    ):
         give = min(int(cuttable[i]), int(free[rows[i], cut_dims].min()))
         free[rows[i]] -= give * cut_dims
         cuts[i] = int(cuttable[i]) - give
@@ -156,17 +169,23 @@ def cut_report(cut: int, dropped: int, seen: int, shapes: dict[str, PackShape]) 
     """Console lines for samples the fixed rows cut (`cut`: completions shortened to fit) or
     dropped (`dropped`: fit no row at all) among `seen`, naming the rows' sizes (`shapes`: pack
     name -> its largest shape) and the keys that raise them."""
-    sizes = "; ".join(f"{name} rows {s.row_length} tokens / {s.patches} patches / "
-                      f"{s.loss_entries} loss entries" for name, s in shapes.items())  # fmt: skip
+    sizes = "; ".join(
+        f"{name} rows {s.row_length} tokens / {s.patches} patches / {s.loss_entries} loss entries"
+        for name, s in shapes.items()
+    )
     lines = []
     if cut:
-        lines.append(f"{cut} of {seen} samples since the last report had their completion cut "
-                     f"to fit the pack rows ({sizes}): raise pack_student_row_tokens / "
-                     f"pack_row_tokens / pack_loss_entries, or set them to 0 for sizes that "
-                     f"always fit")  # fmt: skip
+        lines.append(
+            f"{cut} of {seen} samples since the last report had their completion cut "
+            f"to fit the pack rows ({sizes}): raise pack_student_row_tokens / "
+            f"pack_row_tokens / pack_loss_entries, or set them to 0 for sizes that "
+            f"always fit"
+        )
     if dropped:
-        lines.append(f"{dropped} of {seen} samples since the last report were dropped: they fit "
-                     f"no pack row ({sizes}); raise pack_row_tokens / pack_row_patches (OPSD "
-                     f"students: pack_student_row_tokens / pack_student_row_patches), or set "
-                     f"them to 0 for sizes that always fit")  # fmt: skip
+        lines.append(
+            f"{dropped} of {seen} samples since the last report were dropped: they fit "
+            f"no pack row ({sizes}); raise pack_row_tokens / pack_row_patches (OPSD "
+            f"students: pack_student_row_tokens / pack_student_row_patches), or set "
+            f"them to 0 for sizes that always fit"
+        )
     return lines

@@ -47,8 +47,10 @@ class Image:
 
     def __post_init__(self):
         if self.patches.ndim != 2 or self.patches.shape[0] != len(self.position_ids):
-            raise ValueError(f"Image: patches {self.patches.shape} and position_ids "
-                             f"{np.shape(self.position_ids)} disagree")  # fmt: skip
+            raise ValueError(
+                f"Image: patches {self.patches.shape} and position_ids "
+                f"{np.shape(self.position_ids)} disagree"
+            )
 
 
 def sample_length(items: Sequence[Text | Image]) -> int:
@@ -72,8 +74,10 @@ def _place_rows(
         free[row] -= n
         assignment.append(row)
     if num_rows is not None and len(free) > num_rows:
-        raise ValueError(f"the samples need {len(free)} rows of {row_length} tokens, "
-                         f"only num_rows={num_rows} allowed")  # fmt: skip
+        raise ValueError(
+            f"the samples need {len(free)} rows of {row_length} tokens, "
+            f"only num_rows={num_rows} allowed"
+        )
     return assignment
 
 
@@ -120,8 +124,7 @@ def pack_samples(
     if max(row_patches, default=0) > num_patches:
         raise ValueError(f"a row needs {max(row_patches)} patches, max_patches={num_patches}")
     if max(row_loss, default=0) > num_loss:
-        raise ValueError(f"a row needs {max(row_loss)} loss entries, "
-                         f"max_loss_entries={num_loss}")  # fmt: skip
+        raise ValueError(f"a row needs {max(row_loss)} loss entries, max_loss_entries={num_loss}")
 
     def zeros(shape, dtype=np.int32):
         return np.zeros(shape, dtype)
@@ -189,7 +192,11 @@ def pack_samples(
         cursor[row] = t
 
     pack = Pack(
-        tokens=tokens, positions=positions, segment_ids=segment_ids, k_start=k_start, k_end=k_end,
+        tokens=tokens,
+        positions=positions,
+        segment_ids=segment_ids,
+        k_start=k_start,
+        k_end=k_end,
         # Understanding packs hold no gen-expert token; None says so statically, so a model
         # built with the gen expert compiles without it (models/qwen2_mot.py).
         gen_mask=None,
@@ -197,8 +204,10 @@ def pack_samples(
         vit_pos_ids=vit_pos_ids if has_images else None,
         vit_slots=vit_slots if has_images else None,
         vit_image_ids=vit_image_ids if has_images else None,
-        loss_rows=loss_rows, loss_targets=loss_targets, loss_mask=loss_mask,
+        loss_rows=loss_rows,
+        loss_targets=loss_targets,
+        loss_mask=loss_mask,
         loss_sample=loss_sample,
-    )  # fmt: skip
+    )
     pack.validate()
     return pack

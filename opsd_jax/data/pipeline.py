@@ -74,8 +74,9 @@ def reference_completion(sample: Sample) -> str:
 def prepare_sample(raw: RawSample, config: DataConfig) -> Sample | Skipped:
     """Run the ViT transform on every image of a decoded row (a failure skips the row), with
     the model's patch size and position grid."""
-    vit = dict(patch_size=config.vit_patch_size,
-               max_patches_per_side=config.vit_max_patches_per_side)  # fmt: skip
+    vit = dict(
+        patch_size=config.vit_patch_size, max_patches_per_side=config.vit_max_patches_per_side
+    )
     try:
         problem = prepare_vit_image(raw.problem_image, config.image_transform, **vit)
         vts = [prepare_vit_image(image, config.image_transform, **vit) for image in raw.vt_images]
@@ -268,11 +269,15 @@ class DataIterator:
                 raise RuntimeError(f"{consecutive} bad rows in a row, none usable: {self.skipped}")
             if count <= _MAX_LOGGED_SKIPS_PER_REASON:
                 log.warning(
-                    "skipping row %s of %s: %s %s%s", element.pid, element.dataset,
-                    element.reason, element.detail,
+                    "skipping row %s of %s: %s %s%s",
+                    element.pid,
+                    element.dataset,
+                    element.reason,
+                    element.detail,
                     " (further skips for this reason are only counted)"
-                    if count == _MAX_LOGGED_SKIPS_PER_REASON else "",
-                )  # fmt: skip
+                    if count == _MAX_LOGGED_SKIPS_PER_REASON
+                    else "",
+                )
 
     def take(self, n: int) -> list[Sample]:
         """The next n samples (fewer at the end of a non-repeating pass)."""
@@ -302,8 +307,11 @@ class DataIterator:
         if saved and self._fingerprint and saved != self._fingerprint:
             # Not fatal (e.g. a deliberate data change), but the resumed order is then not the
             # continuation of the saved one.
-            log.warning("data iterator state from a different pipeline: saved %s, now %s",
-                        saved, self._fingerprint)  # fmt: skip
+            log.warning(
+                "data iterator state from a different pipeline: saved %s, now %s",
+                saved,
+                self._fingerprint,
+            )
         self._iter.set_state(state["grain"])
         self.skipped.update(state.get("skipped", {}))
         self.num_yielded = int(state.get("num_yielded", 0))

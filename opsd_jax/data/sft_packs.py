@@ -99,16 +99,22 @@ def build_sft_packs(
     bucket_index = 0
     if shapes is None:
         rows_of = assign_rows([sample_length(i) for i in items], num_rows)
-        shape = PackShape(*(bucket(per_row_max(items, rows_of, num_rows, count))
-                            for count in (sample_length, patches_of, loss_entries_of)))  # fmt: skip
+        shape = PackShape(
+            *(
+                bucket(per_row_max(items, rows_of, num_rows, count))
+                for count in (sample_length, patches_of, loss_entries_of)
+            )
+        )
     else:
         needs = [[sample_length(i), patches_of(i), loss_entries_of(i)] for i in items]
         capacities = [np.array(dataclasses.astuple(s)) for s in shapes]
         bucket_index, rows, _ = choose_bucket(needs, capacities, num_rows)  # no cuts: drops
         keep = [i for i, row in enumerate(rows) if row is not None]
         if not keep:
-            raise ValueError(f"no sample fits the fixed pack shape (pack_row_tokens, "
-                             f"pack_row_patches, pack_loss_entries): {shapes[-1]}")  # fmt: skip
+            raise ValueError(
+                f"no sample fits the fixed pack shape (pack_row_tokens, "
+                f"pack_row_patches, pack_loss_entries): {shapes[-1]}"
+            )
         items, kept = [items[i] for i in keep], [kept[i] for i in keep]
         targets, with_vt = [targets[i] for i in keep], [with_vt[i] for i in keep]
         rows_of, shape = [rows[i] for i in keep], shapes[bucket_index]

@@ -175,8 +175,9 @@ class DataError(ValueError):
 
 def required_columns(require_vt: bool = True) -> list[str]:
     """The columns without which no row of a file can be used."""
-    return ["pid", "question", "answer", PROBLEM_IMAGE] + ([f"{VT_IMAGE_PREFIX}0"] if require_vt
-                                                           else [])  # fmt: skip
+    return ["pid", "question", "answer", PROBLEM_IMAGE] + (
+        [f"{VT_IMAGE_PREFIX}0"] if require_vt else []
+    )
 
 
 def _open_parquet(path: str):
@@ -209,9 +210,11 @@ def check_dataset(spec, *, require_vt: bool = True) -> int:
                     names.update(record if isinstance(record, dict) else ())
         missing = [c for c in required if c not in names]
         if missing:
-            raise DataError(f"dataset {spec.name!r}: {path} has no column "
-                            f"{', '.join(repr(c) for c in missing)} (every file needs "
-                            f"{', '.join(required)})")  # fmt: skip
+            raise DataError(
+                f"dataset {spec.name!r}: {path} has no column "
+                f"{', '.join(repr(c) for c in missing)} (every file needs "
+                f"{', '.join(required)})"
+            )
     return len(files)
 
 
@@ -372,9 +375,13 @@ def open_source(
     fmt, files = find_files(spec.path, spec.format)
     if fmt == "parquet":
         return ParquetSource(
-            files, split, heldout_fraction, max_reference_rounds, spec.num_used_data,
+            files,
+            split,
+            heldout_fraction,
+            max_reference_rounds,
+            spec.num_used_data,
             row_group_cache,
-        )  # fmt: skip
+        )
     return JsonlSource(files, split, heldout_fraction, spec.num_used_data)
 
 
@@ -503,12 +510,18 @@ def decode_row(
 
 
 def iter_samples(
-    spec: DatasetSpec, split: str, *, heldout_fraction: float, max_reference_rounds: int,
-    **decode_kwargs
+    spec: DatasetSpec,
+    split: str,
+    *,
+    heldout_fraction: float,
+    max_reference_rounds: int,
+    **decode_kwargs,
 ) -> Iterable[RawSample | Skipped]:
     """Every row of a dataset in file order, decoded (for scripts and evaluation; no grain)."""
-    source = open_source(spec, split, heldout_fraction=heldout_fraction,
-                         max_reference_rounds=max_reference_rounds)  # fmt: skip
+    source = open_source(
+        spec, split, heldout_fraction=heldout_fraction, max_reference_rounds=max_reference_rounds
+    )
     for i in range(len(source)):
-        yield decode_row(source[i], spec.name, max_reference_rounds=max_reference_rounds,
-                         **decode_kwargs)  # fmt: skip
+        yield decode_row(
+            source[i], spec.name, max_reference_rounds=max_reference_rounds, **decode_kwargs
+        )

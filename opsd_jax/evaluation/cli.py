@@ -19,47 +19,92 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     with scripts/kl_diagnostic.py and scripts/generate.py."""
     model = parser.add_argument_group("model")
     model.add_argument("--model_dir", help="HF directory (llm_config.json, vit_config.json, ...)")
-    model.add_argument("--checkpoint", help="training checkpoint: results_dir, checkpoints/ or a "
-                       "step directory; its params are restored into the model")  # fmt: skip
-    model.add_argument("--params", choices=("params", "ema_params"), default="params",
-                       help="checkpoint item to restore (ema_params: the EMA teacher)")  # fmt: skip
-    model.add_argument("--weights", choices=("ema", "model"), default=None,
-                       help="HF weight file (default: ema.safetensors if present)")  # fmt: skip
-    model.add_argument("--compute_dtype", choices=("float32", "bfloat16"), default=None,
-                       help="default: the run config's, else bfloat16")  # fmt: skip
-    model.add_argument("--config", help="configs/<name>.py: datasets, prompt options, image size "
-                       "(default: the config saved with --checkpoint)")  # fmt: skip
-    model.add_argument("--image_size", default=None, metavar="MAX,MIN",
-                       help="ViT resize bounds (default: the config's, else BAGEL's 980,378)")  # fmt: skip
+    model.add_argument(
+        "--checkpoint",
+        help="training checkpoint: results_dir, checkpoints/ or a "
+        "step directory; its params are restored into the model",
+    )
+    model.add_argument(
+        "--params",
+        choices=("params", "ema_params"),
+        default="params",
+        help="checkpoint item to restore (ema_params: the EMA teacher)",
+    )
+    model.add_argument(
+        "--weights",
+        choices=("ema", "model"),
+        default=None,
+        help="HF weight file (default: ema.safetensors if present)",
+    )
+    model.add_argument(
+        "--compute_dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="default: the run config's, else bfloat16",
+    )
+    model.add_argument(
+        "--config",
+        help="configs/<name>.py: datasets, prompt options, image size "
+        "(default: the config saved with --checkpoint)",
+    )
+    model.add_argument(
+        "--image_size",
+        default=None,
+        metavar="MAX,MIN",
+        help="ViT resize bounds (default: the config's, else BAGEL's 980,378)",
+    )
 
 
 def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
     """Model flags plus held-out data flags; shared with scripts/kl_diagnostic.py."""
     add_model_flags(parser)
     data = parser.add_argument_group("data")
-    data.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
-                      help="a dataset (repeatable); replaces the config's datasets")  # fmt: skip
+    data.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a dataset (repeatable); replaces the config's datasets",
+    )
     data.add_argument("--split", choices=SPLITS, default="eval")
-    data.add_argument("--num_samples", type=int, default=None,
-                      help="at most this many samples from EACH dataset, not in total "
-                      "(default: all)")  # fmt: skip
-    data.add_argument("--noise_vt", action="store_true",
-                      help="teacher context: VT images replaced by Gaussian noise (control)")  # fmt: skip
+    data.add_argument(
+        "--num_samples",
+        type=int,
+        default=None,
+        help="at most this many samples from EACH dataset, not in total (default: all)",
+    )
+    data.add_argument(
+        "--noise_vt",
+        action="store_true",
+        help="teacher context: VT images replaced by Gaussian noise (control)",
+    )
     parser.add_argument("--batch_size", type=int, default=8)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     """Decoding flags; shared with scripts/generate.py (see sampling_settings for defaults)."""
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy decoding; > 0 samples at this temperature")  # fmt: skip
-    parser.add_argument("--max_new_tokens", type=int, default=None,
-                        help="total over image-skip rounds (default: the config's "
-                        "sample_max_new_tokens)")  # fmt: skip
-    parser.add_argument("--max_image_skips", type=int, default=None,
-                        help="extra rounds after an <image_start> the model cannot draw "
-                        "(default: the config's sample_max_image_skips)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0,
-                        help="random stream of sampling (with --temperature > 0)")  # fmt: skip
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy decoding; > 0 samples at this temperature",
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=None,
+        help="total over image-skip rounds (default: the config's sample_max_new_tokens)",
+    )
+    parser.add_argument(
+        "--max_image_skips",
+        type=int,
+        default=None,
+        help="extra rounds after an <image_start> the model cannot draw "
+        "(default: the config's sample_max_image_skips)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random stream of sampling (with --temperature > 0)"
+    )
 
 
 def check_sampling_flags(args) -> None:
@@ -78,12 +123,15 @@ def sampling_settings(args, config) -> dict:
     config = run_config.complete(config)
     return {
         "max_new_tokens": args.max_new_tokens or config.sample_max_new_tokens,
-        "max_image_skips": (args.max_image_skips if args.max_image_skips is not None
-                            else config.sample_max_image_skips),
+        "max_image_skips": (
+            args.max_image_skips
+            if args.max_image_skips is not None
+            else config.sample_max_image_skips
+        ),
         "do_sample": args.temperature > 0,
         "temperature": args.temperature or 1.0,
         "seed": args.seed,
-    }  # fmt: skip
+    }
 
 
 def image_transform_arg(text: str | None):
@@ -137,9 +185,14 @@ def load_model(args, file_config, config, log=print):
     args.compute_dtype = args.compute_dtype or run_config.complete(config).compute_dtype
     mesh = make_mesh()
     model, tokenizer, _ = load_model_from(
-        model_dir, args.checkpoint, which=args.params, compute_dtype=args.compute_dtype,
-        mesh=mesh, weights=args.weights, log=log,
-    )  # fmt: skip
+        model_dir,
+        args.checkpoint,
+        which=args.params,
+        compute_dtype=args.compute_dtype,
+        mesh=mesh,
+        weights=args.weights,
+        log=log,
+    )
     return model, tokenizer, mesh
 
 
@@ -154,7 +207,8 @@ def setup(args, log=print):
     data_config = run_config.data_config(config, args.data, image_transform_arg(args.image_size))
     model, tokenizer, mesh = load_model(args, file_config, config, log=log)
     # The images' patches and position ids follow the model's ViT (patch size, position grid).
-    samples = evaluation.load_eval_samples(data_config.for_model(model.config), args.split,
-                                           args.num_samples, log=log)  # fmt: skip
+    samples = evaluation.load_eval_samples(
+        data_config.for_model(model.config), args.split, args.num_samples, log=log
+    )
     options = run_config.prompt_options(config, noise_vt=args.noise_vt)
     return model, tokenizer, samples, options, config, mesh

@@ -17,6 +17,7 @@ student (`evaluate(model, samples, tokenizer, ...)`), so both report the same nu
 `answer(model, tokenizer, image, question)` puts one image and question through the same
 prompt and sampler (scripts/generate.py).
 """
+
 from __future__ import annotations
 
 import collections
@@ -48,16 +49,21 @@ CONTEXTS = ("student", "teacher")
 # ----------------------------------------------------------------------------------------------
 
 
-def build_context_prompt_pack(samples, encode, options: PromptOptions, special: SpecialTokens,
-                              context: str, num_rows: int | None = None,
-                              buckets: Sequence[int] | None = None) -> Pack:  # fmt: skip
+def build_context_prompt_pack(
+    samples,
+    encode,
+    options: PromptOptions,
+    special: SpecialTokens,
+    context: str,
+    num_rows: int | None = None,
+    buckets: Sequence[int] | None = None,
+) -> Pack:
     """Sampler prompts in the `student` or `teacher` context (lengths rounded up to `buckets`)."""
     if context == "student":
         return build_prompt_pack(samples, encode, options, special, num_rows, buckets)
     if context == "teacher":
         return build_teacher_prompt_pack(samples, encode, options, special, num_rows, buckets)
     raise ValueError(f"context={context!r}: allowed values are {', '.join(map(repr, CONTEXTS))}")
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,10 +175,19 @@ def evaluate(
     if not samples:
         raise ValueError("evaluate(): no samples")
     options = run_config.prompt_options({}) if options is None else options
-    sampling = dict(options=options, context=context, max_new_tokens=max_new_tokens,
-                    do_sample=do_sample, temperature=temperature, max_image_skips=max_image_skips,
-                    rng=jax.random.key(seed), mesh=mesh, cache_dtype=cache_dtype,
-                    prompt_buckets=prompt_buckets, sample_fn=sample_fn)  # fmt: skip
+    sampling = dict(
+        options=options,
+        context=context,
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        max_image_skips=max_image_skips,
+        rng=jax.random.key(seed),
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+        prompt_buckets=prompt_buckets,
+        sample_fn=sample_fn,
+    )
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(samples) // batch_size)
@@ -188,30 +203,39 @@ def evaluate(
             sample = batch[row]
             text = tokenizer.decode(completions.row(row))
             extracted = extract_answer(text)
-            records.append({
-                "pid": sample.pid,
-                "dataset": sample.dataset,
-                "question": sample.question,
-                "reference": sample.answer,
-                "generation": text,
-                "extracted": extracted,
-                "correct": is_correct(extracted, sample.answer),
-                "completion_length": int(completions.lengths[row]),
-                "finished": bool(completions.finished[row]),
-                "has_answer_tag": has_answer_tag(text),
-            })  # fmt: skip
+            records.append(
+                {
+                    "pid": sample.pid,
+                    "dataset": sample.dataset,
+                    "question": sample.question,
+                    "reference": sample.answer,
+                    "generation": text,
+                    "extracted": extracted,
+                    "correct": is_correct(extracted, sample.answer),
+                    "completion_length": int(completions.lengths[row]),
+                    "finished": bool(completions.finished[row]),
+                    "has_answer_tag": has_answer_tag(text),
+                }
+            )
         if log is not None:
             done = len(records)
             accuracy = np.mean([r["correct"] for r in records])
-            log(f"eval [{context}] {done}/{len(samples)} samples, running accuracy "
-                f"{accuracy:.1%}, {time.perf_counter() - start:.1f}s")  # fmt: skip
+            log(
+                f"eval [{context}] {done}/{len(samples)} samples, running accuracy "
+                f"{accuracy:.1%}, {time.perf_counter() - start:.1f}s"
+            )
     if isinstance(sampled, decode_copy.DecodeCopy):
         sampled.delete()
     settings = {
-        "context": context, "noise_vt": options.noise_vt, "max_new_tokens": max_new_tokens,
-        "do_sample": do_sample, "temperature": temperature if do_sample else None,
-        "batch_size": batch_size, "max_image_skips": max_image_skips, "seed": seed,
-    }  # fmt: skip
+        "context": context,
+        "noise_vt": options.noise_vt,
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "temperature": temperature if do_sample else None,
+        "batch_size": batch_size,
+        "max_image_skips": max_image_skips,
+        "seed": seed,
+    }
     return EvalResult(records, summarize(records, settings))
 
 
@@ -221,42 +245,79 @@ def _decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
     if mesh is None or model is None:
         return model
     graphdef, state = nnx.split(model)
-    return decode_copy.make_decode_copy(graphdef, state, layout=sampler_layout, mesh=mesh,
-                                        dtype=model.language_model.compute_dtype,
-                                        model_config=getattr(model, "config", None))  # fmt: skip
+    return decode_copy.make_decode_copy(
+        graphdef,
+        state,
+        layout=sampler_layout,
+        mesh=mesh,
+        dtype=model.language_model.compute_dtype,
+        model_config=getattr(model, "config", None),
+    )
 
 
-def sample_prompts(model, samples: Sequence, tokenizer, *, options: PromptOptions, context: str,
-                   max_new_tokens: int, do_sample: bool, temperature: float, max_image_skips: int,
-                   rng: jax.Array, row_ids, mesh: jax.sharding.Mesh | None = None,
-                   cache_dtype: str = "bfloat16", prompt_buckets: Sequence[int] | None = None,
-                   sample_fn: SampleFn = sampler_lib.sample) -> sampler_lib.Completions:  # fmt: skip
+def sample_prompts(
+    model,
+    samples: Sequence,
+    tokenizer,
+    *,
+    options: PromptOptions,
+    context: str,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    max_image_skips: int,
+    rng: jax.Array,
+    row_ids,
+    mesh: jax.sharding.Mesh | None = None,
+    cache_dtype: str = "bfloat16",
+    prompt_buckets: Sequence[int] | None = None,
+    sample_fn: SampleFn = sampler_lib.sample,
+) -> sampler_lib.Completions:
     """One sampler call: a completion for each sample's prompt in `context`, one row each.
 
     model: an nnx model or a `DecodeCopy` (which samples under its own mesh and rules).
     row_ids: each row's id for its random stream (`evaluate` passes the sample's index).
     prompt_buckets: prompt lengths round up to one of these (default: powers of two)."""
     special = tokenizer.special_tokens()
-    prompt_pack = build_context_prompt_pack(samples, tokenizer.encode, options, special, context,
-                                            buckets=prompt_buckets)  # fmt: skip
+    prompt_pack = build_context_prompt_pack(
+        samples, tokenizer.encode, options, special, context, buckets=prompt_buckets
+    )
     sampling = {
-        "special": special, "vocab_limit": tokenizer.vocab_length, "max_new_tokens": max_new_tokens,
-        "temperature": temperature, "do_sample": do_sample, "max_image_skips": max_image_skips,
-        "decode_text": tokenizer.decode, "row_ids": np.asarray(row_ids),
+        "special": special,
+        "vocab_limit": tokenizer.vocab_length,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "do_sample": do_sample,
+        "max_image_skips": max_image_skips,
+        "decode_text": tokenizer.decode,
+        "row_ids": np.asarray(row_ids),
         "cache_dtype": cache_dtype,
-    }  # fmt: skip
+    }
     if mesh is None:
         return sample_fn(model, prompt_pack, rng, **sampling)
     with mesh_lib.use_mesh(mesh):
-        return sample_fn(model, distributed.put_rows(prompt_pack, mesh, rows_are_global=True), rng,
-                         **sampling)
+        return sample_fn(
+            model, distributed.put_rows(prompt_pack, mesh, rows_are_global=True), rng, **sampling
+        )
 
 
-def answer(model, tokenizer, image, question: str, *, options: PromptOptions | None = None,
-           image_transform=None, max_new_tokens: int = 1024, do_sample: bool = False,
-           temperature: float = 1.0, max_image_skips: int = 0, seed: int = 0,
-           mesh: jax.sharding.Mesh | None = None, cache_dtype: str = "bfloat16",
-           sampler_layout: str = "replicated") -> tuple[str, sampler_lib.Completions]:  # fmt: skip
+def answer(
+    model,
+    tokenizer,
+    image,
+    question: str,
+    *,
+    options: PromptOptions | None = None,
+    image_transform=None,
+    max_new_tokens: int = 1024,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    max_image_skips: int = 0,
+    seed: int = 0,
+    mesh: jax.sharding.Mesh | None = None,
+    cache_dtype: str = "bfloat16",
+    sampler_layout: str = "replicated",
+) -> tuple[str, sampler_lib.Completions]:
     """A completion for one PIL image and a question, as the student sees them at training and
     test time ([system?, image, question]): the text (special tokens kept, as in evaluation
     records) and the sampler's output. `image_transform`: an ImageTransform, a preset name or a
@@ -268,25 +329,49 @@ def answer(model, tokenizer, image, question: str, *, options: PromptOptions | N
 
     transform = ImageTransform.vit_chat() if image_transform is None else image_transform
     # Patches and position ids for this model's ViT (its patch size and position grid).
-    vit = prepare_vit_image(image, image_transform_from(transform),
-                            patch_size=model.config.vit.patch_size,
-                            max_patches_per_side=model.config.vit_max_num_patch_per_side)  # fmt: skip
-    sample = Sample(pid="prompt", dataset="", question=question, answer="", problem_image=vit,
-                    vt_images=[], thoughts=[], full_text_only_thought=None)  # fmt: skip
+    vit = prepare_vit_image(
+        image,
+        image_transform_from(transform),
+        patch_size=model.config.vit.patch_size,
+        max_patches_per_side=model.config.vit_max_num_patch_per_side,
+    )
+    sample = Sample(
+        pid="prompt",
+        dataset="",
+        question=question,
+        answer="",
+        problem_image=vit,
+        vt_images=[],
+        thoughts=[],
+        full_text_only_thought=None,
+    )
     sampled = _decode_model(model, mesh, sampler_layout)
     completions = sample_prompts(
-        sampled, [sample], tokenizer, options=run_config.prompt_options({}) if options is None else options,
-        context="student", max_new_tokens=max_new_tokens, do_sample=do_sample,
-        temperature=temperature, max_image_skips=max_image_skips, rng=jax.random.key(seed),
-        row_ids=[0], mesh=mesh, cache_dtype=cache_dtype,
-    )  # fmt: skip
+        sampled,
+        [sample],
+        tokenizer,
+        options=run_config.prompt_options({}) if options is None else options,
+        context="student",
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        max_image_skips=max_image_skips,
+        rng=jax.random.key(seed),
+        row_ids=[0],
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+    )
     if sampled is not model:
         sampled.delete()
     return tokenizer.decode(completions.row(0)), completions
 
 
-def load_eval_samples(data_config, split: str = "eval", max_per_dataset: int | None = None,
-                      log: Callable[[str], None] | None = None) -> list:  # fmt: skip
+def load_eval_samples(
+    data_config,
+    split: str = "eval",
+    max_per_dataset: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list:
     """Every usable sample of `split` (default: the held-out split), dataset after dataset.
 
     data_config: an `opsd_jax.data.data_config.DataConfig`. `max_per_dataset` caps the rows read
@@ -313,11 +398,15 @@ def load_eval_samples(data_config, split: str = "eval", max_per_dataset: int | N
     skipped = {reason: n for reason, n in iterator.skipped.items() if n}
     if log is not None:
         counts = collections.Counter(s.dataset for s in samples)
-        log(f"{len(samples)} {split} samples: {dict(counts)}"
-            + (f"; skipped rows: {skipped}" if skipped else ""))  # fmt: skip
+        log(
+            f"{len(samples)} {split} samples: {dict(counts)}"
+            + (f"; skipped rows: {skipped}" if skipped else "")
+        )
     if not samples:
-        raise ValueError(f"no usable samples in split {split!r} of "
-                         f"{[d.name for d in data_config.datasets]} (skipped: {skipped})")  # fmt: skip
+        raise ValueError(
+            f"no usable samples in split {split!r} of "
+            f"{[d.name for d in data_config.datasets]} (skipped: {skipped})"
+        )
     return samples
 
 
@@ -348,9 +437,11 @@ def markdown_table(summary: Mapping[str, Any]) -> str:
     ]
 
     def line(name, m):
-        return (f"| {name} | {m['num_samples']} | {m['accuracy']:.1%} | "
-                f"{m['answer_tag_rate']:.1%} | {m['finished_rate']:.1%} | "
-                f"{m['mean_completion_length']:.1f} |")  # fmt: skip
+        return (
+            f"| {name} | {m['num_samples']} | {m['accuracy']:.1%} | "
+            f"{m['answer_tag_rate']:.1%} | {m['finished_rate']:.1%} | "
+            f"{m['mean_completion_length']:.1f} |"
+        )
 
     for name, metrics in summary["datasets"].items():
         lines.append(line(name, metrics))

@@ -46,8 +46,9 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 
 
-def kl_from_logits(teacher_logits: jax.Array, student_logits: jax.Array,
-                   vocab_limit: int | None = None) -> jax.Array:  # fmt: skip
+def kl_from_logits(
+    teacher_logits: jax.Array, student_logits: jax.Array, vocab_limit: int | None = None
+) -> jax.Array:
     """KL(softmax(teacher) ‖ softmax(student)) over the last axis, in float32: [..., V] -> [...]."""
     teacher = teacher_logits[..., :vocab_limit].astype(jnp.float32)
     student = student_logits[..., :vocab_limit].astype(jnp.float32)
@@ -69,21 +70,27 @@ def _entry_kl(graphdef, params, student: Pack, teacher: Pack, vocab_limit: int, 
 
     def chunk_kl(chunk_rows):
         student_rows, teacher_rows = chunk_rows
-        return kl_from_logits(model.logits_at(teacher_hidden, teacher_rows),
-                              model.logits_at(student_hidden, student_rows), vocab_limit)  # fmt: skip
+        return kl_from_logits(
+            model.logits_at(teacher_hidden, teacher_rows),
+            model.logits_at(student_hidden, student_rows),
+            vocab_limit,
+        )
 
     kl = jax.lax.map(chunk_kl, (by_chunk(student.loss_rows), by_chunk(teacher.loss_rows)))
     kl = kl.transpose(1, 0, 2).reshape(rows, entries)
     return jnp.where(student.loss_mask, kl, 0.0)
 
 
-def entry_kl(model, student: Pack, teacher: Pack, vocab_limit: int | None = None,
-             chunk_size: int = 64) -> np.ndarray:  # fmt: skip
+def entry_kl(
+    model, student: Pack, teacher: Pack, vocab_limit: int | None = None, chunk_size: int = 64
+) -> np.ndarray:
     """KL(teacher ‖ student) at every loss entry of two aligned packs: [R, C] float32, 0 where
     the entry is padding. `vocab_limit` None keeps every logit row."""
     if tuple(student.loss_rows.shape) != tuple(teacher.loss_rows.shape):
-        raise ValueError(f"student and teacher loss entries differ: {student.loss_rows.shape} vs "
-                         f"{teacher.loss_rows.shape}; build them with build_training_packs")  # fmt: skip
+        raise ValueError(
+            f"student and teacher loss entries differ: {student.loss_rows.shape} vs "
+            f"{teacher.loss_rows.shape}; build them with build_training_packs"
+        )
     entries = student.loss_rows.shape[1]
     chunk = max(1, min(chunk_size, entries))
     while entries % chunk:  # entries are a power of two (bucketed); this is for hand-made packs
@@ -133,11 +140,16 @@ def verdict(vt_summary: Mapping[str, Any], noise_summary: Mapping[str, Any] | No
     the VT run's answer-span KL, with the noise-VT control next to it when there is one."""
     answer = vt_summary["overall"]["answer_span_mean"]
     go = bool(answer > GO_THRESHOLD)
-    why = (f"answer-span KL(teacher with VT || student) {answer:.4f} nats "
-           f"{'>' if go else '<='} {GO_THRESHOLD} (the PyTorch Visual-OPSD gate, "
-           f"scripts/visual_opsd/kl_diagnostic.py): "
-           + ("proceed with Visual-OPSD training" if go
-              else "the VT context does not change the answer's predictions"))  # fmt: skip
+    why = (
+        f"answer-span KL(teacher with VT || student) {answer:.4f} nats "
+        f"{'>' if go else '<='} {GO_THRESHOLD} (the PyTorch Visual-OPSD gate, "
+        f"scripts/visual_opsd/kl_diagnostic.py): "
+        + (
+            "proceed with Visual-OPSD training"
+            if go
+            else "the VT context does not change the answer's predictions"
+        )
+    )
     if noise_summary is not None:
         noise = noise_summary["overall"]["answer_span_mean"]
         why += f"; noise-VT control {noise:.4f} nats"
@@ -183,12 +195,22 @@ def kl_diagnostic(
         batch += [batch[-1]] * (batch_size - real)
         completions = [tokenizer.encode(completion_fn(s)) for s in batch]
         # The answer span: the reference's `<answer>...</answer>` tokens + the closing EOS entry.
-        answer_entries = [len(tokenizer.encode(f"<answer>{s.answer}</answer>")) + 1
-                          if completion_fn is reference_completion else 0 for s in batch]  # fmt: skip
+        answer_entries = [
+            len(tokenizer.encode(f"<answer>{s.answer}</answer>")) + 1
+            if completion_fn is reference_completion
+            else 0
+            for s in batch
+        ]
         try:
-            packs = build_training_packs(batch, completions, tokenizer.encode, options, special,
-                                         num_rows=batch_size,
-                                         max_forward_tokens=max_forward_tokens)  # fmt: skip
+            packs = build_training_packs(
+                batch,
+                completions,
+                tokenizer.encode,
+                options,
+                special,
+                num_rows=batch_size,
+                max_forward_tokens=max_forward_tokens,
+            )
         except ValueError as e:
             if "no sample fits" not in str(e):
                 raise
@@ -198,8 +220,10 @@ def kl_diagnostic(
             kl = entry_kl(model, packs.student, packs.teacher, tokenizer.vocab_length, chunk_size)
         else:
             with mesh_lib.use_mesh(mesh):
-                student, teacher = (distributed.put_rows(p, mesh, rows_are_global=True)
-                                    for p in (packs.student, packs.teacher))
+                student, teacher = (
+                    distributed.put_rows(p, mesh, rows_are_global=True)
+                    for p in (packs.student, packs.teacher)
+                )
                 kl = entry_kl(model, student, teacher, tokenizer.vocab_length, chunk_size)
         mask = np.asarray(packs.student.loss_mask)
         owner = np.asarray(packs.student.loss_sample)  # index into packs.kept
@@ -209,29 +233,32 @@ def kl_diagnostic(
                 continue  # padding
             values = kl[mask & (owner == position)].astype(np.float32)
             sample = batch[index]
-            answer = values[-answer_entries[index]:] if answer_entries[index] else values[:0]
-            records.append({
-                "pid": sample.pid,
-                "dataset": sample.dataset,
-                "num_tokens": int(values.size),
-                "mean_kl": float(values.mean()) if values.size else float("nan"),
-                "sum_kl": float(values.sum()),
-                "answer_tokens": int(answer.size),
-                "answer_mean_kl": float(answer.mean()) if answer.size else float("nan"),
-            })  # fmt: skip
+            answer = values[-answer_entries[index] :] if answer_entries[index] else values[:0]
+            records.append(
+                {
+                    "pid": sample.pid,
+                    "dataset": sample.dataset,
+                    "num_tokens": int(values.size),
+                    "mean_kl": float(values.mean()) if values.size else float("nan"),
+                    "sum_kl": float(values.sum()),
+                    "answer_tokens": int(answer.size),
+                    "answer_mean_kl": float(answer.mean()) if answer.size else float("nan"),
+                }
+            )
             tokens_by_dataset[sample.dataset].append(values)
         if log is not None:
-            log(f"K_gen [{'noise VT' if options.noise_vt else 'VT'}] "
+            log(
+                f"K_gen [{'noise VT' if options.noise_vt else 'VT'}] "
                 f"{min(first + batch_size, len(samples))}/{len(samples)} samples, "
-                f"{time.perf_counter() - start:.1f}s")  # fmt: skip
+                f"{time.perf_counter() - start:.1f}s"
+            )
     token_kl = {name: np.concatenate(parts) for name, parts in tokens_by_dataset.items()}
     datasets = {
         name: _stats([r for r in records if r["dataset"] == name], values)
         for name, values in token_kl.items()
     }
     all_tokens = np.concatenate(list(token_kl.values())) if token_kl else np.zeros(0, np.float32)
-    summary = {"overall": _stats(records, all_tokens), "datasets": datasets,
-               "num_dropped": dropped}  # fmt: skip
+    summary = {"overall": _stats(records, all_tokens), "datasets": datasets, "num_dropped": dropped}
     return KLResult(records, token_kl, summary)
 
 
@@ -241,16 +268,24 @@ def markdown_table(results: Mapping[str, KLResult]) -> str:
     datasets = []
     for result in results.values():
         datasets += [d for d in result.summary["datasets"] if d not in datasets]
-    header = "| dataset | samples | tokens | " + " | ".join(
-        f"K_gen {n} (mean ± std) | per-sample {n}" for n in names) + " |"  # fmt: skip
+    header = (
+        "| dataset | samples | tokens | "
+        + " | ".join(f"K_gen {n} (mean ± std) | per-sample {n}" for n in names)
+        + " |"
+    )
     lines = [header, "|---|---:|---:|" + "---:|---:|" * len(names)]
 
     def line(label, stats_list):
         first = stats_list[0]
-        cells = [f"{s['mean']:.4f} ± {s['std']:.4f} | {s['sample_mean']:.4f} ± {s['sample_std']:.4f}"
-                 for s in stats_list]  # fmt: skip
-        return f"| {label} | {first['num_samples']} | {first['num_tokens']} | " + " | ".join(
-            cells) + " |"  # fmt: skip
+        cells = [
+            f"{s['mean']:.4f} ± {s['std']:.4f} | {s['sample_mean']:.4f} ± {s['sample_std']:.4f}"
+            for s in stats_list
+        ]
+        return (
+            f"| {label} | {first['num_samples']} | {first['num_tokens']} | "
+            + " | ".join(cells)
+            + " |"
+        )
 
     for name in datasets:
         if all(name in r.summary["datasets"] for r in results.values()):
@@ -266,16 +301,22 @@ def save_histogram(results: Mapping[str, KLResult], path: str) -> None:
     matplotlib.use("Agg")  # no display: files only
     import matplotlib.pyplot as plt
 
-    arrays = {name: np.concatenate(list(r.token_kl.values())) if r.token_kl else np.zeros(0)
-              for name, r in results.items()}  # fmt: skip
+    arrays = {
+        name: np.concatenate(list(r.token_kl.values())) if r.token_kl else np.zeros(0)
+        for name, r in results.items()
+    }
     everything = np.concatenate([a for a in arrays.values()] + [np.zeros(1)])
     high = max(float(np.percentile(everything, 99.5)), 1e-6)
     bins = np.linspace(0.0, high, 60)
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for name, values in arrays.items():
         mean = float(values.mean()) if values.size else float("nan")
-        axis.hist(np.clip(values, 0.0, high), bins=bins, alpha=0.55,
-                  label=f"{name}: mean {mean:.4f} ({values.size} tokens)")  # fmt: skip
+        axis.hist(
+            np.clip(values, 0.0, high),
+            bins=bins,
+            alpha=0.55,
+            label=f"{name}: mean {mean:.4f} ({values.size} tokens)",
+        )
     axis.set_yscale("log")
     axis.set_xlabel("per-token KL(teacher ‖ student), nats (top 0.5% clipped into the last bin)")
     axis.set_ylabel("tokens")

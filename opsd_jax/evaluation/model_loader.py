@@ -15,10 +15,16 @@ from opsd_jax.io import checkpoint as checkpoint_lib
 from opsd_jax.io.hf_load import load_hf
 
 
-def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
-               which: str = "params", compute_dtype: str | None = None,
-               mesh: jax.sharding.Mesh | None = None, weights: str | None = None,
-               log: Callable[[str], None] | None = None):  # fmt: skip
+def load_model(
+    model_dir: str | None = None,
+    checkpoint: str | None = None,
+    *,
+    which: str = "params",
+    compute_dtype: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    weights: str | None = None,
+    log: Callable[[str], None] | None = None,
+):
     """(model, tokenizer, run config or None) from an HF directory and/or a training checkpoint.
 
     With `checkpoint`, the architecture and tokenizer come from `model_dir` or, when that is
@@ -33,8 +39,10 @@ def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
         if model_dir is None:
             model_dir = run_config_lib.model_dir(run_config or {})
             if model_dir is None:
-                raise ValueError(f"--checkpoint {checkpoint}: its config names no model_path; "
-                                 "give --model_dir (the HF directory the run started from)")  # fmt: skip
+                raise ValueError(
+                    f"--checkpoint {checkpoint}: its config names no model_path; "
+                    "give --model_dir (the HF directory the run started from)"
+                )
     if model_dir is None:
         raise ValueError("give --model_dir (an HF directory) or --checkpoint (a training run)")
     if not os.path.isdir(model_dir):
@@ -43,15 +51,21 @@ def load_model(model_dir: str | None = None, checkpoint: str | None = None, *,
         compute_dtype = run_config_lib.complete(run_config).compute_dtype
     start = time.perf_counter()
     # With a checkpoint the HF weights are not read: its params fill the abstract ones directly.
-    model, _, tokenizer = load_hf(model_dir, mesh=mesh, weights=weights,
-                                  config_changes={"llm": {"compute_dtype": compute_dtype}},
-                                  read_params=step_dir is None)  # fmt: skip
+    model, _, tokenizer = load_hf(
+        model_dir,
+        mesh=mesh,
+        weights=weights,
+        config_changes={"llm": {"compute_dtype": compute_dtype}},
+        read_params=step_dir is None,
+    )
     if step_dir is not None:
         graphdef, abstract, rest = nnx.split(model, nnx.Param, ...)
         params = checkpoint_lib.restore_model_params(step_dir, abstract, which=which)
         model = nnx.merge(graphdef, params, rest)
     if log is not None:
         source = f"{which} of {step_dir} on " if step_dir else ""
-        log(f"model: {source}{model_dir} ({compute_dtype}), {tokenizer.vocab_length} tokenizer "
-            f"ids, loaded in {time.perf_counter() - start:.1f}s")  # fmt: skip
+        log(
+            f"model: {source}{model_dir} ({compute_dtype}), {tokenizer.vocab_length} tokenizer "
+            f"ids, loaded in {time.perf_counter() - start:.1f}s"
+        )
     return model, tokenizer, run_config

@@ -28,8 +28,10 @@ class RunSummary:
 
     def add_eval(self, step: int, context: str, summary: dict, records: list[dict]) -> None:
         overall = summary["overall"]
-        self.evals.setdefault(step, {})[context] = (float(overall["accuracy"]),
-                                                    int(overall["num_samples"]))  # fmt: skip
+        self.evals.setdefault(step, {})[context] = (
+            float(overall["accuracy"]),
+            int(overall["num_samples"]),
+        )
         if context == "student" and records:
             # The first sample answered right, else the first: what the student writes now.
             self.example = next((r for r in records if r["correct"]), records[0])
@@ -53,9 +55,10 @@ class RunSummary:
         size_text = "/".join(str(n) for n in sorted(sizes))
         chance_text = f", chance {chance:.0%}" if chance is not None else ""
         widths = [max(len(CONTEXT_NAMES[c]), 6) for c in contexts]
-        out = [f"held-out accuracy ({size_text} samples, greedy{chance_text}):",
-               "  step | " + " | ".join(f"{CONTEXT_NAMES[c]:>{w}}"
-                                        for c, w in zip(contexts, widths))]  # fmt: skip
+        out = [
+            f"held-out accuracy ({size_text} samples, greedy{chance_text}):",
+            "  step | " + " | ".join(f"{CONTEXT_NAMES[c]:>{w}}" for c, w in zip(contexts, widths)),
+        ]
         for step in steps:
             cells = []
             for context, width in zip(contexts, widths):
@@ -66,14 +69,18 @@ class RunSummary:
         if len(student) > 1:
             (first_step, first), (last_step, last) = student[0], student[-1]
             best_step, best = max(student, key=lambda point: point[1])
-            out.append(f"  no VT: {first:.1%} at step {first_step} -> {last:.1%} at step "
-                       f"{last_step} ({100 * (last - first):+.1f} points; best {best:.1%} at "
-                       f"step {best_step})")  # fmt: skip
+            out.append(
+                f"  no VT: {first:.1%} at step {first_step} -> {last:.1%} at step "
+                f"{last_step} ({100 * (last - first):+.1f} points; best {best:.1%} at "
+                f"step {best_step})"
+            )
         if self.example is not None:
             verdict = "right" if self.example["correct"] else "wrong"
-            out.append(f"  a held-out answer without VT (step {self.example_step}, {verdict}; "
-                       f"reference {self.example['reference']!r}): "
-                       f"{self.example['generation']!r}")  # fmt: skip
+            out.append(
+                f"  a held-out answer without VT (step {self.example_step}, {verdict}; "
+                f"reference {self.example['reference']!r}): "
+                f"{self.example['generation']!r}"
+            )
         return out
 
     def plot(self, path: str, title: str, chance: float | None = None) -> None:
@@ -87,12 +94,20 @@ class RunSummary:
         steps = sorted(self.evals)
         for context, style in zip(self.contexts(), ("o-", "s--")):
             points = [(s, self.evals[s][context][0]) for s in steps if context in self.evals[s]]
-            left.plot([s for s, _ in points], [100 * a for _, a in points], style,
-                      label=CONTEXT_NAMES[context])  # fmt: skip
+            left.plot(
+                [s for s, _ in points],
+                [100 * a for _, a in points],
+                style,
+                label=CONTEXT_NAMES[context],
+            )
         if chance is not None:
             left.axhline(100 * chance, color="gray", linestyle=":", label=f"chance {chance:.0%}")
-        left.set(xlabel="step", ylabel="held-out accuracy (%)", ylim=(0, 102),
-                 title="held-out exact match (greedy)")  # fmt: skip
+        left.set(
+            xlabel="step",
+            ylabel="held-out accuracy (%)",
+            ylim=(0, 102),
+            title="held-out exact match (greedy)",
+        )
         left.grid(alpha=0.3)
         left.legend(fontsize="small", loc="lower right")  # the with-VT line runs along the top
         drawn = self.loss_lines()

@@ -60,9 +60,19 @@ log = logging.getLogger(__name__)
 
 # What callers use from the format along with the checkpointer.
 __all__ = [
-    "COMMIT_MARKER", "EMA_PARAMS", "PARAMS", "TMP_MARKER", "CheckpointError", "Checkpointer",
-    "abstract_like", "restore_model_params", "save_model_params", "saved_config",
-    "saved_param_shapes", "saved_teacher_mode", "step_dir_of",
+    "COMMIT_MARKER",
+    "EMA_PARAMS",
+    "PARAMS",
+    "TMP_MARKER",
+    "CheckpointError",
+    "Checkpointer",
+    "abstract_like",
+    "restore_model_params",
+    "save_model_params",
+    "saved_config",
+    "saved_param_shapes",
+    "saved_teacher_mode",
+    "step_dir_of",
 ]
 
 # --------------------------------------------------------------------------- the checkpointer
@@ -90,8 +100,12 @@ class Checkpointer:
         self.save_every = int(save_every)
         _, incomplete = step_dirs(self.directory)
         if incomplete:
-            log.warning("%s: incomplete checkpoints (an interrupted save), never restored and "
-                        "removed now: %s", self.directory, incomplete)  # fmt: skip
+            log.warning(
+                "%s: incomplete checkpoints (an interrupted save), never restored and "
+                "removed now: %s",
+                self.directory,
+                incomplete,
+            )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -220,7 +234,9 @@ class Checkpointer:
                 place_like(data, abstract_state.rng), impl=meta["rng"]["impl"]
             )
         state = abstract_state.replace(
-            step=place_like(np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step),
+            step=place_like(
+                np.asarray(meta["step"], abstract_state.step.dtype), abstract_state.step
+            ),
             params=rebuild(abstract_state.params, restored[PARAMS]),
             opt_state=rebuild(abstract_state.opt_state, restored[OPT_STATE]),
             teacher_params=(
@@ -256,8 +272,10 @@ def _own_data_state(saved: Mapping, step_dir: epath.Path) -> dict | None:
     if len(states) != jax.process_count():
         log.warning(
             "%s: data state saved by %d processes, now %d; the data iterator starts afresh",
-            step_dir, len(states), jax.process_count(),
-        )  # fmt: skip
+            step_dir,
+            len(states),
+            jax.process_count(),
+        )
         return None
     return states[jax.process_index()]
 

@@ -83,8 +83,9 @@ def epath_of(directory: str | os.PathLike) -> epath.Path:
 ATOMICITY = ocp.options.AtomicityOptions(mode=ocp.options.AtomicityMode.COMMIT_FILE)
 # For listing and reading another run's steps (save_interval_steps=0: a read-only manager
 # saves nothing, and orbax warns when it has to say so itself).
-READ_ONLY = ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0,
-                                          atomicity_options=ATOMICITY)  # fmt: skip
+READ_ONLY = ocp.CheckpointManagerOptions(
+    read_only=True, create=False, save_interval_steps=0, atomicity_options=ATOMICITY
+)
 
 
 def complete_steps(root: epath.Path) -> list[int]:
@@ -92,16 +93,24 @@ def complete_steps(root: epath.Path) -> list[int]:
     protocol calls finalized (none if there is no directory)."""
     if not root.is_dir():
         return []
-    return sorted(int(entry.name) for entry in root.iterdir() if entry.name.isdigit()
-                  and ocp.path.step.is_path_finalized(entry, atomicity_options=ATOMICITY))
+    return sorted(
+        int(entry.name)
+        for entry in root.iterdir()
+        if entry.name.isdigit()
+        and ocp.path.step.is_path_finalized(entry, atomicity_options=ATOMICITY)
+    )
 
 
 def _incomplete_names(root: epath.Path, complete: list[int]) -> list[str]:
     """Step-like directories orbax does not list as complete (for messages only)."""
     if not root.is_dir():
         return []
-    return sorted(entry.name for entry in root.iterdir() if entry.is_dir() and (
-        (entry.name.isdigit() and int(entry.name) not in complete) or TMP_MARKER in entry.name))
+    return sorted(
+        entry.name
+        for entry in root.iterdir()
+        if entry.is_dir()
+        and ((entry.name.isdigit() and int(entry.name) not in complete) or TMP_MARKER in entry.name)
+    )
 
 
 def step_dirs(root: epath.Path) -> tuple[list[int], list[str]]:

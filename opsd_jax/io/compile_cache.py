@@ -50,8 +50,10 @@ def enable(directory: str, every_program: bool = True) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:  # train.py prints this as its one-line error
-        raise type(e)(f"compilation_cache_dir={directory!r} cannot be created ({e.strerror}): "
-                      "give another folder, or '' to turn the cache off") from None  # fmt: skip
+        raise type(e)(
+            f"compilation_cache_dir={directory!r} cannot be created ({e.strerror}): "
+            "give another folder, or '' to turn the cache off"
+        ) from None
     jax.config.update("jax_compilation_cache_dir", directory)
     if every_program:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -78,5 +80,7 @@ class CacheCounter:
         return self.requests - self.read
 
     def describe(self, directory: str) -> str:
-        return (f"compilation cache {directory}: {self.read} programs read from it, "
-                f"{self.compiled} compiled and written")  # fmt: skip
+        return (
+            f"compilation cache {directory}: {self.read} programs read from it, "
+            f"{self.compiled} compiled and written"
+        )

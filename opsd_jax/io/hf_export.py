@@ -281,5 +281,7 @@ def restore_for_export(
         mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
     _, abstract_state = mesh_lib.abstract_model(make_model, mesh, rules)
-    params = checkpoint.restore_model_params(ckpt, nnx.filter_state(abstract_state, nnx.Param), which=which)
+    params = checkpoint.restore_model_params(
+        ckpt, nnx.filter_state(abstract_state, nnx.Param), which=which
+    )
     return flat_params(params)

@@ -141,16 +141,24 @@ _DECODER_LAYER = (
     ("self_attn.k_proj.bias", "self_attn.k_proj_moe_gen.bias", "k_proj.bias", FLAT),
     ("self_attn.v_proj.weight", "self_attn.v_proj_moe_gen.weight", "v_proj.kernel", LINEAR),
     ("self_attn.v_proj.bias", "self_attn.v_proj_moe_gen.bias", "v_proj.bias", FLAT),
-    ("self_attn.o_proj.weight", "self_attn.o_proj_moe_gen.weight", "o_proj.kernel",
-     LINEAR_FROM_HEADS),
+    (
+        "self_attn.o_proj.weight",
+        "self_attn.o_proj_moe_gen.weight",
+        "o_proj.kernel",
+        LINEAR_FROM_HEADS,
+    ),
     ("self_attn.q_norm.weight", "self_attn.q_norm_moe_gen.weight", "q_norm.scale", IDENTITY),
     ("self_attn.k_norm.weight", "self_attn.k_norm_moe_gen.weight", "k_norm.scale", IDENTITY),
-    ("post_attention_layernorm.weight", "post_attention_layernorm_moe_gen.weight",
-     "post_attention_layernorm.scale", IDENTITY),
+    (
+        "post_attention_layernorm.weight",
+        "post_attention_layernorm_moe_gen.weight",
+        "post_attention_layernorm.scale",
+        IDENTITY,
+    ),
     ("mlp.gate_proj.weight", "mlp_moe_gen.gate_proj.weight", "gate_proj.kernel", LINEAR),
     ("mlp.up_proj.weight", "mlp_moe_gen.up_proj.weight", "up_proj.kernel", LINEAR),
     ("mlp.down_proj.weight", "mlp_moe_gen.down_proj.weight", "down_proj.kernel", LINEAR),
-)  # fmt: skip
+)
 
 # One SigLIP encoder layer: (HF key suffix, our leaf under vit_model.layers).
 _ENCODER_LAYER = (
@@ -187,26 +195,49 @@ def _d(c: BagelConfig) -> int:
 
 MAPPING: tuple[Rule, ...] = (
     # Language model: both MoT experts of every decoder layer, then the globals.
-    *(Rule(_LM_LAYER + und, f"language_model.layers.und.{ours}", transform, LANGUAGE)
-      for und, _, ours, transform in _DECODER_LAYER),
-    *(Rule(_LM_LAYER + gen, f"language_model.layers.gen.{ours}", transform, GEN_EXPERT)
-      for _, gen, ours, transform in _DECODER_LAYER),
-    Rule("language_model.model.embed_tokens.weight", "language_model.embed_tokens", IDENTITY,
-         LANGUAGE, vocab_axis=0),
+    *(
+        Rule(_LM_LAYER + und, f"language_model.layers.und.{ours}", transform, LANGUAGE)
+        for und, _, ours, transform in _DECODER_LAYER
+    ),
+    *(
+        Rule(_LM_LAYER + gen, f"language_model.layers.gen.{ours}", transform, GEN_EXPERT)
+        for _, gen, ours, transform in _DECODER_LAYER
+    ),
+    Rule(
+        "language_model.model.embed_tokens.weight",
+        "language_model.embed_tokens",
+        IDENTITY,
+        LANGUAGE,
+        vocab_axis=0,
+    ),
     Rule("language_model.model.norm.weight", "language_model.norm.scale", IDENTITY, LANGUAGE),
-    Rule("language_model.model.norm_moe_gen.weight", "language_model.norm_moe_gen.scale",
-         IDENTITY, GEN_EXPERT),
-    Rule("language_model.lm_head.weight", "language_model.lm_head", LINEAR, LANGUAGE,
-         vocab_axis=1),
+    Rule(
+        "language_model.model.norm_moe_gen.weight",
+        "language_model.norm_moe_gen.scale",
+        IDENTITY,
+        GEN_EXPERT,
+    ),
+    Rule("language_model.lm_head.weight", "language_model.lm_head", LINEAR, LANGUAGE, vocab_axis=1),
     # Vision encoder, connector, and the fixed sin-cos table added after the connector.
-    *(Rule(_VIT_LAYER + hf, f"vit_model.layers.{ours}", transform, VISION)
-      for hf, ours, transform in _ENCODER_LAYER),
-    Rule(_VIT + "embeddings.patch_embedding.weight", "vit_model.patch_embedding.kernel", LINEAR,
-         VISION),  # stored as a Linear [Dv, 588] over (py, px, c) features
-    Rule(_VIT + "embeddings.patch_embedding.bias", "vit_model.patch_embedding.bias", IDENTITY,
-         VISION),
-    Rule(_VIT + "embeddings.position_embedding.weight", "vit_model.position_embedding", IDENTITY,
-         VISION),
+    *(
+        Rule(_VIT_LAYER + hf, f"vit_model.layers.{ours}", transform, VISION)
+        for hf, ours, transform in _ENCODER_LAYER
+    ),
+    Rule(
+        _VIT + "embeddings.patch_embedding.weight",
+        "vit_model.patch_embedding.kernel",
+        LINEAR,
+        VISION,
+    ),  # stored as a Linear [Dv, 588] over (py, px, c) features
+    Rule(
+        _VIT + "embeddings.patch_embedding.bias", "vit_model.patch_embedding.bias", IDENTITY, VISION
+    ),
+    Rule(
+        _VIT + "embeddings.position_embedding.weight",
+        "vit_model.position_embedding",
+        IDENTITY,
+        VISION,
+    ),
     Rule(_VIT + "post_layernorm.weight", "vit_model.post_layernorm.scale", IDENTITY, VISION),
     Rule(_VIT + "post_layernorm.bias", "vit_model.post_layernorm.bias", IDENTITY, VISION),
     Rule("connector.fc1.weight", "connector.fc1.kernel", LINEAR, VISION),
@@ -225,7 +256,7 @@ MAPPING: tuple[Rule, ...] = (
     _generation_rule("time_embedder.mlp.0.bias", lambda c: (_d(c),)),
     _generation_rule("time_embedder.mlp.2.weight", lambda c: (_d(c), _d(c))),
     _generation_rule("time_embedder.mlp.2.bias", lambda c: (_d(c),)),
-)  # fmt: skip
+)
 
 RULE_BY_TARGET = {rule.target: rule for rule in MAPPING if rule.target is not None}
 

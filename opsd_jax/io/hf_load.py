@@ -184,16 +184,20 @@ def initial_weights(
         raise ValueError(f"weights={weights!r}; allowed: {', '.join(map(repr, WEIGHT_CHOICES))}")
     if weights != "auto":
         if finetune_from_ema and weights != "ema":
-            raise HFCheckpointError(f"finetune_from_ema=True starts the student from the EMA "
-                                    f"weights, but weights={weights!r}; use 'auto' or 'ema'")  # fmt: skip
+            raise HFCheckpointError(
+                f"finetune_from_ema=True starts the student from the EMA "
+                f"weights, but weights={weights!r}; use 'auto' or 'ema'"
+            )
         open_weights(Path(hf_dir), weights)  # it must exist
         return InitialWeights(weights, weights, weights)
     present = present_stems(hf_dir)
     if not present:
         open_weights(Path(hf_dir), None)  # raises: no weights found
     if finetune_from_ema and "ema" not in present:
-        raise HFCheckpointError(f"{hf_dir}: finetune_from_ema=True starts the student from "
-                                f"ema.safetensors, which is not there (found: {present})")  # fmt: skip
+        raise HFCheckpointError(
+            f"{hf_dir}: finetune_from_ema=True starts the student from "
+            f"ema.safetensors, which is not there (found: {present})"
+        )
     model_file = "model" if "model" in present else present[0]
     return InitialWeights(
         student="ema" if finetune_from_ema else model_file,
@@ -253,8 +257,16 @@ def load_hf(
     grown = _grown_vocab(config, bagel_tokenizer)
     if grown != config.llm.vocab_size:
         config = config.replace(llm=dict(vocab_size=grown))
-    graphdef, state = load_weights(hf_dir, config, weights=weights, mesh=mesh, dtype=dtype,
-                                   rules=rules, progress=progress, read_params=read_params)  # fmt: skip
+    graphdef, state = load_weights(
+        hf_dir,
+        config,
+        weights=weights,
+        mesh=mesh,
+        dtype=dtype,
+        rules=rules,
+        progress=progress,
+        read_params=read_params,
+    )
     return nnx.merge(graphdef, state), config, bagel_tokenizer
 
 
@@ -281,8 +293,10 @@ def load_weights(
     source_vocab = read_config(hf_dir).llm.vocab_size
     grown = config.llm.vocab_size
     if grown < source_vocab:
-        raise HFCheckpointError(f"{hf_dir}: the model's vocabulary ({grown}) is smaller than the "
-                                f"checkpoint's ({source_vocab}); a table is never shrunk")  # fmt: skip
+        raise HFCheckpointError(
+            f"{hf_dir}: the model's vocabulary ({grown}) is smaller than the "
+            f"checkpoint's ({source_vocab}); a table is never shrunk"
+        )
 
     make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
     if mesh is None:
@@ -293,8 +307,9 @@ def load_weights(
         default_sharding = None
     flat_state = nnx.to_flat_state(abstract_state)
     abstract = {dotted(p): v.get_value() for p, v in flat_state}
-    skipped = set() if read_params else {dotted(p) for p, v in flat_state
-                                         if isinstance(v, nnx.Param)}  # fmt: skip
+    skipped = (
+        set() if read_params else {dotted(p) for p, v in flat_state if isinstance(v, nnx.Param)}
+    )
     plan = plan_load(
         _header(files),
         {path: spec.shape for path, spec in abstract.items()},

@@ -44,10 +44,12 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     """The model, tokenizer and starting weights a training `config` asks for, on `mesh`."""
     model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
     from_ema = config.finetune_from_ema and not full_resume
-    files = hf_load.initial_weights(config.model_path, config.weights,
-                               finetune_from_ema=from_ema and not model_only)  # fmt: skip
+    files = hf_load.initial_weights(
+        config.model_path, config.weights, finetune_from_ema=from_ema and not model_only
+    )
     model, model_config, tokenizer = hf_load.load_hf(
-        config.model_path, mesh=mesh, config_changes=config_changes, weights=files.student)  # fmt: skip
+        config.model_path, mesh=mesh, config_changes=config_changes, weights=files.student
+    )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     described = {"student": f"{files.student}.safetensors"}
@@ -65,19 +67,23 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
         described["fixed teacher"] = f"{files.fixed_teacher}.safetensors"
     if model_only:
         abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)  # fmt: skip
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
         saved_mode = saved_teacher_mode(config.resume_from)
         if from_ema and saved_mode != "ema":
             # Its 'ema_params' item, if any, holds a fixed teacher: not an EMA of the student.
-            raise ValueError(f"finetune_from_ema=True: resume_from={config.resume_from!r} was "
-                             f"saved with teacher_mode={saved_mode!r}, so it has no EMA weights")  # fmt: skip
+            raise ValueError(
+                f"finetune_from_ema=True: resume_from={config.resume_from!r} was "
+                f"saved with teacher_mode={saved_mode!r}, so it has no EMA weights"
+            )
         item = EMA_PARAMS if from_ema else PARAMS
         params = restore_model_params(config.resume_from, abstract, which=item)
         described["student"] = f"{config.resume_from} {item}"
         if config.teacher_mode == "ema" and not from_ema:
             if saved_mode == "ema":
-                teacher_source = restore_model_params(config.resume_from, abstract,
-                                                      which=EMA_PARAMS)  # fmt: skip
+                teacher_source = restore_model_params(
+                    config.resume_from, abstract, which=EMA_PARAMS
+                )
                 described["ema teacher"] = f"{config.resume_from} {EMA_PARAMS}"
     elif config.teacher_mode == "ema" and not full_resume:
         teacher_source = hf_params(files.ema_teacher)
@@ -87,5 +93,6 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     if config.teacher_mode in ("ema", "fixed") and teacher_source is None and not full_resume:
         described[f"{config.teacher_mode} teacher"] = "the student's weights"
     description = ", ".join(f"{who} from {what}" for who, what in described.items())
-    return StartingWeights(graphdef, params, rest, model_config, tokenizer, teacher_source,
-                           description)  # fmt: skip
+    return StartingWeights(
+        graphdef, params, rest, model_config, tokenizer, teacher_source, description
+    )

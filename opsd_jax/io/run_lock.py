@@ -73,13 +73,16 @@ class Holder:
 
     @classmethod
     def this_process(cls) -> Holder:
-        return cls(socket.gethostname(), os.getpid(), _process_start(os.getpid()),
-                   datetime.datetime.now().isoformat(timespec="seconds"),
-                   " ".join(sys.argv))  # fmt: skip
+        return cls(
+            socket.gethostname(),
+            os.getpid(),
+            _process_start(os.getpid()),
+            datetime.datetime.now().isoformat(timespec="seconds"),
+            " ".join(sys.argv),
+        )
 
     def describe(self) -> str:
-        return (f"process {self.pid} on host {self.host}, started {self.started} "
-                f"({self.command})")  # fmt: skip
+        return f"process {self.pid} on host {self.host}, started {self.started} ({self.command})"
 
 
 class RunLock:
@@ -149,16 +152,19 @@ def _acquire_one(directory: str, holder: Holder, say) -> str:
         if other is None:
             raise RunLockError(
                 f"{path} exists but does not name a run (half-written or not ours): if no "
-                f"run uses {directory}, delete the file")  # fmt: skip
+                f"run uses {directory}, delete the file"
+            )
         if other.host != holder.host:
             raise RunLockError(
                 f"{directory} is in use by another run: {other.describe()}. Wait for it to "
                 f"end, or give this run another results_dir; if that process is gone (it "
-                f"cannot be checked from host {holder.host}), delete {path}")  # fmt: skip
+                f"cannot be checked from host {holder.host}), delete {path}"
+            )
         if _running(other.pid, other.process_start):
             raise RunLockError(
                 f"{directory} is in use by another run: {other.describe()}. Wait for it to "
-                f"end, stop it, or give this run another results_dir")  # fmt: skip
+                f"end, stop it, or give this run another results_dir"
+            )
         # The holder is gone (killed before it could release): move its lock aside atomically,
         # so of two runs taking over at once only one succeeds, then take it.
         try:
@@ -188,8 +194,9 @@ def acquire_for_run(directories: list[str], say=print) -> RunLock | None:
         if refused and error is None:
             if lock is not None:
                 lock.release()
-            raise RunLockError("the main process could not lock the run directory (its "
-                               "message is on its console)")  # fmt: skip
+            raise RunLockError(
+                "the main process could not lock the run directory (its message is on its console)"
+            )
     if error is not None:
         raise error
     return lock

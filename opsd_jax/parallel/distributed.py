@@ -114,6 +114,7 @@ def rows_array(values: np.ndarray, like: jax.Array) -> jax.Array:
 
 # ---- process-local Packs -> one global Pack -------------------------------------------------
 
+
 def rows_divide(num_rows: int, mesh) -> bool:
     """Whether `num_rows` split evenly over the mesh's batch axes (data x fsdp)."""
     return num_rows % int(np.prod([mesh.shape[a] for a in mesh_lib.BATCH_AXES])) == 0

@@ -72,13 +72,19 @@ def devices(target: str, count: int) -> tuple:
     return tuple(topology.devices)
 
 
-def make_mesh(target: str, devices_count: int, num_replicate: int = 1, num_tensor: int = 1,
-              num_shard: int | None = None) -> jax.sharding.Mesh:  # fmt: skip
+def make_mesh(
+    target: str,
+    devices_count: int,
+    num_replicate: int = 1,
+    num_tensor: int = 1,
+    num_shard: int | None = None,
+) -> jax.sharding.Mesh:
     """The training mesh ('data', 'fsdp', 'tensor') over compile-only devices of `target`."""
     from opsd_jax.parallel import mesh as mesh_lib
 
-    return mesh_lib.make_mesh(num_replicate, num_shard, num_tensor,
-                              devices=list(devices(target, devices_count)))  # fmt: skip
+    return mesh_lib.make_mesh(
+        num_replicate, num_shard, num_tensor, devices=list(devices(target, devices_count))
+    )
 
 
 def is_gpu_mesh(mesh) -> bool:

@@ -30,12 +30,36 @@ import re
 from opsd_jax.parallel import hlo_stats
 
 # Ops that move nothing (views, bookkeeping, the second half of async pairs).
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-         "partition-id", "replica-id", "opt-barrier", "add-dependency", "iota"}  # fmt: skip
+_FREE = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "iota",
+}
 # Ops that only move or reshape data: a kernel made of these alone is a copy.
-_MOVES = {"parameter", "constant", "bitcast", "copy", "transpose", "reshape", "dynamic-slice",
-          "slice", "dynamic-update-slice", "pad", "concatenate", "broadcast", "tuple",
-          "get-tuple-element"}  # fmt: skip
+_MOVES = {
+    "parameter",
+    "constant",
+    "bitcast",
+    "copy",
+    "transpose",
+    "reshape",
+    "dynamic-slice",
+    "slice",
+    "dynamic-update-slice",
+    "pad",
+    "concatenate",
+    "broadcast",
+    "tuple",
+    "get-tuple-element",
+}
 _SLICES = {"dynamic-slice", "slice", "gather"}  # read only what they select
 _IN_PLACE = {"dynamic-update-slice", "scatter"}  # operand 0 updated in place
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -92,8 +116,9 @@ def _tuple_elements(type_text: str) -> list[str]:
 class _Module:
     def __init__(self, text: str):
         self.computations, self.entry = hlo_stats.parse_module(text)
-        self.types = {name: {i.name: i.result for i in insts}
-                      for name, insts in self.computations.items()}  # fmt: skip
+        self.types = {
+            name: {i.name: i.result for i in insts} for name, insts in self.computations.items()
+        }
 
     def operand_types(self, inst, computation) -> list[str]:
         return [hlo_stats.operand_type(o, self.types[computation]) for o in inst.operands]
@@ -115,8 +140,9 @@ class _Module:
                 else:
                     yield name, user
 
-        params = sorted((i for i in insts if i.opcode == "parameter"),
-                        key=lambda i: int(i.operand_text or 0))  # fmt: skip
+        params = sorted(
+            (i for i in insts if i.opcode == "parameter"), key=lambda i: int(i.operand_text or 0)
+        )
         reads: list[int | None] = []
         for param in params:
             total, whole = 0, False
@@ -140,8 +166,11 @@ class _Module:
                 update = inst.operands[1 if inst.opcode == "dynamic-update-slice" else -1]
                 return _bytes(hlo_stats.operand_type(update, self.types[fused]))
             if inst.opcode == "tuple":
-                return sum(written(by_name[o]) for o in inst.operands
-                           if o in by_name and not _is_workspace(by_name[o].result))  # fmt: skip
+                return sum(
+                    written(by_name[o])
+                    for o in inst.operands
+                    if o in by_name and not _is_workspace(by_name[o].result)
+                )
             return sum(_bytes(e) for e in _tuple_elements(inst.result) if not _is_workspace(e))
 
         root = next((i for i in insts if i.is_root), insts[-1] if insts else None)
@@ -164,16 +193,20 @@ class _Module:
                 continue
             if op == "conditional":
                 branches = _BRANCHES.search(inst.attributes)
-                names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")]
-                         if branches else [])  # fmt: skip
+                names = (
+                    [b.strip().lstrip("%") for b in branches.group(1).split(",")]
+                    if branches
+                    else []
+                )
                 # The branch taken is data-dependent: count the one that moves the most.
                 options = [list(self.kernels(b, multiplier, depth + 1)) for b in names]
                 if options:
                     yield from max(options, key=lambda ks: sum(k.bytes for k in ks))
                 continue
             if op == "call":
-                callee = _CALLS.search(inst.attributes) or re.search(r"to_apply=%?([\w.\-]+)",
-                                                                     inst.attributes)  # fmt: skip
+                callee = _CALLS.search(inst.attributes) or re.search(
+                    r"to_apply=%?([\w.\-]+)", inst.attributes
+                )
                 if callee:
                     yield from self.kernels(callee.group(1), multiplier, depth + 1)
                 continue
@@ -204,8 +237,17 @@ class _Module:
                 elements = elements[:-1]  # a library call's scratch workspace
             written = sum(_bytes(e) for e in elements)
         triton = _TRITON_NAME.search(inst.attributes) if _TRITON in inst.attributes else None
-        return Kernel(inst.name, inst.opcode, computation, read, written, multiplier,
-                      moves_only, result.strip(), triton.group(1) if triton else "")  # fmt: skip
+        return Kernel(
+            inst.name,
+            inst.opcode,
+            computation,
+            read,
+            written,
+            multiplier,
+            moves_only,
+            result.strip(),
+            triton.group(1) if triton else "",
+        )
 
 
 def loop_traffic(text: str, loop: str | None = None) -> list[Kernel]:
@@ -230,9 +272,13 @@ def loop_traffic(text: str, loop: str | None = None) -> list[Kernel]:
 def outside_loops(text: str) -> list[Kernel]:
     """The entry computation's kernels outside its while loops (once per call)."""
     module = _Module(text)
-    return [module.kernel(i, module.entry, 1) for i in module.computations[module.entry]
-            if i.opcode not in _FREE and not i.opcode.endswith("-done")
-            and i.opcode not in ("while", "conditional", "call")]  # fmt: skip
+    return [
+        module.kernel(i, module.entry, 1)
+        for i in module.computations[module.entry]
+        if i.opcode not in _FREE
+        and not i.opcode.endswith("-done")
+        and i.opcode not in ("while", "conditional", "call")
+    ]
 
 
 def with_reads(kernels: list[Kernel], kernel_name: str, read: int) -> list[Kernel]:
@@ -240,8 +286,9 @@ def with_reads(kernels: list[Kernel], kernel_name: str, read: int) -> list[Kerne
     per execution. A kernel whose loops stop at run-time bounds reads less than its operands
     (the sampler's decode attention takes the whole stacked cache and reads one layer up to each
     row's length), which the program text cannot tell: the caller states what it reads."""
-    return [dataclasses.replace(k, read=read) if k.kernel_name == kernel_name else k
-            for k in kernels]  # fmt: skip
+    return [
+        dataclasses.replace(k, read=read) if k.kernel_name == kernel_name else k for k in kernels
+    ]
 
 
 def total_bytes(kernels: list[Kernel]) -> int:
@@ -262,4 +309,3 @@ def describe(kernels: list[Kernel], top: int = 12) -> str:
         f" {'[moves only] ' if k.moves_only else ''}{k.kernel_name or k.name} -> {k.result[:80]}"
         for k in ordered
     ) + (f"\n  ... {len(kernels) - top} more" if len(kernels) > top else "")
-

@@ -32,10 +32,26 @@ from jax.experimental.compilation_cache import compilation_cache as persistent_c
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 DTYPE_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-    "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1,
-}  # fmt: skip
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s4": 1,
+    "u4": 1,
+}
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
@@ -156,9 +172,17 @@ def parse_module(text: str):
         if inst:
             name, result, opcode, rest = inst.groups()
             operand_text = _split_operands(rest)
-            computations[current].append(Instruction(
-                name, opcode, result, _OPERAND_NAME.findall(operand_text), operand_text,
-                rest[len(operand_text):], stripped.startswith("ROOT")))  # fmt: skip
+            computations[current].append(
+                Instruction(
+                    name,
+                    opcode,
+                    result,
+                    _OPERAND_NAME.findall(operand_text),
+                    operand_text,
+                    rest[len(operand_text) :],
+                    stripped.startswith("ROOT"),
+                )
+            )
     if entry is None:
         raise ValueError("no ENTRY computation in the HLO text")
     return computations, entry
@@ -316,13 +340,21 @@ def collectives(text: str) -> list[Collective]:
             if kind == "reduce-scatter" and inst.opcode.startswith("all-reduce"):
                 # Reported as the reduce-scatter it becomes: each device keeps 1/n.
                 n = max(group_size, 1)
-                result_shapes = tuple(Shape(r.dtype, (math.prod(r.dims) // n,))
-                                      for r in result_shapes)  # fmt: skip
-            found.append(Collective(
-                kind=kind, name=inst.name, computation=computation, operands=operands,
-                results=result_shapes, group_size=group_size, count=counts[computation],
-                in_unknown_loop=unknown[computation],
-            ))  # fmt: skip
+                result_shapes = tuple(
+                    Shape(r.dtype, (math.prod(r.dims) // n,)) for r in result_shapes
+                )
+            found.append(
+                Collective(
+                    kind=kind,
+                    name=inst.name,
+                    computation=computation,
+                    operands=operands,
+                    results=result_shapes,
+                    group_size=group_size,
+                    count=counts[computation],
+                    in_unknown_loop=unknown[computation],
+                )
+            )
     return found
 
 
@@ -361,8 +393,9 @@ def _is_weight_like(dims: tuple[int, ...], shapes: set[tuple[int, ...]], splits:
     return False
 
 
-def activation_collectives(found: list[Collective], weights, splits: set[int],
-                           small: int = 64) -> list[Collective]:  # fmt: skip
+def activation_collectives(
+    found: list[Collective], weights, splits: set[int], small: int = 64
+) -> list[Collective]:
     """The collectives that move neither a weight nor a weight gradient (whole or one device's
     shard, `splits` = the ways the mesh splits a weight, e.g. {1, fsdp}) nor a small statistic
     (at most `small` elements): under FSDP and data parallelism that is an activation crossing
@@ -402,15 +435,21 @@ def compile_and_read(lowered, options: dict | None = None):
     persistent_cache.reset_cache()
     try:
         with tempfile.TemporaryDirectory(prefix="opsd-hlo-") as folder:
-            compiled = lowered.compile(compiler_options={
-                **(options or {}), "xla_dump_to": folder,
-                "xla_dump_hlo_pass_re": "spmd-partitioning"})  # fmt: skip
+            compiled = lowered.compile(
+                compiler_options={
+                    **(options or {}),
+                    "xla_dump_to": folder,
+                    "xla_dump_hlo_pass_re": "spmd-partitioning",
+                }
+            )
             dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
             if not dumps:  # one device: nothing to partition, the program as it came in
                 dumps = sorted(glob.glob(os.path.join(folder, "*before_optimizations.txt")))
             if not dumps:
-                raise RuntimeError(f"XLA wrote no after-spmd-partitioning dump in {folder}: "
-                                   f"{sorted(os.listdir(folder))[:20]}")
+                raise RuntimeError(
+                    f"XLA wrote no after-spmd-partitioning dump in {folder}: "
+                    f"{sorted(os.listdir(folder))[:20]}"
+                )
             with open(dumps[-1]) as f:
                 return compiled, f.read()
     finally:

@@ -106,12 +106,19 @@ def make_mesh(
 def tensor_size_for(heads, devices_per_host: int) -> int:
     """The largest t dividing `devices_per_host` and every head count in `heads` (a tensor axis
     that splits attention into whole heads everywhere; with no heads, all the devices)."""
-    return max(t for t in range(1, devices_per_host + 1)
-               if devices_per_host % t == 0 and all(h % t == 0 for h in heads))  # fmt: skip
+    return max(
+        t
+        for t in range(1, devices_per_host + 1)
+        if devices_per_host % t == 0 and all(h % t == 0 for h in heads)
+    )
 
 
-def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = None,
-                heads: tuple[int, ...] = ()):  # fmt: skip
+def decode_mesh(
+    mesh: jax.sharding.Mesh,
+    layout: str,
+    tensor_size: int | None = None,
+    heads: tuple[int, ...] = (),
+):
     """The sampler's view of `mesh`'s devices: ('data', 'fsdp', 'tensor') = (N / t, 1, t).
 
     t is 1 for 'replicated'; for 'tensor' the devices of one process, or with `heads` (every
@@ -122,25 +129,32 @@ def decode_mesh(mesh: jax.sharding.Mesh, layout: str, tensor_size: int | None = 
     t = 1; each group of t consecutive devices must lie in one process.
     """
     if layout not in SAMPLER_LAYOUTS:
-        raise ValueError(f"sampler_layout={layout!r}: allowed values are "
-                         f"{', '.join(map(repr, SAMPLER_LAYOUTS))}")  # fmt: skip
+        raise ValueError(
+            f"sampler_layout={layout!r}: allowed values are {', '.join(map(repr, SAMPLER_LAYOUTS))}"
+        )
     if layout == "auto":
-        raise ValueError("sampler_layout='auto' is resolved first (opsd_jax/sampling/"
-                         "layout_choice.py); decode_mesh takes 'replicated' or 'tensor'")  # fmt: skip
+        raise ValueError(
+            "sampler_layout='auto' is resolved first (opsd_jax/sampling/"
+            "layout_choice.py); decode_mesh takes 'replicated' or 'tensor'"
+        )
     devices = np.asarray(mesh.devices).reshape(-1)
     if tensor_size is None:
         tensor_size = SAMPLER_LAYOUTS[layout]
         if tensor_size == "host":
             tensor_size = tensor_size_for(heads, min(jax.local_device_count(), devices.size))
     if tensor_size < 1 or devices.size % tensor_size:
-        raise ValueError(f"sampler_layout={layout!r}: a tensor axis of {tensor_size} devices "
-                         f"does not divide the {devices.size} devices")  # fmt: skip
+        raise ValueError(
+            f"sampler_layout={layout!r}: a tensor axis of {tensor_size} devices "
+            f"does not divide the {devices.size} devices"
+        )
     groups = devices.reshape(-1, 1, tensor_size)
     for group in groups.reshape(-1, tensor_size):
         if len({d.process_index for d in group}) > 1:
-            raise ValueError(f"sampler_layout={layout!r}: the training mesh's device order puts "
-                             f"devices of several processes in one tensor group {list(group)}; "
-                             "use 'replicated' or a process-major mesh")  # fmt: skip
+            raise ValueError(
+                f"sampler_layout={layout!r}: the training mesh's device order puts "
+                f"devices of several processes in one tensor group {list(group)}; "
+                "use 'replicated' or a process-major mesh"
+            )
     return jax.sharding.Mesh(groups, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 

@@ -177,7 +177,8 @@ def data_config(config, datasets: Sequence[str] = (), image_transform: Any = Non
             if not os.path.exists(spec["path"]):
                 raise FileNotFoundError(
                     f"dataset {spec.get('name')!r}: path {spec['path']!r} does not exist (a toy "
-                    "config writes its data when it first trains; else give --data name=path)")  # fmt: skip
+                    "config writes its data when it first trains; else give --data name=path)"
+                )
     if not data["datasets"]:
         raise ValueError("no datasets: give --config (with data.datasets) or --data name=path")
     if image_transform is not None:
@@ -202,7 +203,12 @@ def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str
     """The one compiled train step as the config sets it up (teacher mode, EMA decay, learning
     rate schedule, bad-step limit), its state laid out like `abstract_state`."""
     return train_step.make_train_step(
-        loss_fn, optimizer, teacher_mode=config.teacher_mode, ema_decay=config.ema_decay,
-        schedule=train_step.learning_rate_schedule(config), frozen=frozen,
+        loss_fn,
+        optimizer,
+        teacher_mode=config.teacher_mode,
+        ema_decay=config.ema_decay,
+        schedule=train_step.learning_rate_schedule(config),
+        frozen=frozen,
         max_bad_steps=config.max_consecutive_bad_steps,
-        state_shardings=train_step.shardings_of(abstract_state))  # fmt: skip
+        state_shardings=train_step.shardings_of(abstract_state),
+    )

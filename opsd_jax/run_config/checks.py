@@ -63,8 +63,11 @@ _RANGES = (
     ("pack_student_row_tokens", lambda v: v == 0 or v >= 16, ">= 16, or 0 (derived)"),
     ("pack_student_row_patches", lambda v: v >= 0, ">= 0 (0 = derived)"),
     ("pack_loss_entries", lambda v: v >= 0, ">= 0 (0 = derived)"),
-    ("pack_length_buckets", lambda v: isinstance(v, int) and 1 <= v <= 8,
-     "an int in [1, 8] (each bucket is one more compiled train step)"),
+    (
+        "pack_length_buckets",
+        lambda v: isinstance(v, int) and 1 <= v <= 8,
+        "an int in [1, 8] (each bucket is one more compiled train step)",
+    ),
     ("lr", lambda v: v > 0, "> 0"),
     ("min_lr", lambda v: v >= 0, ">= 0"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
@@ -94,8 +97,9 @@ class ConfigError(ValueError):
     """A bad training config; the message names every problem (train.py prints it as it is)."""
 
 
-def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
-             need_cache: bool = True) -> None:  # fmt: skip
+def validate(
+    config, num_devices: int | None = None, num_processes: int = 1, *, need_cache: bool = True
+) -> None:
     """`need_cache=False`: for scripts/collect_traces.py, which makes the offline cache."""
     problems = []
     for key, allowed in _CHOICES.items():
@@ -110,36 +114,53 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
     if config.mode == "sft" and config.teacher_mode != "self":
         # Decided: refuse rather than silently override, so a config never says 'ema' while
         # training without one (SFT has no teacher; 'self' keeps no EMA / fixed copy).
-        problems.append(f"teacher_mode={config.teacher_mode!r} with mode='sft': SFT has no "
-                        "teacher; allowed value is 'self' (no EMA / fixed copy is kept)")  # fmt: skip
+        problems.append(
+            f"teacher_mode={config.teacher_mode!r} with mode='sft': SFT has no "
+            "teacher; allowed value is 'self' (no EMA / fixed copy is kept)"
+        )
     if config.mode == "offline" and config.teacher_mode != "self":
-        problems.append(f"teacher_mode={config.teacher_mode!r} with mode='offline': the teacher is "
-                        "the cache; allowed value is 'self' (no EMA / fixed copy is kept)")  # fmt: skip
+        problems.append(
+            f"teacher_mode={config.teacher_mode!r} with mode='offline': the teacher is "
+            "the cache; allowed value is 'self' (no EMA / fixed copy is kept)"
+        )
     if config.mode == "offline" or not need_cache:
         manifest = os.path.join(config.offline_cache_dir, offline_cache.MANIFEST)
         if not config.offline_cache_dir:
-            problems.append("offline_cache_dir is empty: give the teacher cache's directory "
-                            "(made by scripts/collect_traces.py)")  # fmt: skip
+            problems.append(
+                "offline_cache_dir is empty: give the teacher cache's directory "
+                "(made by scripts/collect_traces.py)"
+            )
         elif need_cache and not os.path.isfile(manifest):
-            problems.append(f"offline_cache_dir={config.offline_cache_dir!r}: no "
-                            f"{offline_cache.MANIFEST}; make the cache first: python scripts/"
-                            "collect_traces.py --config <the same config>")  # fmt: skip
+            problems.append(
+                f"offline_cache_dir={config.offline_cache_dir!r}: no "
+                f"{offline_cache.MANIFEST}; make the cache first: python scripts/"
+                "collect_traces.py --config <the same config>"
+            )
     contexts = [c for c in str(config.eval_contexts).split(",") if c]
     if config.eval_every and (not contexts or set(contexts) - {"student", "teacher"}):
-        problems.append(f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
-                        "'teacher' or 'student,teacher'")  # fmt: skip
+        problems.append(
+            f"eval_contexts={config.eval_contexts!r}: allowed values are 'student', "
+            "'teacher' or 'student,teacher'"
+        )
     buckets = config.sample_prompt_buckets
-    if (not isinstance(buckets, (tuple, list)) or not buckets
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 for b in buckets)
-            or list(buckets) != sorted(set(buckets))):  # fmt: skip
-        problems.append(f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
-                        "increasing list of integers >= 16 (prompt row lengths)")  # fmt: skip
+    if (
+        not isinstance(buckets, (tuple, list))
+        or not buckets
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 16 for b in buckets)
+        or list(buckets) != sorted(set(buckets))
+    ):
+        problems.append(
+            f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
+            "increasing list of integers >= 16 (prompt row lengths)"
+        )
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
     if config.freeze_und and config.freeze_llm:
         # freeze_und leaves only lm_head trainable (train_step.frozen_groups), a part of the LM.
-        problems.append("freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
-                        "trains only lm_head, which freeze_llm freezes)")  # fmt: skip
+        problems.append(
+            "freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
+            "trains only lm_head, which freeze_llm freezes)"
+        )
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if config.resume_from and not os.path.exists(config.resume_from):
@@ -154,21 +175,30 @@ def validate(config, num_devices: int | None = None, num_processes: int = 1, *,
         for i, spec in enumerate(config.data.datasets):
             path = dict(spec).get("path", "")
             if not path or not os.path.exists(path):
-                problems.append(f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
-                                f"path {path!r} does not exist")  # fmt: skip
+                problems.append(
+                    f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
+                    f"path {path!r} does not exist"
+                )
     if num_devices is not None:
         problems += _device_problems(config, num_devices, num_processes)
     if config.rows_per_micro_batch > config.samples_per_micro_batch:
-        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
-                        f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
-                        "would always be empty")  # fmt: skip
+        problems.append(
+            f"rows_per_micro_batch={config.rows_per_micro_batch} exceeds "
+            f"samples_per_micro_batch={config.samples_per_micro_batch}: some rows "
+            "would always be empty"
+        )
     if not problems and config.attention_backend == "dense":  # the shapes need sane values
-        longest = max(shape.row_length for shapes in pack_shapes.pack_shapes(config).values()
-                      for shape in shapes)  # fmt: skip
+        longest = max(
+            shape.row_length
+            for shapes in pack_shapes.pack_shapes(config).values()
+            for shape in shapes
+        )
         if longest > attention.DENSE_MAX_TOKENS:
-            problems.append(f"attention_backend='dense' with {longest}-token rows: 'dense' keeps "
-                            "every [query, key] score and takes rows of at most "
-                            f"{attention.DENSE_MAX_TOKENS} tokens; use 'auto' or 'chunked'")  # fmt: skip
+            problems.append(
+                f"attention_backend='dense' with {longest}-token rows: 'dense' keeps "
+                "every [query, key] score and takes rows of at most "
+                f"{attention.DENSE_MAX_TOKENS} tokens; use 'auto' or 'chunked'"
+            )
     if problems:
         raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
 
@@ -177,22 +207,30 @@ def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
     problems = []
     data, fsdp, tensor = mesh_shape(config, num_devices)
     if data * fsdp * tensor != num_devices or fsdp < 1:
-        problems.append(f"mesh num_replicate={config.num_replicate} x num_shard={config.num_shard} "
-                        f"x num_tensor={config.num_tensor} does not match the {num_devices} "
-                        "devices: the product must equal the device count (num_shard=-1 "
-                        "takes all the devices the other two leave)")  # fmt: skip
+        problems.append(
+            f"mesh num_replicate={config.num_replicate} x num_shard={config.num_shard} "
+            f"x num_tensor={config.num_tensor} does not match the {num_devices} "
+            "devices: the product must equal the device count (num_shard=-1 "
+            "takes all the devices the other two leave)"
+        )
     elif config.rows_per_micro_batch % (data * fsdp):
-        problems.append(f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
-                        f"data x fsdp = {data * fsdp} (rows are sharded over them)")  # fmt: skip
+        problems.append(
+            f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
+            f"data x fsdp = {data * fsdp} (rows are sharded over them)"
+        )
     if num_processes > 1:
         # Each process packs its own share of every micro-batch (distributed.py).
         for key in ("samples_per_micro_batch", "rows_per_micro_batch"):
             if config[key] % num_processes:
-                problems.append(f"{key}={config[key]} must be a multiple of the "
-                                f"{num_processes} processes (each feeds an equal share)")  # fmt: skip
+                problems.append(
+                    f"{key}={config[key]} must be a multiple of the "
+                    f"{num_processes} processes (each feeds an equal share)"
+                )
         prompts = config.samples_per_micro_batch * config.gradient_accumulation_steps
         if config.mode == "opsd" and prompts % (data * fsdp):
-            problems.append(f"samples_per_micro_batch x gradient_accumulation_steps = {prompts} "
-                            f"must be a multiple of data x fsdp = {data * fsdp} with several "
-                            "processes (the sampler's prompt rows are sharded over them)")  # fmt: skip
+            problems.append(
+                f"samples_per_micro_batch x gradient_accumulation_steps = {prompts} "
+                f"must be a multiple of data x fsdp = {data * fsdp} with several "
+                "processes (the sampler's prompt rows are sharded over them)"
+            )
     return problems

@@ -48,8 +48,11 @@ def load_config_file(path: str | os.PathLike):
     except (ValueError, FileNotFoundError):
         raise
     except Exception as e:  # a mistake inside the config file: name its line, not our stack
-        frames = [f for f in traceback.extract_tb(e.__traceback__)
-                  if os.path.abspath(f.filename) == os.path.abspath(path)]  # fmt: skip
+        frames = [
+            f
+            for f in traceback.extract_tb(e.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(path)
+        ]
         where = f"{path}:{frames[-1].lineno}" if frames else path
         raise ValueError(f"--config {where}: {type(e).__name__}: {e}") from None
 
@@ -76,8 +79,11 @@ def unknown_keys(config, keys) -> list[str]:
         except (AttributeError, KeyError, IndexError, ValueError):
             pass
         close = difflib.get_close_matches(key, known, n=3)
-        hint = (f"did you mean {', '.join(close)}?" if close else
-                "nothing similar (configs/common.py lists every key)")  # fmt: skip
+        hint = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else "nothing similar (configs/common.py lists every key)"
+        )
         problems.append(f"{key}: no such key; {hint}")
     return problems
 
@@ -90,7 +96,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     args = iter(enumerate(argv))
     for i, arg in args:
         if re.match(r"^--?config(=|$)", arg):  # --config=FILE or --config FILE
-            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1:] or [None])[0]
+            path = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1 :] or [None])[0]
             if "=" not in arg:
                 next(args, None)
             continue
@@ -105,8 +111,9 @@ def parse_flags(argv: list[str]) -> list[str]:
         config_error(e)
     problems = unknown_keys(config, keys)
     if problems:
-        config_error(f"unknown config keys for {path}:\n  --config." +
-                     "\n  --config.".join(problems))  # fmt: skip
+        config_error(
+            f"unknown config keys for {path}:\n  --config." + "\n  --config.".join(problems)
+        )
     if "config" in flags.FLAGS:  # a second parse in one process (tests): the new file's flags
         for name in [n for n in flags.FLAGS if n == "config" or n.startswith("config.")]:
             delattr(flags.FLAGS, name)

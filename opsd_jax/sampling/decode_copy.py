@@ -93,14 +93,19 @@ def decode_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules=mesh_lib.D
 def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
     """The jitted state -> copy on the decode mesh `view` (cached: one compile per run, not one
     per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
-    key = (jax.tree.structure(state), tuple(x.shape for x in jax.tree.leaves(state)), view,
-           jnp.dtype(dtype))  # fmt: skip
+    key = (
+        jax.tree.structure(state),
+        tuple(x.shape for x in jax.tree.leaves(state)),
+        view,
+        jnp.dtype(dtype),
+    )
     if key not in _CAST_FUNCTIONS:
         # Each device casts its own shard first (the input's layout), so the gather that the
         # out_shardings ask for moves compute-dtype bytes.
         _CAST_FUNCTIONS[key] = jax.jit(
             lambda s: jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), s),
-            out_shardings=decode_shardings(state, view))  # fmt: skip
+            out_shardings=decode_shardings(state, view),
+        )
     return _CAST_FUNCTIONS[key]
 
 
@@ -121,25 +126,39 @@ def copy_nbytes(state: nnx.State, dtype) -> int:
     return sum(x.size * copy_dtype(x, dtype).itemsize for x in jax.tree.leaves(state))
 
 
-def choose_layout(model_config, state: nnx.State, mesh: jax.sharding.Mesh, dtype,
-                  cache_bytes: int = 0) -> layout_choice.Choice:  # fmt: skip
+def choose_layout(
+    model_config, state: nnx.State, mesh: jax.sharding.Mesh, dtype, cache_bytes: int = 0
+) -> layout_choice.Choice:
     """`sampler_layout='auto'` for this model on `mesh`'s devices (`cache_bytes`: the KV
     cache of all rows at capacity, when known)."""
     # One of this process's devices (another process's cannot be asked for its memory).
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    free = stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
+    free = (
+        stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
+    )
     return layout_choice.choose(
-        copy_bytes=copy_nbytes(state, dtype), cache_bytes=cache_bytes,
+        copy_bytes=copy_nbytes(state, dtype),
+        cache_bytes=cache_bytes,
         heads=layout_choice.head_counts(model_config),
-        num_layers=model_config.llm.num_hidden_layers, num_devices=mesh.devices.size,
-        devices_per_host=jax.local_device_count(), platform=device.platform,
-        device_kind=getattr(device, "device_kind", ""), free_memory=free)  # fmt: skip
+        num_layers=model_config.llm.num_hidden_layers,
+        num_devices=mesh.devices.size,
+        devices_per_host=jax.local_device_count(),
+        platform=device.platform,
+        device_kind=getattr(device, "device_kind", ""),
+        free_memory=free,
+    )
 
 
-def make_decode_copy(graphdef: nnx.GraphDef, *states: nnx.State, layout: str,
-                     mesh: jax.sharding.Mesh, dtype, tensor_size: int | None = None,
-                     model_config=None) -> DecodeCopy:  # fmt: skip
+def make_decode_copy(
+    graphdef: nnx.GraphDef,
+    *states: nnx.State,
+    layout: str,
+    mesh: jax.sharding.Mesh,
+    dtype,
+    tensor_size: int | None = None,
+    model_config=None,
+) -> DecodeCopy:
     """The model `nnx.merge(graphdef, *states)` cast to `dtype` (see the module docstring) and
     laid out by `layout` on the decode view of `mesh`'s devices: one jitted cast + reshard,
     computed on device (states: e.g. the training params and the rest of the model state).

@@ -36,8 +36,11 @@ PLATFORMS = {
     "cpu": (20e9, 100e-6),
 }
 # GPU device kinds with another bandwidth than PLATFORMS["gpu"] (NVIDIA datasheets).
-DEVICE_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA A100-SXM4-80GB": 2.0e12,
-                    "NVIDIA A100-SXM4-40GB": 1.56e12}  # fmt: skip
+DEVICE_BANDWIDTH = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA A100-SXM4-80GB": 2.0e12,
+    "NVIDIA A100-SXM4-40GB": 1.56e12,
+}
 MEMORY_HEADROOM = 0.15  # of a device's free memory kept free (allocator, collectives' buffers)
 
 
@@ -51,8 +54,15 @@ def cache_nbytes(model_config, rows: int, slots: int, dtype) -> int:
     """The sampler's K and V cache (sampler.prefill_rows: [layers, rows, slots, kv heads, head dim]
     each) of `rows` rows at `slots` capacity."""
     llm = model_config.llm
-    return (2 * llm.num_hidden_layers * rows * slots * llm.num_key_value_heads * llm.head_dim
-            * np.dtype(dtype).itemsize)  # fmt: skip
+    return (
+        2
+        * llm.num_hidden_layers
+        * rows
+        * slots
+        * llm.num_key_value_heads
+        * llm.head_dim
+        * np.dtype(dtype).itemsize
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,21 +86,33 @@ class Choice:
         for p in self.projections:
             name = p.layout if p.layout == "replicated" else f"tensor {p.tensor_size}"
             fit = "" if p.fits else ", does not fit"
-            parts.append(f"{name} {p.step_seconds * new_tokens:.3g} s per {new_tokens}-token "
-                         f"rollout ({p.device_bytes / 2**30:.3g} GiB per device{fit})")  # fmt: skip
+            parts.append(
+                f"{name} {p.step_seconds * new_tokens:.3g} s per {new_tokens}-token "
+                f"rollout ({p.device_bytes / 2**30:.3g} GiB per device{fit})"
+            )
         chosen = self.layout if self.layout == "replicated" else f"tensor {self.tensor_size}"
         return f"sampler_layout 'auto' -> '{chosen}': projected " + "; ".join(parts)
 
 
-def choose(*, copy_bytes: int, cache_bytes: int, heads: Sequence[int], num_layers: int,
-           num_devices: int, devices_per_host: int, platform: str, device_kind: str = "",
-           free_memory: int | None = None) -> Choice:  # fmt: skip
+def choose(
+    *,
+    copy_bytes: int,
+    cache_bytes: int,
+    heads: Sequence[int],
+    num_layers: int,
+    num_devices: int,
+    devices_per_host: int,
+    platform: str,
+    device_kind: str = "",
+    free_memory: int | None = None,
+) -> Choice:
     """The layout for a copy of `copy_bytes` (whole) and a KV cache of `cache_bytes` (all
     rows at capacity) on `num_devices` devices of `platform`."""
     bandwidth, latency = PLATFORMS.get(platform, PLATFORMS["gpu"])
     if platform == "gpu":
-        bandwidth = next((bw for kind, bw in DEVICE_BANDWIDTH.items()
-                          if device_kind.startswith(kind)), bandwidth)  # fmt: skip
+        bandwidth = next(
+            (bw for kind, bw in DEVICE_BANDWIDTH.items() if device_kind.startswith(kind)), bandwidth
+        )
     budget = None if free_memory is None else free_memory * (1 - MEMORY_HEADROOM)
     t = tensor_size_for(heads, min(devices_per_host, num_devices))
     projections = []
@@ -99,9 +121,15 @@ def choose(*, copy_bytes: int, cache_bytes: int, heads: Sequence[int], num_layer
             continue  # nothing to split: the same as replicated
         device_bytes = copy_bytes // size + cache_bytes // num_devices
         collectives = 0 if size == 1 else 2 * num_layers + 1
-        projections.append(Projection(
-            layout, size, device_bytes / bandwidth + collectives * latency, device_bytes,
-            fits=budget is None or device_bytes <= budget))  # fmt: skip
+        projections.append(
+            Projection(
+                layout,
+                size,
+                device_bytes / bandwidth + collectives * latency,
+                device_bytes,
+                fits=budget is None or device_bytes <= budget,
+            )
+        )
     fitting = [p for p in projections if p.fits] or projections  # none fits: the least bad
     best = min(fitting, key=lambda p: (p.step_seconds, p.layout != "replicated"))
     return Choice(best.layout, best.tensor_size, tuple(projections))

@@ -89,9 +89,12 @@ def _pinned(state: DecodeState) -> DecodeState:
     rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return DecodeState(
         cache=tuple(constrain(x, CACHE_NAMES) for x in state.cache),
-        **{f.name: rows(getattr(state, f.name))
-           for f in dataclasses.fields(state) if f.name != "cache"},
-    )  # fmt: skip
+        **{
+            f.name: rows(getattr(state, f.name))
+            for f in dataclasses.fields(state)
+            if f.name != "cache"
+        },
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +133,10 @@ def cache_slots_for(prompt_length: int, max_new_tokens: int, max_image_skips: in
 def _check_prompt_pack(pack: Pack) -> None:
     segments = to_host(pack.segment_ids)
     if segments.max(initial=0) > 1:
-        raise ValueError("sample(): every prompt row must hold exactly one prompt (segment id 1); "
-                         "build it with pack_samples(..., one_sample_per_row=True)")  # fmt: skip
+        raise ValueError(
+            "sample(): every prompt row must hold exactly one prompt (segment id 1); "
+            "build it with pack_samples(..., one_sample_per_row=True)"
+        )
     real = segments > 0
     if not real.any(axis=1).all():
         raise ValueError("sample(): a prompt row is empty")
@@ -148,17 +153,21 @@ def _check_prompt_pack(pack: Pack) -> None:
 # (bench/scale.py), 7B, 16 rows: 40.926 GiB of HBM per decode step with the defaults, 16.596
 # GiB with these (the floor, weights + cache, is 14.100 GiB): cuBLAS reads each slice in place
 # (dynamic-slice fusion) and q, k, v stay three GEMMs. tests/test_gpu_compile.py holds it.
-SAMPLER_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False,
-                            "xla_gpu_dot_merger_threshold_mb": 0}  # fmt: skip
+SAMPLER_COMPILER_OPTIONS = {
+    "xla_gpu_enable_triton_gemm": False,
+    "xla_gpu_dot_merger_threshold_mb": 0,
+}
 
 
 # Every jitted function takes the active logical-axis rules as a static argument: jax caches a
 # trace per function and mesh, not per rules, and the same mesh may be used with the training
 # rules and the decode rules.
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5, 6),
-                   compiler_options=SAMPLER_COMPILER_OPTIONS)
-def prefill_rows(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype,
-             rules=()):  # fmt: skip
+@functools.partial(
+    jax.jit, static_argnums=(0, 3, 4, 5, 6), compiler_options=SAMPLER_COMPILER_OPTIONS
+)
+def prefill_rows(
+    graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype, rules=()
+):
     del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
     _, (k, v) = model.prefill(pack)  # [L, B, T, Hkv, Dh]
@@ -168,17 +177,19 @@ def prefill_rows(graphdef, params, pack: Pack, max_new_tokens: int, cache_slots:
         jnp.zeros(shape, cache_dtype).at[:, :, :length].set(x.astype(cache_dtype)) for x in (k, v)
     )
     real = pack.segment_ids > 0
-    return _pinned(DecodeState(
-        cache=cache,
-        kv_length=real.sum(axis=1).astype(jnp.int32),
-        rope=(jnp.max(jnp.where(real, pack.positions, -1), axis=1) + 1).astype(jnp.int32),
-        tokens=jnp.zeros((batch, max_new_tokens), jnp.int32),
-        logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
-        length=jnp.zeros((batch,), jnp.int32),
-        budget=jnp.full((batch,), max_new_tokens, jnp.int32),
-        active=jnp.ones((batch,), bool),
-        finished=jnp.zeros((batch,), bool),
-    ))
+    return _pinned(
+        DecodeState(
+            cache=cache,
+            kv_length=real.sum(axis=1).astype(jnp.int32),
+            rope=(jnp.max(jnp.where(real, pack.positions, -1), axis=1) + 1).astype(jnp.int32),
+            tokens=jnp.zeros((batch, max_new_tokens), jnp.int32),
+            logprobs=jnp.zeros((batch, max_new_tokens), jnp.float32),
+            length=jnp.zeros((batch,), jnp.int32),
+            budget=jnp.full((batch,), max_new_tokens, jnp.int32),
+            active=jnp.ones((batch,), bool),
+            finished=jnp.zeros((batch,), bool),
+        )
+    )
 
 
 def feed_tokens(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
@@ -191,10 +202,12 @@ def feed_tokens(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
     return logits, state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=(2,),
-                   compiler_options=SAMPLER_COMPILER_OPTIONS)
-def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array,
-                  rules=()):  # fmt: skip
+@functools.partial(
+    jax.jit, static_argnums=(0, 5), donate_argnums=(2,), compiler_options=SAMPLER_COMPILER_OPTIONS
+)
+def _append_token(
+    graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array, rules=()
+):
     """Append `token` to the cache of `rows` (it counts against their budget)."""
     del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
@@ -202,10 +215,15 @@ def _append_token(graphdef, params, state: DecodeState, token: jax.Array, rows: 
     return _pinned(state.replace(budget=state.budget - rows, active=rows))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=(2,),
-                   compiler_options=SAMPLER_COMPILER_OPTIONS)
-def decode_round(graphdef, params, state: DecodeState, rng, row_ids, settings: RoundSettings,
-                  rules=()):  # fmt: skip
+@functools.partial(
+    jax.jit,
+    static_argnums=(0, 5, 6),
+    donate_argnums=(2,),
+    compiler_options=SAMPLER_COMPILER_OPTIONS,
+)
+def decode_round(
+    graphdef, params, state: DecodeState, rng, row_ids, settings: RoundSettings, rules=()
+):
     """Feed <|im_start|> to the active rows, then sample until every row has stopped."""
     del rules  # in the cache key only
     batch, capacity = state.tokens.shape
@@ -304,41 +322,75 @@ def sample(
     else:
         (graphdef, params), context = nnx.split(model), contextlib.nullcontext()
     with context:
-        return _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_tokens,
-                       temperature, do_sample, max_image_skips, decode_text, row_ids,
-                       cache_dtype)  # fmt: skip
+        return _sample(
+            graphdef,
+            params,
+            prompt_pack,
+            rng,
+            special,
+            vocab_limit,
+            max_new_tokens,
+            temperature,
+            do_sample,
+            max_image_skips,
+            decode_text,
+            row_ids,
+            cache_dtype,
+        )
 
 
-def _sample(graphdef, params, prompt_pack, rng, special, vocab_limit, max_new_tokens, temperature,
-            do_sample, max_image_skips, decode_text, row_ids, cache_dtype) -> Completions:  # fmt: skip
+def _sample(
+    graphdef,
+    params,
+    prompt_pack,
+    rng,
+    special,
+    vocab_limit,
+    max_new_tokens,
+    temperature,
+    do_sample,
+    max_image_skips,
+    decode_text,
+    row_ids,
+    cache_dtype,
+) -> Completions:
     batch = prompt_pack.num_rows
     rules = tuple(spmd.get_logical_axis_rules())
     cache_slots = cache_slots_for(prompt_pack.row_length, max_new_tokens, max_image_skips)
-    state = prefill_rows(graphdef, params, prompt_pack, max_new_tokens, cache_slots,
-                     jnp.dtype(cache_dtype), rules)  # fmt: skip
+    state = prefill_rows(
+        graphdef, params, prompt_pack, max_new_tokens, cache_slots, jnp.dtype(cache_dtype), rules
+    )
     settings = RoundSettings(
-        temperature=float(temperature), do_sample=bool(do_sample), bos_id=special.im_start,
-        eos_id=special.im_end, vocab_limit=int(vocab_limit), max_steps=max_new_tokens + 1,
-    )  # fmt: skip
+        temperature=float(temperature),
+        do_sample=bool(do_sample),
+        bos_id=special.im_start,
+        eos_id=special.im_end,
+        vocab_limit=int(vocab_limit),
+        max_steps=max_new_tokens + 1,
+    )
     # Host-side per-row values go in as arrays sharded like the prompt rows (with several
     # processes, every jit input must be a global array).
     row_ids = rows_array(row_ids.astype(np.int32), like=prompt_pack.tokens)
     rounds = np.ones(batch, np.int32)
     round_start = np.zeros(batch, np.int64)
     for round_index in range(max_image_skips + 1):
-        state = decode_round(graphdef, params, state, jax.random.fold_in(rng, round_index),
-                              row_ids, settings, rules)  # fmt: skip
+        state = decode_round(
+            graphdef, params, state, jax.random.fold_in(rng, round_index), row_ids, settings, rules
+        )
         if round_index == max_image_skips:
             break
         finished, length, budget, tokens = map(
             to_host, (state.finished, state.length, state.budget, state.tokens)
         )
         # A skip needs room for the appended <|im_end|> and at least one more token.
-        skip = np.array([
-            bool(finished[b]) and budget[b] >= 2
-            and IMAGE_SKIP_TEXT in decode_text(tokens[b, round_start[b] : length[b]].tolist())
-            for b in range(batch)
-        ])  # fmt: skip
+        skip = np.array(
+            [
+                bool(finished[b])
+                and budget[b] >= 2
+                and IMAGE_SKIP_TEXT in decode_text(tokens[b, round_start[b] : length[b]].tolist())
+                for b in range(batch)
+            ]
+        )
         if not skip.any():
             break
         skip_rows = rows_array(skip, like=prompt_pack.tokens)

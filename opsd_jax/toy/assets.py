@@ -46,8 +46,7 @@ def write_toy_assets(config) -> None:
         model_dir = toy_model_dir(config.results_dir)
         if not os.path.isfile(os.path.join(model_dir, "llm_config.json")):
             print(f"writing the toy model (BAGEL layout) to {model_dir}")
-            corpus = toy_data.toy_corpus_text(seed=config.global_seed,
-                                                   tasks=tasks).splitlines()  # fmt: skip
+            corpus = toy_data.toy_corpus_text(seed=config.global_seed, tasks=tasks).splitlines()
             toy_model.write_toy_model(model_dir, seed=config.global_seed, corpus=corpus)
         with config.unlocked():
             config.model_path = model_dir

@@ -80,8 +80,9 @@ def puzzle_texts(task: str, puzzle: dict[str, Any]) -> dict[str, Any]:
 
 def render_puzzle(task: str, puzzle: dict[str, Any]) -> tuple[Image.Image, Image.Image]:
     """(problem image, VT image)."""
-    render = {"toy_maze": render_maze, "toy_count": render_count,
-              "toy_majority": render_majority}[task]  # fmt: skip
+    render = {"toy_maze": render_maze, "toy_count": render_count, "toy_majority": render_majority}[
+        task
+    ]
     return render(puzzle, False), render(puzzle, True)
 
 
@@ -98,16 +99,18 @@ def make_rows(task: str, split: str, num: int, seed: int) -> list[dict[str, Any]
         pid = f"{task}_{split}_{i:05d}"
         text = puzzle_texts(task, puzzle)
         problem, vt = render_puzzle(task, puzzle)
-        rows.append({
-            "pid": pid,
-            "question": text["question"],
-            "answer": text["answer"],
-            "problem_image_0": {"bytes": _png(problem), "path": f"{pid}_problem.png"},
-            "resoning_thought_0": text["thoughts"][0],
-            "reasoning_image_0": {"bytes": _png(vt), "path": f"{pid}_vt0.png"},
-            "resoning_thought_1": text["thoughts"][1],
-            "full_text_only_thought": text["full_text_only_thought"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "pid": pid,
+                "question": text["question"],
+                "answer": text["answer"],
+                "problem_image_0": {"bytes": _png(problem), "path": f"{pid}_problem.png"},
+                "resoning_thought_0": text["thoughts"][0],
+                "reasoning_image_0": {"bytes": _png(vt), "path": f"{pid}_vt0.png"},
+                "resoning_thought_1": text["thoughts"][1],
+                "full_text_only_thought": text["full_text_only_thought"],
+            }
+        )
     return rows
 
 
@@ -153,16 +156,18 @@ def _arrow_schema():
     import pyarrow as pa
 
     image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    return pa.schema([
-        ("pid", pa.string()),
-        ("question", pa.string()),
-        ("answer", pa.string()),
-        ("problem_image_0", image),
-        ("resoning_thought_0", pa.string()),
-        ("reasoning_image_0", image),
-        ("resoning_thought_1", pa.string()),
-        ("full_text_only_thought", pa.string()),
-    ])  # fmt: skip
+    return pa.schema(
+        [
+            ("pid", pa.string()),
+            ("question", pa.string()),
+            ("answer", pa.string()),
+            ("problem_image_0", image),
+            ("resoning_thought_0", pa.string()),
+            ("reasoning_image_0", image),
+            ("resoning_thought_1", pa.string()),
+            ("full_text_only_thought", pa.string()),
+        ]
+    )
 
 
 def write_parquet(rows: list[dict[str, Any]], path: str, row_group_size: int = ROW_GROUP_SIZE):

@@ -291,6 +291,8 @@ def write_toy_model(
     (out_dir / hf_layout.LLM_CONFIG).write_text(
         json.dumps(llm_config_json(config, bos, eos, dtype), indent=2) + "\n"
     )
-    (out_dir / hf_layout.VIT_CONFIG).write_text(json.dumps(vit_config_json(config), indent=2) + "\n")
+    (out_dir / hf_layout.VIT_CONFIG).write_text(
+        json.dumps(vit_config_json(config), indent=2) + "\n"
+    )
     write_weights(out_dir, toy_tensors(config, seed), dtype, weights_name, num_shards)
     return out_dir

@@ -183,8 +183,12 @@ def maze_texts(maze: dict[str, Any]) -> dict[str, str]:
         f"{_where(maze['goals'][answer])}. The {colour[lost]} square at "
         f"{_where(maze['goals'][lost])} is walled off from the start. So the answer is {answer}."
     )
-    return {"question": question, "answer": answer, "thoughts": [thought_0, thought_1],
-            "full_text_only_thought": full}  # fmt: skip
+    return {
+        "question": question,
+        "answer": answer,
+        "thoughts": [thought_0, thought_1],
+        "full_text_only_thought": full,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,8 +207,9 @@ def make_count(rng: random.Random) -> dict[str, Any]:
     num_targets = rng.randint(1, 4)
     num_other = rng.randint(2, 4)
     others = [(c, k) for c in sorted(COLOURS) for k in KINDS if (c, k) != target]
-    slots = rng.sample([(r, c) for r in range(COUNT_SLOTS) for c in range(COUNT_SLOTS)],
-                       num_targets + num_other)  # fmt: skip
+    slots = rng.sample(
+        [(r, c) for r in range(COUNT_SLOTS) for c in range(COUNT_SLOTS)], num_targets + num_other
+    )
     shapes = []
     for i, slot in enumerate(slots):
         colour, kind = target if i < num_targets else rng.choice(others)
@@ -231,8 +236,11 @@ def render_count(puzzle: dict[str, Any], highlight: bool) -> Image.Image:
         else:
             draw.polygon([(cx, cy - h), (cx - h, cy + h), (cx + h, cy + h)], fill=fill)
         if highlight and is_target:
-            draw.rectangle([c * SLOT + 1, r * SLOT + 1, (c + 1) * SLOT - 2, (r + 1) * SLOT - 2],
-                           outline=(0, 0, 0), width=2)  # fmt: skip
+            draw.rectangle(
+                [c * SLOT + 1, r * SLOT + 1, (c + 1) * SLOT - 2, (r + 1) * SLOT - 2],
+                outline=(0, 0, 0),
+                width=2,
+            )
     return image
 
 
@@ -256,8 +264,12 @@ def count_texts(puzzle: dict[str, Any]) -> dict[str, str]:
         f"Going through the image row by row: {'; '.join(rows)}. Counting the {colour} {kind}s "
         f"gives {answer}. So the answer is {answer}."
     )
-    return {"question": question, "answer": answer, "thoughts": [thought_0, thought_1],
-            "full_text_only_thought": full}  # fmt: skip
+    return {
+        "question": question,
+        "answer": answer,
+        "thoughts": [thought_0, thought_1],
+        "full_text_only_thought": full,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -332,8 +344,10 @@ def render_majority(puzzle: dict[str, Any], highlight: bool) -> Image.Image:
         x0, y0 = c * MAJORITY_CELL, r * MAJORITY_CELL
         winner = dot["colour"] == puzzle["answer"]
         if highlight and winner:  # the decisive evidence, as large as it gets: the whole cell
-            draw.rectangle([x0, y0, x0 + MAJORITY_CELL - 1, y0 + MAJORITY_CELL - 1],
-                           fill=MAJORITY_COLOURS[dot["colour"]])  # fmt: skip
+            draw.rectangle(
+                [x0, y0, x0 + MAJORITY_CELL - 1, y0 + MAJORITY_CELL - 1],
+                fill=MAJORITY_COLOURS[dot["colour"]],
+            )
             continue
         fill = MAJORITY_FADED if highlight else MAJORITY_COLOURS[dot["colour"]]
         cx = x0 + MAJORITY_CELL // 2 + dot["jitter"][0]
@@ -354,5 +368,9 @@ def majority_texts(puzzle: dict[str, Any]) -> dict[str, str]:
     # Short on purpose: the decisive token is the first colour word, and short completions keep
     # the experiment's sampling cheap.
     full = f"Most dots are {answer}."
-    return {"question": question, "answer": answer, "thoughts": [thought_0, thought_1],
-            "full_text_only_thought": full}  # fmt: skip
+    return {
+        "question": question,
+        "answer": answer,
+        "thoughts": [thought_0, thought_1],
+        "full_text_only_thought": full,
+    }

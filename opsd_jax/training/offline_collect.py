@@ -42,8 +42,9 @@ def make_collect_step(graphdef, rest, *, top_k: int, vocab_limit: int | None):
         model = nnx.merge(graphdef, params, rest)
         teacher = model.logits_at(model(teacher_pack), teacher_pack.loss_rows)
         text_only = model.logits_at(model(text_pack), text_pack.loss_rows)
-        return losses.teacher_cache_entries(teacher, text_only, teacher_pack.loss_mask, top_k,
-                                            vocab_limit=vocab_limit)  # fmt: skip
+        return losses.teacher_cache_entries(
+            teacher, text_only, teacher_pack.loss_mask, top_k, vocab_limit=vocab_limit
+        )
 
     return collect_step
 
@@ -54,8 +55,12 @@ def _rows_of_process(data_config, process_index: int, process_count: int):
 
     offset = 0
     for spec in data_config.datasets:
-        source = open_source(spec, "train", heldout_fraction=data_config.heldout_fraction,
-                             max_reference_rounds=data_config.max_reference_rounds)  # fmt: skip
+        source = open_source(
+            spec,
+            "train",
+            heldout_fraction=data_config.heldout_fraction,
+            max_reference_rounds=data_config.max_reference_rounds,
+        )
         for r in range(len(source)):
             if (offset + r) % process_count == process_index:
                 yield offset + r, spec.name, source, r
@@ -75,12 +80,27 @@ class CollectSummary:
     seconds: float
 
 
-def collect(*, collect_step, params, tokenizer, data_config, options: PromptOptions, mesh,
-            directory: str, manifest: dict, samples_per_batch: int, rows_per_batch: int,
-            max_forward_tokens: int, shard_samples: int, process_index: int = 0,
-            process_count: int = 1, max_samples: int | None = None,
-            log: Callable[[str], None] = print, log_every_s: float = 10.0,
-            on_commit: Callable[[str], None] | None = None) -> CollectSummary:  # fmt: skip
+def collect(
+    *,
+    collect_step,
+    params,
+    tokenizer,
+    data_config,
+    options: PromptOptions,
+    mesh,
+    directory: str,
+    manifest: dict,
+    samples_per_batch: int,
+    rows_per_batch: int,
+    max_forward_tokens: int,
+    shard_samples: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    max_samples: int | None = None,
+    log: Callable[[str], None] = print,
+    log_every_s: float = 10.0,
+    on_commit: Callable[[str], None] | None = None,
+) -> CollectSummary:
     """Run the teacher over this process's rows in batches and commit shards as they fill.
 
     Resumable: rows whose key a previous run listed (or recorded as skipped) are not read
@@ -98,12 +118,15 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
     if os.path.exists(path):
         problems = differences(read_manifest(directory), manifest)
         if problems:
-            raise CacheError(f"{path}: this cache was made with other settings; use another "
-                             "directory or the same settings:\n  " + "\n  ".join(problems))  # fmt: skip
+            raise CacheError(
+                f"{path}: this cache was made with other settings; use another "
+                "directory or the same settings:\n  " + "\n  ".join(problems)
+            )
     else:
         write_json_atomic(path, manifest)
-    writer = ShardWriter(directory, process_index, manifest["logprob_dtype"], shard_samples,
-                         on_commit)  # fmt: skip
+    writer = ShardWriter(
+        directory, process_index, manifest["logprob_dtype"], shard_samples, on_commit
+    )
     done = done_keys(directory)
     todo = [row for row in _rows_of_process(data_config, process_index, process_count)]
     start, written, already, skipped = time.perf_counter(), 0, 0, {}
@@ -122,27 +145,43 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
         last_log = now
         left = len(todo) - already - written - sum(skipped.values())
         rate = written / max(now - start, 1e-9)
-        log(f"[p{process_index}] {written + already + sum(skipped.values())}/{len(todo)} samples "
+        log(
+            f"[p{process_index}] {written + already + sum(skipped.values())}/{len(todo)} samples "
             f"({already} cached before, {sum(skipped.values())} skipped), {rate:.2f} samples/s, "
-            f"ETA {_eta(left / rate) if rate > 0 else '?'}")  # fmt: skip
+            f"ETA {_eta(left / rate) if rate > 0 else '?'}"
+        )
 
     def run(batch):
         nonlocal written
-        packs = build_offline_packs([s for _, s in batch], tokenizer.encode, options, special,
-                                    num_rows=rows_per_batch, max_forward_tokens=max_forward_tokens,
-                                    with_teacher=True)  # fmt: skip
+        packs = build_offline_packs(
+            [s for _, s in batch],
+            tokenizer.encode,
+            options,
+            special,
+            num_rows=rows_per_batch,
+            max_forward_tokens=max_forward_tokens,
+            with_teacher=True,
+        )
         for index in packs.dropped:
             skip(batch[index][0], TOO_LONG)
         if packs.kept:
             with mesh_lib.use_mesh(mesh):
-                outputs = collect_step(params, distributed.put_rows(packs.teacher, mesh),
-                                       distributed.put_rows(packs.student, mesh))  # fmt: skip
+                outputs = collect_step(
+                    params,
+                    distributed.put_rows(packs.teacher, mesh),
+                    distributed.put_rows(packs.student, mesh),
+                )
             top_logprobs, top_ids, kl = (np.asarray(jax.device_get(x)) for x in outputs)
             for j, index in enumerate(packs.kept):
                 row, cols = sample_entries(packs.teacher, j)
                 targets = packs.teacher.loss_targets[row, cols]
-                writer.add(batch[index][0], targets, top_ids[row, cols], top_logprobs[row, cols],
-                           kl[row, cols])  # fmt: skip
+                writer.add(
+                    batch[index][0],
+                    targets,
+                    top_ids[row, cols],
+                    top_logprobs[row, cols],
+                    kl[row, cols],
+                )
                 written += 1
         report()
 
@@ -159,9 +198,13 @@ def collect(*, collect_step, params, tokenizer, data_config, options: PromptOpti
             skipped[DUPLICATE] = skipped.get(DUPLICATE, 0) + 1
             continue
         seen.add(key)
-        raw = decode_row(record, name, max_reference_rounds=data_config.max_reference_rounds,
-                         max_question_chars=data_config.max_question_chars,
-                         require_vt=data_config.require_vt)  # fmt: skip
+        raw = decode_row(
+            record,
+            name,
+            max_reference_rounds=data_config.max_reference_rounds,
+            max_question_chars=data_config.max_question_chars,
+            require_vt=data_config.require_vt,
+        )
         sample = raw if isinstance(raw, Skipped) else prepare_sample(raw, data_config)
         if isinstance(sample, Skipped):
             skip(key, sample.reason)

@@ -24,17 +24,31 @@ import dataclasses
 from typing import Any, Mapping
 
 # Not part of what the run trains: never compared.
-NOT_COMPARED = frozenset({
-    "results_dir", "checkpoint_dir", "auto_resume", "resume_from", "resume_model_only",
-    "finetune_from_ema", "allow_config_change", "progress_bar", "distributed",
-    "coordinator_address", "num_processes", "process_id", "wandb_runid",
-})  # fmt: skip
+NOT_COMPARED = frozenset(
+    {
+        "results_dir",
+        "checkpoint_dir",
+        "auto_resume",
+        "resume_from",
+        "resume_model_only",
+        "finetune_from_ema",
+        "allow_config_change",
+        "progress_bar",
+        "distributed",
+        "coordinator_address",
+        "num_processes",
+        "process_id",
+        "wandb_runid",
+    }
+)
 
 # Freezing decides which params have optimizer moments: the saved state has another layout.
 IMPOSSIBLE = {
-    name: (f"frozen groups keep no optimizer state, so a state saved with another {name} cannot "
-           "be restored; start a new run from these weights instead (--config.resume_from=<this "
-           "checkpoint> --config.resume_model_only=True)")  # fmt: skip
+    name: (
+        f"frozen groups keep no optimizer state, so a state saved with another {name} cannot "
+        "be restored; start a new run from these weights instead (--config.resume_from=<this "
+        "checkpoint> --config.resume_model_only=True)"
+    )
     for name in ("freeze_llm", "freeze_vit", "freeze_und")
 }
 
@@ -43,11 +57,15 @@ def _teacher_meaning(saved: str, now: str) -> str:
     if now == "self":
         return f"the saved {saved} teacher is not used: the teacher is the student itself"
     if saved == "self":
-        return (f"the checkpoint keeps no teacher: the {now} teacher starts from the restored "
-                "student weights")  # fmt: skip
+        return (
+            f"the checkpoint keeps no teacher: the {now} teacher starts from the restored "
+            "student weights"
+        )
     if now == "fixed":
-        return ("the fixed teacher is the checkpoint's EMA weights (the checkpoint holds no "
-                "initial weights); it no longer moves")  # fmt: skip
+        return (
+            "the fixed teacher is the checkpoint's EMA weights (the checkpoint holds no "
+            "initial weights); it no longer moves"
+        )
     return "the EMA teacher starts from the saved fixed teacher's weights and follows the student"
 
 
@@ -55,13 +73,15 @@ CONTRADICTS = {
     "model_path": lambda saved, now: (
         "the weights come from the checkpoint, trained from the saved model; the new path gives "
         "only the model config and the tokenizer, which must be the saved ones' to mean "
-        "anything"),
+        "anything"
+    ),
     "weights": lambda saved, now: "no effect: a resume reads no starting weights",
     "mode": lambda saved, now: (
-        f"the saved weights and optimizer moments continue under the '{now}' objective"),
+        f"the saved weights and optimizer moments continue under the '{now}' objective"
+    ),
     "teacher_mode": _teacher_meaning,
     "fixed_teacher_dtype": lambda saved, now: f"the saved fixed teacher is cast to {now}",
-}  # fmt: skip
+}
 
 PLAIN = {
     "total_steps": lambda saved, now: f"the run now ends at step {now}",
@@ -72,8 +92,9 @@ PLAIN = {
     "ema_decay": lambda saved, now: "the EMA continues from its saved weights at the new decay",
     "global_seed": lambda saved, now: (
         "the data position and sampling key come from the checkpoint; only new randomness "
-        "(evaluation, data not yet read after a data change) follows the new seed"),
-}  # fmt: skip
+        "(evaluation, data not yet read after a data change) follows the new seed"
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +155,17 @@ def check(saved: Mapping | None, now: Mapping, source: str) -> list[str]:
     refused = impossible + ([] if allow else [c for c in found if c.kind == "contradict"])
     if refused:
         lines = "\n  ".join(c.line() for c in refused)
-        hint = ("" if impossible else "\n  (--config.allow_config_change=True accepts these, "
-                "with the meaning given)")  # fmt: skip
+        hint = (
+            ""
+            if impossible
+            else "\n  (--config.allow_config_change=True accepts these, with the meaning given)"
+        )
         raise ResumeConfigError(
             f"resuming from {source} with a config that contradicts the saved state:\n"
-            f"  {lines}{hint}")  # fmt: skip
+            f"  {lines}{hint}"
+        )
     if not found:
         return [f"resuming from {source}: the config is the saved one"]
-    return ([f"resuming from {source} with {len(found)} changed config key(s), saved -> now:"]
-            + [f"  {c.line()}" for c in found])  # fmt: skip
+    return [f"resuming from {source} with {len(found)} changed config key(s), saved -> now:"] + [
+        f"  {c.line()}" for c in found
+    ]

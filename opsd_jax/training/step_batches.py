@@ -39,8 +39,19 @@ class StepBatches:
 
     pack_names: tuple[str, ...]
 
-    def __init__(self, config, shapes: dict, encode, options, special, mesh, *,
-                 local_samples: int, local_rows: int, sample_offset: int):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        shapes: dict,
+        encode,
+        options,
+        special,
+        mesh,
+        *,
+        local_samples: int,
+        local_rows: int,
+        sample_offset: int,
+    ):
         self.config, self.shapes, self.encode = config, shapes, encode
         self.options, self.special, self.mesh = options, special, mesh
         self.accum = config.gradient_accumulation_steps
@@ -57,33 +68,50 @@ class StepBatches:
             if any(b != bucket for b in buckets):
                 packed, _, sums, tokens = self._pack_all(step, samples, completions, bucket)
         batch = tuple(
-            distributed.put_micro_batches([parts[i] for parts in packed], self.mesh,
-                                          sample_offset=self.sample_offset)
-            for i in range(len(packed[0])))  # fmt: skip
+            distributed.put_micro_batches(
+                [parts[i] for parts in packed], self.mesh, sample_offset=self.sample_offset
+            )
+            for i in range(len(packed[0]))
+        )
         return PackedStep(bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens))
 
     def abstract_batch(self, bucket: int) -> tuple:
         """The global, sharded shapes of `pack`'s batch in `bucket` (to compile the step)."""
-        return tuple(distributed.abstract_micro_batches(part, self.accum, self.mesh)
-                     for part in self.empty_parts(bucket))  # fmt: skip
+        return tuple(
+            distributed.abstract_micro_batches(part, self.accum, self.mesh)
+            for part in self.empty_parts(bucket)
+        )
 
     def empty_parts(self, bucket: int) -> list:
         """One micro-batch's parts with nothing in them, at `bucket`'s shapes."""
-        return [shaped_pack([], self.shapes[name][bucket], self.local_rows, self.special, [],
-                            fixed=True) for name in self.pack_names]  # fmt: skip
+        return [
+            shaped_pack(
+                [], self.shapes[name][bucket], self.local_rows, self.special, [], fixed=True
+            )
+            for name in self.pack_names
+        ]
 
     def describe(self, bucket: int) -> str:
         """The sizes of `bucket`'s packs, for the compile line."""
-        return ", ".join(f"{name} {self.shapes[name][bucket].row_length} tokens / "
-                         f"{self.shapes[name][bucket].patches} patches"
-                         for name in self.pack_names)  # fmt: skip
+        return ", ".join(
+            f"{name} {self.shapes[name][bucket].row_length} tokens / "
+            f"{self.shapes[name][bucket].patches} patches"
+            for name in self.pack_names
+        )
 
     def largest_shapes(self) -> dict:
         """Each pack's largest shape (the cut report names the sizes to raise)."""
         return {name: self.shapes[name][-1] for name in self.pack_names}
 
-    def micro(self, step: int, micro: int, samples: list, completions: list | None,
-              first_bucket: int, sums: dict) -> tuple[tuple, int, int]:  # fmt: skip
+    def micro(
+        self,
+        step: int,
+        micro: int,
+        samples: list,
+        completions: list | None,
+        first_bucket: int,
+        sums: dict,
+    ) -> tuple[tuple, int, int]:
         """One micro-batch -> (its parts, the bucket it fits, tokens); adds to `sums`."""
         raise NotImplementedError
 
@@ -93,8 +121,13 @@ class StepBatches:
         for m in range(self.accum):
             chunk = slice(m * self.local_samples, (m + 1) * self.local_samples)
             parts, bucket, count = self.micro(
-                step, m, samples[chunk], None if completions is None else completions[chunk],
-                first_bucket, sums)  # fmt: skip
+                step,
+                m,
+                samples[chunk],
+                None if completions is None else completions[chunk],
+                first_bucket,
+                sums,
+            )
             packed.append(parts)
             buckets.append(bucket)
             tokens.append(count)
@@ -116,10 +149,15 @@ class OpsdBatches(StepBatches):
     def micro(self, step, micro, samples, completions, first_bucket, sums):
         del step, micro  # the packs depend only on the samples and their completions
         packs = build_training_packs(
-            samples, completions, self.encode, self.options, self.special,
-            num_rows=self.local_rows, max_forward_tokens=self.config.max_forward_tokens,
+            samples,
+            completions,
+            self.encode,
+            self.options,
+            self.special,
+            num_rows=self.local_rows,
+            max_forward_tokens=self.config.max_forward_tokens,
             shapes={name: self.shapes[name][first_bucket:] for name in self.pack_names},
-        )  # fmt: skip
+        )
         tokens = int((packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum())
         for name, fraction in packs.padding_fraction.items():
             self._add_mean(sums, f"pack/{name}_padding", fraction)
@@ -136,18 +174,26 @@ class SftBatches(StepBatches):
     def micro(self, step, micro, samples, completions, first_bucket, sums):
         del completions  # SFT samples nothing
         # Which samples train in the VT context: seeded by the micro-batch, so a resume agrees.
-        use_vt = sft_packs.choose_vt(len(samples), self.config.sft_vt_fraction,
-                                     self.config.global_seed, step * self.accum + micro)  # fmt: skip
+        use_vt = sft_packs.choose_vt(
+            len(samples),
+            self.config.sft_vt_fraction,
+            self.config.global_seed,
+            step * self.accum + micro,
+        )
         packs = sft_packs.build_sft_packs(
-            samples, self.encode, self.options, self.special, num_rows=self.local_rows,
-            max_forward_tokens=self.config.max_forward_tokens, use_vt=use_vt,
+            samples,
+            self.encode,
+            self.options,
+            self.special,
+            num_rows=self.local_rows,
+            max_forward_tokens=self.config.max_forward_tokens,
+            use_vt=use_vt,
             shapes=self.shapes["sft"][first_bucket:],
-        )  # fmt: skip
+        )
         self._add_mean(sums, "pack/sft_padding", packs.padding_fraction)
         self._add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
         self._add(sums, "pack/dropped", packs.num_dropped)
-        return ((packs.pack,), first_bucket + packs.bucket,
-                int((packs.pack.segment_ids > 0).sum()))  # fmt: skip
+        return ((packs.pack,), first_bucket + packs.bucket, int((packs.pack.segment_ids > 0).sum()))
 
 
 class OfflineBatches(StepBatches):
@@ -163,7 +209,8 @@ class OfflineBatches(StepBatches):
         # The cached teacher at each loss entry: fixed [rows, entries, top-k] too.
         entries = self.shapes["offline"][bucket].loss_entries
         return super().empty_parts(bucket) + [
-            offline_views.empty_cache(self.local_rows, entries, self.cache_reader.top_k)]
+            offline_views.empty_cache(self.local_rows, entries, self.cache_reader.top_k)
+        ]
 
     def describe(self, bucket):
         return super().describe(bucket) + f", cached teacher top-{self.cache_reader.top_k}"
@@ -171,14 +218,22 @@ class OfflineBatches(StepBatches):
     def micro(self, step, micro, samples, completions, first_bucket, sums):
         del step, micro, completions  # nothing is sampled
         batch = offline_views.offline_batch(
-            samples, self.cache_reader, self.encode, self.options, self.special,
-            num_rows=self.local_rows, max_forward_tokens=self.config.max_forward_tokens,
+            samples,
+            self.cache_reader,
+            self.encode,
+            self.options,
+            self.special,
+            num_rows=self.local_rows,
+            max_forward_tokens=self.config.max_forward_tokens,
             shapes=self.shapes["offline"][first_bucket:],
-        )  # fmt: skip
+        )
         self._add_mean(sums, "pack/offline_padding", batch.padding_fraction)
         self._add(sums, "pack/dropped", batch.num_dropped)
-        return ((batch.pack, batch.cache), first_bucket + batch.bucket,
-                int((batch.pack.segment_ids > 0).sum()))  # fmt: skip
+        return (
+            (batch.pack, batch.cache),
+            first_bucket + batch.bucket,
+            int((batch.pack.segment_ids > 0).sum()),
+        )
 
 
 def step_batches_for(mode: str, *args, cache_reader=None, **kwargs) -> StepBatches:

@@ -111,8 +111,14 @@ def frozen_groups(config, params=None) -> tuple[str, ...]:
     connector, embeddings and LM layers keep their values, as frozen groups do here. It needs
     `params` (the names of the groups to freeze).
     """
-    groups = [name for name, frozen in (("vit_model", config.freeze_vit),
-                                        ("language_model", config.freeze_llm)) if frozen]  # fmt: skip
+    groups = [
+        name
+        for name, frozen in (
+            ("vit_model", config.freeze_vit),
+            ("language_model", config.freeze_llm),
+        )
+        if frozen
+    ]
     if config.freeze_und:
         if params is None:
             raise ValueError("frozen_groups: freeze_und needs the params' group names")
@@ -179,8 +185,9 @@ def applied_learning_rate(opt_state, schedule: optax.Schedule) -> jax.Array:
     """The learning rate the next update applies: the schedule at optax's own step count, which
     a skipped (non-finite) step does not advance."""
     counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
-    count = next(c for path, c in counts
-                 if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState")  # fmt: skip
+    count = next(
+        c for path, c in counts if getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"
+    )
     return schedule(count)
 
 
@@ -189,18 +196,30 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples)
     if settings.jsd_loss_kind == "jsd":
         distill, diag = losses.generalized_jsd(
-            student_logits, teacher_logits, pack.loss_mask,
-            beta=settings.jsd_beta, temperature=settings.jsd_temperature,
-            top_k=settings.jsd_top_k, clip=settings.jsd_token_clip,
-            clip_mode=settings.jsd_clip_mode, reduction=settings.reduction,
-            token_ids=pack.loss_targets, vocab_limit=settings.vocab_limit, **common,
-        )  # fmt: skip
+            student_logits,
+            teacher_logits,
+            pack.loss_mask,
+            beta=settings.jsd_beta,
+            temperature=settings.jsd_temperature,
+            top_k=settings.jsd_top_k,
+            clip=settings.jsd_token_clip,
+            clip_mode=settings.jsd_clip_mode,
+            reduction=settings.reduction,
+            token_ids=pack.loss_targets,
+            vocab_limit=settings.vocab_limit,
+            **common,
+        )
     else:
         distill, diag = losses.tinker_loss(
-            student_logits, teacher_logits, pack.loss_targets, pack.loss_mask,
-            temperature=settings.jsd_temperature, reduction=settings.reduction,
-            vocab_limit=settings.vocab_limit, **common,
-        )  # fmt: skip
+            student_logits,
+            teacher_logits,
+            pack.loss_targets,
+            pack.loss_mask,
+            temperature=settings.jsd_temperature,
+            reduction=settings.reduction,
+            vocab_limit=settings.vocab_limit,
+            **common,
+        )
     metrics = {"jsd": distill}
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
         if key in diag:
@@ -214,9 +233,13 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     loss = settings.jsd_weight * distill
     if settings.ce_weight:
         ce, _ = losses.completion_ce(
-            student_logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
-            vocab_limit=settings.vocab_limit, **common,
-        )  # fmt: skip
+            student_logits,
+            pack.loss_targets,
+            pack.loss_mask,
+            reduction=settings.reduction,
+            vocab_limit=settings.vocab_limit,
+            **common,
+        )
         loss = loss + settings.ce_weight * ce
         metrics["ce"] = ce
     metrics["loss"] = loss
@@ -269,15 +292,23 @@ def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
         model = nnx.merge(graphdef, params, rest)
         logits = model.logits_at(model(pack), pack.loss_rows)
         ce, _ = losses.completion_ce(
-            logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction,
-            sample_ids=pack.loss_sample, num_samples=settings.num_samples,
+            logits,
+            pack.loss_targets,
+            pack.loss_mask,
+            reduction=settings.reduction,
+            sample_ids=pack.loss_sample,
+            num_samples=settings.num_samples,
             vocab_limit=settings.vocab_limit,
-        )  # fmt: skip
+        )
         predicted = jnp.argmax(losses.mask_vocab(logits, settings.vocab_limit), axis=-1)
         hits = (predicted == pack.loss_targets) & pack.loss_mask
         tokens = jnp.sum(pack.loss_mask)
-        metrics = {"ce": ce, "loss": ce, "loss_tokens": tokens,
-                   "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1)}  # fmt: skip
+        metrics = {
+            "ce": ce,
+            "loss": ce,
+            "loss_tokens": tokens,
+            "token_accuracy": jnp.sum(hits) / jnp.maximum(tokens, 1),
+        }
         return ce, metrics
 
     return loss_fn
@@ -321,22 +352,34 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
         pack, cache = packs
         model = nnx.merge(graphdef, params, rest)
         logits = model.logits_at(model(pack), pack.loss_rows)
-        common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples,
-                      vocab_limit=settings.vocab_limit)  # fmt: skip
+        common = dict(
+            sample_ids=pack.loss_sample,
+            num_samples=settings.num_samples,
+            vocab_limit=settings.vocab_limit,
+        )
         kd, _ = losses.cached_top_k_kl(
-            logits, cache["top_logprobs"], cache["top_ids"], pack.loss_mask,
-            temperature=settings.kd_temperature, reduction=settings.reduction,
+            logits,
+            cache["top_logprobs"],
+            cache["top_ids"],
+            pack.loss_mask,
+            temperature=settings.kd_temperature,
+            reduction=settings.reduction,
             weights=cache["vt_weights"] if settings.kd_use_vt_weights else None,
-            student_norm=settings.kd_student_norm, **common,
-        )  # fmt: skip
+            student_norm=settings.kd_student_norm,
+            **common,
+        )
         tokens = jnp.sum(pack.loss_mask)
         loss = settings.kd_weight * kd
-        metrics = {"kd": kd, "loss_tokens": tokens,
-                   "vt_weight_mean": jnp.sum(jnp.where(pack.loss_mask, cache["vt_weights"], 0.0))
-                   / jnp.maximum(tokens, 1)}  # fmt: skip
+        metrics = {
+            "kd": kd,
+            "loss_tokens": tokens,
+            "vt_weight_mean": jnp.sum(jnp.where(pack.loss_mask, cache["vt_weights"], 0.0))
+            / jnp.maximum(tokens, 1),
+        }
         if settings.ce_weight:
-            ce, _ = losses.completion_ce(logits, pack.loss_targets, pack.loss_mask,
-                                         reduction=settings.reduction, **common)  # fmt: skip
+            ce, _ = losses.completion_ce(
+                logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction, **common
+            )
             loss = loss + settings.ce_weight * ce
             metrics["ce"] = ce
         metrics["loss"] = loss
@@ -351,15 +394,15 @@ def make_offline_grad_step(graphdef, rest, settings: LossSettings):
 
     @jax.jit
     def grad_step(params, pack, cache):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None,
-                                                                        (pack, cache))  # fmt: skip
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None, (pack, cache))
         return grads, metrics
 
     return grad_step
 
 
-def _update(state: TrainState, grads, loss, *, optimizer, teacher_mode, ema_decay, frozen,
-            max_bad_steps):  # fmt: skip
+def _update(
+    state: TrainState, grads, loss, *, optimizer, teacher_mode, ema_decay, frozen, max_bad_steps
+):
     """One AdamW step from the mean gradient of the trainable params, then the EMA.
 
     A non-finite gradient norm or loss skips the update: params, optimizer state and EMA stay
@@ -388,23 +431,38 @@ def _update(state: TrainState, grads, loss, *, optimizer, teacher_mode, ema_deca
     params, opt_state, teacher = jax.lax.cond(apply, update, lambda old: old, old)
     bad_steps = jnp.where(finite, 0, state.bad_steps + 1)
     state = state.replace(
-        step=jnp.where(halted, state.step, state.step + 1), params=params, opt_state=opt_state,
-        teacher_params=teacher, bad_steps=jnp.where(halted, state.bad_steps, bad_steps),
-    )  # fmt: skip
+        step=jnp.where(halted, state.step, state.step + 1),
+        params=params,
+        opt_state=opt_state,
+        teacher_params=teacher,
+        bad_steps=jnp.where(halted, state.bad_steps, bad_steps),
+    )
     nonfinite = 1.0 - finite.astype(jnp.float32)
     return state, {"grad_norm": grad_norm, "nonfinite": nonfinite, "bad_steps": state.bad_steps}
 
 
-def make_apply_update(optimizer: optax.GradientTransformation, teacher_mode: str,
-                      ema_decay: float, frozen: tuple[str, ...] = ()):  # fmt: skip
+def make_apply_update(
+    optimizer: optax.GradientTransformation,
+    teacher_mode: str,
+    ema_decay: float,
+    frozen: tuple[str, ...] = (),
+):
     """jit(state, summed grads of the trainable params, number of micro-batches[, loss]) ->
     (new state, update metrics): the train step's update on its own (tests)."""
 
     @jax.jit(donate_argnums=(0,))
     def apply_update(state: TrainState, grads, num_micro_batches, loss=0.0):
         grads = jax.tree.map(lambda g: g / num_micro_batches, grads)
-        return _update(state, grads, loss, optimizer=optimizer, teacher_mode=teacher_mode,
-                       ema_decay=ema_decay, frozen=frozen, max_bad_steps=None)  # fmt: skip
+        return _update(
+            state,
+            grads,
+            loss,
+            optimizer=optimizer,
+            teacher_mode=teacher_mode,
+            ema_decay=ema_decay,
+            frozen=frozen,
+            max_bad_steps=None,
+        )
 
     return apply_update
 
@@ -455,9 +513,15 @@ def make_train_step(
         metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
         lr = applied_learning_rate(state.opt_state, schedule)
         state, update_metrics = _update(
-            state, grads, metrics["loss"], optimizer=optimizer, teacher_mode=teacher_mode,
-            ema_decay=ema_decay, frozen=frozen, max_bad_steps=max_bad_steps,
-        )  # fmt: skip
+            state,
+            grads,
+            metrics["loss"],
+            optimizer=optimizer,
+            teacher_mode=teacher_mode,
+            ema_decay=ema_decay,
+            frozen=frozen,
+            max_bad_steps=max_bad_steps,
+        )
         return state, {**metrics, **update_metrics, "lr": lr}
 
     out_shardings = None
@@ -467,8 +531,15 @@ def make_train_step(
     return jax.jit(train_step, donate_argnums=(0,), out_shardings=out_shardings)
 
 
-def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="float32",
-               teacher_source=None, frozen: tuple[str, ...] = ()) -> TrainState:  # fmt: skip
+def init_state(
+    params,
+    optimizer,
+    teacher_mode: str,
+    rng,
+    fixed_teacher_dtype="float32",
+    teacher_source=None,
+    frozen: tuple[str, ...] = (),
+) -> TrainState:
     """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
     which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
     checkpoint's EMA with `finetune_from_ema`); the optimizer state covers the params outside
@@ -482,12 +553,25 @@ def init_state(params, optimizer, teacher_mode: str, rng, fixed_teacher_dtype="f
     else:
         teacher = None
     opt_state = optimizer.init(split_params(params, frozen)[0])
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state,
-                      teacher_params=teacher, rng=rng, bad_steps=jnp.zeros((), jnp.int32))  # fmt: skip
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        teacher_params=teacher,
+        rng=rng,
+        bad_steps=jnp.zeros((), jnp.int32),
+    )
 
 
-def abstract_state(abstract_params, optimizer, teacher_mode: str, rng, *,
-                   fixed_teacher_dtype="float32", frozen: tuple[str, ...] = ()) -> TrainState:  # fmt: skip
+def abstract_state(
+    abstract_params,
+    optimizer,
+    teacher_mode: str,
+    rng,
+    *,
+    fixed_teacher_dtype="float32",
+    frozen: tuple[str, ...] = (),
+) -> TrainState:
     """The TrainState `init_state` would make, as ShapeDtypeStructs carrying their shardings
     (no memory): the restore target of a resume and the AOT compile's argument. `abstract_params`
     carry NamedShardings (mesh.abstract_model); the optimizer moments and the teacher are laid
@@ -495,7 +579,7 @@ def abstract_state(abstract_params, optimizer, teacher_mode: str, rng, *,
     shapes = jax.eval_shape(
         lambda p: init_state(p, optimizer, teacher_mode, rng, fixed_teacher_dtype, frozen=frozen),
         abstract_params,
-    )  # fmt: skip
+    )
     mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
     replicated = NamedSharding(mesh, PartitionSpec())
 
@@ -506,13 +590,18 @@ def abstract_state(abstract_params, optimizer, teacher_mode: str, rng, *,
     trainable = split_params(abstract_params, frozen)[0]
     opt_state = optax.tree_utils.tree_map_params(
         optimizer, like, shapes.opt_state, trainable, transform_non_params=like
-    )  # fmt: skip
+    )
     teacher = shapes.teacher_params
     if teacher is not None:
         teacher = jax.tree.map(like, teacher, abstract_params)
-    return TrainState(step=like(shapes.step), params=jax.tree.map(like, shapes.params,
-                      abstract_params), opt_state=opt_state, teacher_params=teacher,
-                      rng=like(shapes.rng), bad_steps=like(shapes.bad_steps))  # fmt: skip
+    return TrainState(
+        step=like(shapes.step),
+        params=jax.tree.map(like, shapes.params, abstract_params),
+        opt_state=opt_state,
+        teacher_params=teacher,
+        rng=like(shapes.rng),
+        bad_steps=like(shapes.bad_steps),
+    )
 
 
 def shardings_of(tree):

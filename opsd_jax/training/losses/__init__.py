@@ -57,7 +57,15 @@ from opsd_jax.training.losses.offline import (
 from opsd_jax.training.losses.online import completion_ce, generalized_jsd, tinker_loss
 
 __all__ = [
-    "CLIP_MODES", "DEFAULT_CHUNK_ROWS", "REDUCTIONS", "STUDENT_NORMS", "cached_top_k_kl",
-    "completion_ce", "generalized_jsd", "mask_vocab", "teacher_cache_entries", "tinker_loss",
+    "CLIP_MODES",
+    "DEFAULT_CHUNK_ROWS",
+    "REDUCTIONS",
+    "STUDENT_NORMS",
+    "cached_top_k_kl",
+    "completion_ce",
+    "generalized_jsd",
+    "mask_vocab",
+    "teacher_cache_entries",
+    "tinker_loss",
     "token_logprobs",
 ]

@@ -367,8 +367,15 @@ def _token_logprob_rows(logits, token_ids, valid, *, temperature, vocab_limit=No
     return jnp.where(valid, logp, 0.0), ()
 
 
-def token_logprobs(logits, token_ids, mask=None, *, temperature=1.0, chunk_rows=DEFAULT_CHUNK_ROWS,
-                   vocab_limit=None):  # fmt: skip
+def token_logprobs(
+    logits,
+    token_ids,
+    mask=None,
+    *,
+    temperature=1.0,
+    chunk_rows=DEFAULT_CHUNK_ROWS,
+    vocab_limit=None,
+):
     """log softmax(logits / temperature)[token_ids] for every entry, shape [..., C] (fp32).
 
     Differentiable with respect to `logits`; the log-sum-exp runs over chunks of `chunk_rows`

@@ -31,8 +31,15 @@ from opsd_jax.training.losses.kernels import (
 STUDENT_NORMS = ("full", "top_k")
 
 
-def teacher_cache_entries(teacher_logits, reference_logits, mask, top_k, *,
-                          chunk_rows=DEFAULT_CHUNK_ROWS, vocab_limit=None):  # fmt: skip
+def teacher_cache_entries(
+    teacher_logits,
+    reference_logits,
+    mask,
+    top_k,
+    *,
+    chunk_rows=DEFAULT_CHUNK_ROWS,
+    vocab_limit=None,
+):
     """What the offline cache keeps per entry, from one teacher and one reference forward.
 
     Returns (top_logprobs [..., C, k] fp32, top_ids [..., C, k] int32, kl [..., C] fp32):
@@ -55,11 +62,20 @@ def teacher_cache_entries(teacher_logits, reference_logits, mask, top_k, *,
         dtype = compute_dtype(t.dtype)
         exact = mask_vocab(jnp.where(ok[..., None], t.astype(dtype), 0.0), vocab_limit)
         ids = top_k_ids(exact, top_k)
-        logp = jnp.take_along_axis(exact, ids, axis=-1) - jax.nn.logsumexp(exact, axis=-1,
-                                                                           keepdims=True)
+        logp = jnp.take_along_axis(exact, ids, axis=-1) - jax.nn.logsumexp(
+            exact, axis=-1, keepdims=True
+        )
         # Forward KL(teacher || reference) at tau 1, unclipped: the beta = 0 generalized JSD row.
-        kl, _ = jsd_rows(r, t, ok, beta=0.0, temperature=1.0, clip=0.0, clip_mode="entry",
-                          vocab_limit=vocab_limit)  # fmt: skip
+        kl, _ = jsd_rows(
+            r,
+            t,
+            ok,
+            beta=0.0,
+            temperature=1.0,
+            clip=0.0,
+            clip_mode="entry",
+            vocab_limit=vocab_limit,
+        )
         keep = ok[..., None]
         # A KL is >= 0; fp32 cancellation gives ~-1e-9 where the views agree (before the first
         # VT image), which as a weight would flip the sign of a term.
@@ -68,8 +84,11 @@ def teacher_cache_entries(teacher_logits, reference_logits, mask, top_k, *,
 
     top_logprobs, top_ids, kl = loop_over_chunks(chunk, chunk_rows, (teacher, reference, valid))
     shape = mask.shape
-    return (top_logprobs.reshape(shape + (top_k,)), top_ids.reshape(shape + (top_k,)),
-            kl.reshape(shape))  # fmt: skip
+    return (
+        top_logprobs.reshape(shape + (top_k,)),
+        top_ids.reshape(shape + (top_k,)),
+        kl.reshape(shape),
+    )
 
 
 def _lse_rows(logits, valid, *, temperature, vocab_limit):
@@ -86,8 +105,9 @@ def _normalise_weights(weights, valid, sample_ids, num_samples):
     entry (a plain mean), as there.
     """
     w = jnp.where(valid, lax.stop_gradient(weights).astype(jnp.float32), 0.0)
-    segments = jnp.where(valid & (sample_ids >= 0) & (sample_ids < num_samples), sample_ids,
-                         num_samples)  # fmt: skip
+    segments = jnp.where(
+        valid & (sample_ids >= 0) & (sample_ids < num_samples), sample_ids, num_samples
+    )
     total = jax.ops.segment_sum(w, segments, num_samples + 1)
     count = jax.ops.segment_sum(valid.astype(jnp.float32), segments, num_samples + 1)
     total, count = total[segments], count[segments]
@@ -124,13 +144,18 @@ def cached_top_k_kl(
 
     Returns (loss, diagnostics) with the common keys.
     """
-    num_samples = check_common(student_logits, mask, reduction, chunk_rows,
-                                {"weights": weights}, sample_ids, num_samples)  # fmt: skip
+    num_samples = check_common(
+        student_logits, mask, reduction, chunk_rows, {"weights": weights}, sample_ids, num_samples
+    )
     check_choice("student_norm", student_norm, STUDENT_NORMS)
-    if teacher_top_ids.shape != teacher_top_logprobs.shape or \
-            teacher_top_ids.shape[:-1] != mask.shape:  # fmt: skip
-        raise ValueError(f"teacher_top_logprobs {teacher_top_logprobs.shape} and teacher_top_ids "
-                         f"{teacher_top_ids.shape} must both be {mask.shape} + (k,)")  # fmt: skip
+    if (
+        teacher_top_ids.shape != teacher_top_logprobs.shape
+        or teacher_top_ids.shape[:-1] != mask.shape
+    ):
+        raise ValueError(
+            f"teacher_top_logprobs {teacher_top_logprobs.shape} and teacher_top_ids "
+            f"{teacher_top_ids.shape} must both be {mask.shape} + (k,)"
+        )
     temperature = static_number("temperature", temperature)
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -146,8 +171,10 @@ def cached_top_k_kl(
     if student_norm == "full":
         lse, _ = chunked_entries(
             lambda z, ok: _lse_rows(z, ok, temperature=temperature, vocab_limit=vocab_limit),
-            chunk_rows, student, valid,
-        )  # fmt: skip
+            chunk_rows,
+            student,
+            valid,
+        )
         student_logp = student_top - lse[..., None]
     else:
         student_logp = student_top - jax.nn.logsumexp(student_top, axis=-1, keepdims=True)
@@ -162,5 +189,7 @@ def cached_top_k_kl(
     if weights is not None:
         scale = _normalise_weights(weights.reshape(-1), valid, flat_ids, num_samples)
         per_entry = per_entry * scale
-    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    loss, sample_mean, sample_count = reduce_entries(
+        per_entry, valid, flat_ids, num_samples, reduction
+    )
     return loss, base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)

@@ -131,9 +131,10 @@ def generalized_jsd(
         # Teacher-only work (selection, gathered logits, captured mass) is a constant; only the
         # student's gather below is differentiated, and its gradient is a scatter of [L, C, k].
         top_ids, teacher_top, topk_mass = loop_over_chunks(
-            lambda t, ok: teacher_top_k(t, ok, top_k, temperature, vocab_limit), chunk_rows,
+            lambda t, ok: teacher_top_k(t, ok, top_k, temperature, vocab_limit),
+            chunk_rows,
             (teacher, valid),
-        )  # fmt: skip
+        )
         student_top = jnp.take_along_axis(student, lax.stop_gradient(top_ids), axis=-1)
         # The support holds only ids below vocab_limit (k < vocab_limit): nothing to mask.
         rows, clipped = jsd_rows(student_top, teacher_top, valid, **row_options)
@@ -142,15 +143,20 @@ def generalized_jsd(
     else:
         rows, clipped = chunked_entries(
             lambda s, t, ok: jsd_rows(s, t, ok, vocab_limit=vocab_limit, **row_options),
-            chunk_rows, student, teacher, valid,
-        )  # fmt: skip
+            chunk_rows,
+            student,
+            teacher,
+            valid,
+        )
         support = vocab
         mass = jnp.ones((), rows.dtype)
 
     valid = valid.reshape(-1)
     per_entry = rows.reshape(-1) * temperature**2
     flat_ids = flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    loss, sample_mean, sample_count = reduce_entries(
+        per_entry, valid, flat_ids, num_samples, reduction
+    )
     diagnostics = base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
     # In float: valid entries x vocabulary can exceed the int32 range.
     num_valid = jnp.maximum(jnp.sum(valid), 1).astype(rows.dtype)
@@ -168,9 +174,13 @@ def generalized_jsd(
             vocab_limit=vocab_limit,
         )
         log_q = token_logprobs(
-            teacher_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows,
+            teacher_logits,
+            token_ids,
+            mask,
+            temperature=temperature,
+            chunk_rows=chunk_rows,
             vocab_limit=vocab_limit,
-        )  # fmt: skip
+        )
         diagnostics["k1_reverse_kl"] = valid_mean(
             lax.stop_gradient(log_p - log_q).reshape(-1), valid
         )
@@ -252,9 +262,13 @@ def tinker_loss(
 
     valid = mask.reshape(-1).astype(bool)
     log_p = token_logprobs(
-        student_logits, token_ids, mask, temperature=temperature, chunk_rows=chunk_rows,
+        student_logits,
+        token_ids,
+        mask,
+        temperature=temperature,
+        chunk_rows=chunk_rows,
         vocab_limit=vocab_limit,
-    ).reshape(-1)  # fmt: skip
+    ).reshape(-1)
     log_q = token_logprobs(
         lax.stop_gradient(teacher_logits),
         token_ids,
@@ -276,7 +290,9 @@ def tinker_loss(
     per_entry = jnp.where(valid, -ratio * advantage, 0.0)
 
     flat_ids = flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    loss, sample_mean, sample_count = reduce_entries(
+        per_entry, valid, flat_ids, num_samples, reduction
+    )
     diagnostics = base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
     stats = lax.stop_gradient
     diagnostics["k1_reverse_kl"] = valid_mean(stats(behaviour - log_q), valid)
@@ -286,8 +302,9 @@ def tinker_loss(
     clipped = (advantage != raw_advantage).astype(ratio.dtype)
     diagnostics["advantage_clip_fraction"] = valid_mean(clipped, valid)
     surrogate = jnp.where(valid, -advantage * stats(log_p), 0.0)
-    diagnostics["pytorch_surrogate"] = reduce_entries(surrogate, valid, flat_ids, num_samples,
-                                               reduction)[0]  # fmt: skip
+    diagnostics["pytorch_surrogate"] = reduce_entries(
+        surrogate, valid, flat_ids, num_samples, reduction
+    )[0]
     return loss, diagnostics
 
 
@@ -319,9 +336,12 @@ def completion_ce(
         num_samples,
     )
     valid = mask.reshape(-1).astype(bool)
-    log_p = token_logprobs(student_logits, token_ids, mask, chunk_rows=chunk_rows,
-                           vocab_limit=vocab_limit).reshape(-1)  # fmt: skip
+    log_p = token_logprobs(
+        student_logits, token_ids, mask, chunk_rows=chunk_rows, vocab_limit=vocab_limit
+    ).reshape(-1)
     per_entry = jnp.where(valid, -log_p, 0.0)
     flat_ids = flat_sample_ids(mask, sample_ids)
-    loss, sample_mean, sample_count = reduce_entries(per_entry, valid, flat_ids, num_samples, reduction)
+    loss, sample_mean, sample_count = reduce_entries(
+        per_entry, valid, flat_ids, num_samples, reduction
+    )
     return loss, base_diagnostics(per_entry, valid, mask, sample_mean, sample_count)
