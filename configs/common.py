@@ -30,7 +30,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data_root = ""  # relative dataset paths are read under this folder
     c.data = ml_collections.ConfigDict()
     c.data.datasets = []  # list of dict(name, path, weight, num_used_data)
-    # The ViT resize rule (bagel_spec.md §4.1); these values are Visual-OPSD's (BAGEL's chat/eval).
+    # The ViT resize rule (docs/bagel_layout.md §4.1); these values are Visual-OPSD's (BAGEL's chat/eval).
     c.data.image_transform = ml_collections.ConfigDict(
         dict(max_size=980, min_size=378, stride=14, max_pixels=2_007_040)
     )
@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.kd_temperature = 2.0
     c.kd_use_vt_weights = True  # weight each token by KL(teacher with VT || text-only view)
     # full: the student's log-softmax over the whole vocabulary at the cached ids (PyTorch
-    # offline trainer); top_k: renormalised over them (the online JSD's support, spec a.1).
+    # offline trainer); top_k: renormalised over them (the online JSD's support, docs/opsd_loss.md a.1).
     c.kd_student_norm = "full"
     c.offline_top_k = 256  # ids kept per token by the collector
     c.offline_logprob_dtype = "float16"  # float16 | bfloat16 | float32 (cached log-probs)

@@ -1,4 +1,4 @@
-"""The Visual-OPSD paper recipe on ThinkMorph-7B (opsd_loss_spec.md §b.1).
+"""The Visual-OPSD paper recipe on ThinkMorph-7B (docs/opsd_loss.md §b.1).
 
     python train.py --config configs/thinkmorph_7b.py \
         --config.model_path=/path/to/ThinkMorph-7B --config.data_root=/path/to/ThinkMorph_data

@@ -30,6 +30,9 @@ Backends:
   "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);
               NVIDIA GPUs sm80+ (A100, H100, H200).
   "auto"      "pallas" where it runs, else "chunked" (resolve_backend).
+
+One module of over 500 lines: every backend of the one contract (per-query key ranges) side by
+side, so their semantics can be compared line by line.
 """
 
 from __future__ import annotations

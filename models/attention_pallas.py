@@ -47,6 +47,9 @@ gathers its operands. That wrapper belongs to the caller's sharding layer, not t
 Without a GPU, `interpret=True` runs the very same kernels in the Pallas interpreter (slow; for
 tests). The product never does that: attention.resolve_backend('auto') picks this kernel only on
 a supported GPU.
+
+One module of over 500 lines: the forward kernel, the two backward kernels and the block-range
+tables they share are one flash-attention mechanism.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """BAGEL for understanding: ViT -> connector -> + 2-D sin-cos table, scattered into the LM's rows.
 
-`Bagel(config, rngs=...)(pack)` runs one packed forward (bagel_spec.md §5.2):
+`Bagel(config, rngs=...)(pack)` runs one packed forward (docs/bagel_layout.md §5.2):
 
 1. text and image-marker ids are embedded with the LM's table;
 2. the ViT encodes every image's patches (attending within each image), the connector
@@ -35,7 +35,7 @@ class FixedTable(nnx.Variable):
 
 
 def sincos_2d_table(grid_size: int, dim: int) -> np.ndarray:
-    """BAGEL's fixed position table [grid^2, dim] (bagel_spec.md §4.7).
+    """BAGEL's fixed position table [grid^2, dim] (docs/bagel_layout.md §4.7).
 
     Row r*grid + c = [sin(c*w), cos(c*w), sin(r*w), cos(r*w)] with w_k = 10000^(-k/(dim/4)):
     the first half encodes the column, the second half the row. Computed in float64 as

@@ -4,9 +4,9 @@ Three frozen dataclasses, one per network, with named presets:
 
 * `BagelConfig.tiny()` — a few layers and small widths; runs in seconds on a CPU (tests, the
     default training config).
-* `BagelConfig.bagel_7b()` — BAGEL-7B-MoT / ThinkMorph-7B (bagel_spec.md §1).
+* `BagelConfig.bagel_7b()` — BAGEL-7B-MoT / ThinkMorph-7B (docs/bagel_layout.md §1).
 * `BagelConfig.from_hf_json(llm_config.json, vit_config.json)` — read a checkpoint directory's
-    configs and apply the overrides every upstream loader applies in code (bagel_spec.md §1): QK-norm
+    configs and apply the overrides every upstream loader applies in code (docs/bagel_layout.md §1): QK-norm
     on, untied lm_head, the MoT layer, one ViT layer fewer than the json says, no ViT rope.
 
 Runtime choices that are not part of the checkpoint (compute dtype, attention backend, remat)
@@ -194,7 +194,7 @@ class SiglipConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BagelConfig:
-    """The whole model: LM + ViT + connector, and the BAGEL-level switches (bagel_spec.md §1.3)."""
+    """The whole model: LM + ViT + connector, and the BAGEL-level switches (docs/bagel_layout.md §1.3)."""
 
     llm: Qwen2Config
     vit: SiglipConfig
@@ -321,7 +321,7 @@ class BagelConfig:
             rms_norm_eps=llm_json.get("rms_norm_eps", 1e-6),
             rope_theta=float(llm_json.get("rope_theta", 1_000_000.0)),
             max_position_embeddings=llm_json.get("max_position_embeddings", 32768),
-            # Loader overrides (bagel_spec.md §1.1): set in code whatever the json says.
+            # Loader overrides (docs/bagel_layout.md §1.1): set in code whatever the json says.
             qk_norm=True,
             tie_word_embeddings=False,
             layer_module=MOT_LAYER,

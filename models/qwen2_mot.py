@@ -1,6 +1,6 @@
 """BAGEL's language model: Qwen2 with per-head QK-norm and Mixture-of-Transformers experts.
 
-Exactly bagel_spec.md §2-3:
+Exactly docs/bagel_layout.md §2-3:
 
 * q/k/v projections with bias, o_proj and the SwiGLU MLP without;
 * RMSNorm over each head's features on q and k (one weight shared by all heads), *before* RoPE;

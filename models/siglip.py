@@ -1,4 +1,4 @@
-"""SigLIP NaViT vision encoder as BAGEL uses it (bagel_spec.md §4.2-4.6).
+"""SigLIP NaViT vision encoder as BAGEL uses it (docs/bagel_layout.md §4.2-4.6).
 
 * Patch embedding is a Linear over 588 = 14*14*3 features in (py, px, c) order (the checkpoint
   stores the conv already flattened that way), plus a learned position table indexed by the

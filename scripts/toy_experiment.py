@@ -23,6 +23,9 @@ and metrics.jsonl), `results.json` (every figure), `results.md` (the table) and 
 (accuracy and JSD against steps, both arms). Each stage runs train.py in a subprocess, exactly as
 a user would; evaluation runs here with opsd_jax.evaluation.evaluate. `--quick` runs a few steps of each
 stage on a small data set (a smoke test of the whole chain, not a measurement).
+
+One script of about 500 lines: the experiment's sequence (stage 1, the runs per seed, the
+control, the table) in the order it runs.
 """
 
 from __future__ import annotations

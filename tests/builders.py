@@ -26,3 +26,20 @@ def data_config(datasets, **changes):
     from opsd_jax.data.data_config import DataConfig
 
     return DataConfig.from_dict(dict(data_fields(**changes), datasets=list(datasets)))
+
+
+def offline_grad_step(graphdef, rest, settings):
+    """jit(params, pack, cache) -> (grads, metrics) of one offline micro-batch: the train
+    step's offline loss differentiated alone (the optimizer left out)."""
+    import jax
+
+    from opsd_jax.training import train_step
+
+    loss_fn = train_step.make_offline_loss(graphdef, rest, settings)
+
+    @jax.jit
+    def grad_step(params, pack, cache):
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None, (pack, cache))
+        return grads, metrics
+
+    return grad_step

@@ -8,7 +8,7 @@ from flax import nnx
 from models.configs import MOT_LAYER, BagelConfig
 from models.qwen2_mot import Qwen2MoT
 
-# Values of the released llm_config.json / vit_config.json as bagel_spec.md §1 lists them,
+# Values of the released llm_config.json / vit_config.json as docs/bagel_layout.md §1 lists them,
 # including the fields every upstream loader overrides in code.
 LLM_JSON = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -109,7 +109,7 @@ def test_7b_language_model_parameter_counts():
     # weights (2 x 128 per layer).
     assert und_only == 7_615_616_512 + 28 * 2 * 128
     # The gen expert duplicates every per-layer weight and the final norm, not embed / lm_head.
-    # (bagel_spec.md §8.2's derived totals are 1,024 per layer per expert higher than its own key
+    # (docs/bagel_layout.md §8.2's derived totals are 1,024 per layer per expert higher than its own key
     # list's shapes add up to; the shapes are what we build and load.)
     embed_and_head = 2 * 152064 * 3584
     assert with_gen - und_only == und_only - embed_and_head

@@ -392,7 +392,7 @@ def test_added_special_tokens_grow_the_table_and_export_keeps_it(tmp_path):
 
 
 def _spec_7b_keys() -> dict[str, tuple[int, ...]]:
-    """bagel_spec.md §8.2, written out independently of opsd_jax/io/hf_layout.py's table."""
+    """docs/bagel_layout.md §8.2, written out independently of opsd_jax/io/hf_layout.py's table."""
     d, kv, f, vocab, head = 3584, 512, 18944, 152064, 128
     vd, vf = 1152, 4304
     keys = {}
@@ -442,7 +442,7 @@ def _spec_7b_keys() -> dict[str, tuple[int, ...]]:
 def test_mapping_table_reproduces_the_7b_key_list():
     spec = _spec_7b_keys()
     assert len(spec) == 1223
-    # bagel_spec.md §8.1 quotes 14,607,317,472 = this + 57,344: its LM subtotals carry 1024
+    # docs/bagel_layout.md §8.1 quotes 14,607,317,472 = this + 57,344: its LM subtotals carry 1024
     # extra values per expert layer that its own key list does not have. The key list wins.
     assert sum(math.prod(s) for s in spec.values()) == 14_607_260_128
     derived = hf_layout.hf_key_shapes(BagelConfig.bagel_7b())

@@ -1,4 +1,4 @@
-"""Tests for opsd_jax.data.image_transform (bagel_spec.md §4.1-4.3).
+"""Tests for opsd_jax.data.image_transform (docs/bagel_layout.md §4.1-4.3).
 
 Every expected size / id below was worked out by hand from the spec's rules (the working is in the
 comments), not by running the code, so a deviation from the spec fails a test.

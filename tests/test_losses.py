@@ -1,7 +1,7 @@
 """Tests for opsd_jax.training.losses: the generalized JSD, the sampled-token (tinker) loss and the CE.
 
 Values are checked against float64 numpy references written from the definitions in
-shared/reference/opsd_loss_spec.md (section a) and from the documented formula of TRL's
+docs/opsd_loss.md (section a) and from the documented formula of TRL's
 `generalized_jsd_loss`, re-derived here rather than imported. Gradients are checked by finite
 differences (jax.test_util.check_grads, float64) and, for the tinker loss, by Monte-Carlo
 against the exact gradient of KL(p || q).

@@ -52,7 +52,7 @@ def sample(pid, thoughts=("t0", "t1"), vts=((1, 1),), answer="A", question="q"):
 
 def test_views_share_the_target_and_differ_by_the_vt_images():
     s = sample("a")
-    # Written out by hand: ThinkMorph's output split at the VT image (opsd_loss_spec.md §c.2).
+    # Written out by hand: ThinkMorph's output split at the VT image (docs/opsd_loss.md §c.2).
     segments = ["<think>t0</think><image_start>", "<image_end><think>t1</think><answer>A</answer>"]
     assert offline_views.target_segments(s) == segments
     assert offline_views.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
@@ -408,7 +408,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     settings = builders.loss_settings(
         kd_weight=1.0, ce_weight=0.0, kd_temperature=tau, num_samples=3, vocab_limit=vocab
     )
-    grads, metrics = train_step.make_offline_grad_step(graphdef, rest, settings)(
+    grads, metrics = builders.offline_grad_step(graphdef, rest, settings)(
         student_params, pack, cache
     )
     expected, expected_grads = jax.jit(

@@ -34,7 +34,7 @@ def sample(pid, question="q", answer="A", thought="t", problem=(1, 2)):
 
 SAMPLES = [sample("a"), sample("b", "qq", "B", "two"), sample("c", "qqq", "C", None)]
 # Written out by hand, not through reference_completion: the ThinkMorph output format with the text-only
-# thought (opsd_loss_spec.md §c.2); without one, the text thoughts joined.
+# thought (docs/opsd_loss.md §c.2); without one, the text thoughts joined.
 EXPECTED = [
     "<think>t</think><answer>A</answer>",
     "<think>two</think><answer>B</answer>",

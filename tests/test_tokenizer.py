@@ -1,4 +1,4 @@
-"""The toy Qwen2 tokenizer and BAGEL's special-token rule (bagel_spec.md §7)."""
+"""The toy Qwen2 tokenizer and BAGEL's special-token rule (docs/bagel_layout.md §7)."""
 
 import json
 import pathlib

@@ -726,7 +726,7 @@ def test_shipped_configs_load_and_the_paper_recipe_is_exact(tmp_path):
     from configs import sanity, thinkmorph_7b
 
     paper = thinkmorph_7b.get_config()
-    # opsd_loss_spec.md §b.1 (Visual-OPSD paper, Appendix C).
+    # docs/opsd_loss.md §b.1 (Visual-OPSD paper, Appendix C).
     expected = dict(
         teacher_mode="ema",
         ema_decay=0.995,

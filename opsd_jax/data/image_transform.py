@@ -1,4 +1,4 @@
-"""BAGEL's image preprocessing for the SigLIP-NaViT encoder (bagel_spec.md §4.1-4.3, §10 items 8-9).
+"""BAGEL's image preprocessing for the SigLIP-NaViT encoder (docs/bagel_layout.md §4.1-4.3, §10 items 8-9).
 
 What: PIL image -> RGB on white -> resized to a stride-aligned size (the exact BAGEL resize rule)
 -> float32 [H, W, 3] in [-1, 1] -> NaViT patches [N, 588] in (py, px, channel) order, plus the
@@ -132,7 +132,7 @@ class ImageTransform:
                     f"ImageTransform.{field.name} must be a positive int, got {value!r}"
                 )
 
-    # Presets from the spec's "Settings in use" (§4.1).
+    # Presets: the "Settings in use" of docs/bagel_layout.md §4.1.
     @classmethod
     def vit_chat(cls) -> ImageTransform:
         """BAGEL VLM eval (`model.chat`) and VLM SFT training (with img_num = images per sample)."""
@@ -201,7 +201,7 @@ def patchify(image_hwc: np.ndarray, patch_size: int = PATCH_SIZE) -> np.ndarray:
     """[H, W, C] -> [(H/p)(W/p), p*p*C]: tokens row-major over the patch grid, features (py, px, c).
 
     Channel is fastest inside a token because the checkpoint's patch embedding is a Linear
-    [1152, 588] in that order (spec §4.2, §10 item 8); a CHW-style flatten would be wrong.
+    [1152, 588] in that order (docs/bagel_layout.md §4.2, §10 item 8); a CHW-style flatten would be wrong.
     """
     image_hwc = np.asarray(image_hwc)
     if image_hwc.ndim != 3:
@@ -253,7 +253,7 @@ def vit_position_ids(
     for BAGEL-7B) for a grid_h x grid_w patch grid.
 
     Extrapolate (the release's setting): id(r, c) = r*G + c — the top-left sub-block of the table,
-    never r*grid_w + c (spec §10 item 4). Interpolate: id = bucket(r/grid_h)*G + bucket(c/grid_w),
+    never r*grid_w + c (docs/bagel_layout.md §10 item 4). Interpolate: id = bucket(r/grid_h)*G + bucket(c/grid_w),
     see `_interpolated_buckets`.
     """
     if grid_h <= 0 or grid_w <= 0:

@@ -11,7 +11,7 @@ Two views of every sample share one target, scored in both; `offline_target` say
   The teacher view is exactly the OPSD teacher's (opsd_packs.teacher_context_items), so the
   cached term is the on-policy distillation term on the reference completion instead of a
   sampled one.
-* 'interleaved': ThinkMorph's output with the VT images between its blocks (§c.2); the student
+* 'interleaved': ThinkMorph's output with the VT images between its blocks (docs/opsd_loss.md §c.2); the student
   then learns that format:
 
     teacher    [system?] [problem image] [question + suffix] [seg_0] [VT_0] [seg_1] ... [seg_n]
@@ -48,6 +48,9 @@ A shard counts once `progress-p<i>.json` lists it: a crash between the shard's r
 progress update leaves an unlisted file, deleted and redone on resume, so a resumed cache holds
 every sample exactly once. Processes take rows g with g % count == index (g: the row's index
 in the datasets' concatenation) and write only their own files.
+
+One module of a little over 400 lines: the format on disk, its writer and its reader in one
+place, so the layout is defined once.
 """
 
 from __future__ import annotations

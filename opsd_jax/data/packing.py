@@ -1,4 +1,4 @@
-"""Sequence plans -> Packs: BAGEL's sample layout (bagel_spec.md §5.3) in fixed-shape arrays.
+"""Sequence plans -> Packs: BAGEL's sample layout (docs/bagel_layout.md §5.3) in fixed-shape arrays.
 
 A sample is an ordered list of items:
 

@@ -6,7 +6,7 @@
 
 Why: the SFT baseline of issue #8 shares the data, packing, step and checkpoint code with
 Visual-OPSD, so the two are compared on equal terms. The target is the ThinkMorph output format
-(opsd_loss_spec.md §c.2) with the curated text-only chain of thought (`full_text_only_thought`,
+(docs/opsd_loss.md §c.2) with the curated text-only chain of thought (`full_text_only_thought`,
 §c.1) in place of the interleaved thought/VT/thought, because the model is trained to write text
 only. A sample without `full_text_only_thought` falls back to its text thoughts joined with a
 space; a sample with neither gets just `<answer>...</answer>`.

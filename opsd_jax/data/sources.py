@@ -12,7 +12,7 @@ a small LRU cache; only the `pid` column is read eagerly (to build the split). D
 out of the sources so that a bad row becomes a counted `Skipped` element downstream instead of an
 exception inside grain's worker threads.
 
-Layouts (opsd_loss_spec.md §c.1):
+Layouts (docs/opsd_loss.md §c.1):
 
 * parquet: `<task>/data/*.parquet` (or a `.parquet` file, or a directory of them); columns
   `pid`, `question`, `answer`, `problem_image_0`, `resoning_thought_k` (the misspelling is the

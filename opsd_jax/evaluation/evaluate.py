@@ -16,6 +16,10 @@ or a training checkpoint) and from the training loop every `eval_every` steps on
 student (`evaluate(model, samples, tokenizer, ...)`), so both report the same numbers.
 `answer(model, tokenizer, image, question)` puts one image and question through the same
 prompt and sampler (scripts/generate.py).
+
+One module of over 400 lines: loading the held-out samples, the prompts of both contexts, the
+batched decode, the scoring and the saved results are one flow, shared by the scripts and the
+trainer.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 An HF directory holds `llm_config.json`, `vit_config.json`, the weights (`ema.safetensors` for
 BAGEL, `model.safetensors` for ThinkMorph, either possibly sharded with an index json) and the
-Qwen2 tokenizer files (bagel_spec.md §8).
+Qwen2 tokenizer files (docs/bagel_layout.md §8).
 
 `MAPPING` is the conversion as data. Each row names an HF key template (`{layer}` marks a
 per-layer key), the parameter path in our model, and the transform between the two layouts:
@@ -38,7 +38,7 @@ from models.configs import BagelConfig
 
 LLM_CONFIG = "llm_config.json"
 VIT_CONFIG = "vit_config.json"
-# FLUX VAE latent channels (bagel_spec.md §1.4) and the time embedder's sinusoid width (§9):
+# FLUX VAE latent channels (docs/bagel_layout.md §1.4) and the time embedder's sinusoid width (§9):
 # they fix the shapes of the generation-only keys, which no config field carries.
 LATENT_CHANNELS = 16
 TIMESTEP_FEATURES = 256

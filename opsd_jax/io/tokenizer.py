@@ -1,7 +1,7 @@
 """The Qwen2 tokenizer of a BAGEL / ThinkMorph directory, with BAGEL's special-token rule.
 
 BAGEL frames every text segment as `<|im_start|> text <|im_end|>` and every image block as
-`<|vision_start|> patches <|vision_end|>` (bagel_spec.md §7). At load time it makes sure those
+`<|vision_start|> patches <|vision_end|>` (docs/bagel_layout.md §7). At load time it makes sure those
 four tokens exist, adding any that are missing, and resizes the embeddings if it added some. The
 shipped Qwen2.5 tokenizer already has all four, so nothing is added there; a smaller tokenizer
 (the toy model's, a user's own) may lack some. This module adds them and reports how many it
@@ -56,7 +56,7 @@ class BagelTokenizer:
     """A transformers Qwen2 tokenizer plus BAGEL's structural ids.
 
     `encode` adds no BOS/EOS (BAGEL frames segments itself); `decode` keeps special tokens by
-    default, since the sampler needs them to split its output (bagel_spec.md §7.1).
+    default, since the sampler needs them to split its output (docs/bagel_layout.md §7.1).
     """
 
     def __init__(self, hf_tokenizer, num_added: int = 0):

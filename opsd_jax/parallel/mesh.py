@@ -1,7 +1,8 @@
 """The device mesh, the logical-axis rules, and sharded model creation.
 
-One mesh with axes ('data', 'fsdp', 'tensor'), all Auto (jax 0.12's `make_mesh` defaults to
-Explicit axes, under which an FSDP-sharded embedding gather fails; see jax_idioms.md finding 2):
+One mesh with axes ('data', 'fsdp', 'tensor'), all Auto: jax 0.12's `make_mesh` defaults to
+Explicit axes, and under them the embedding lookup (table and token ids both sharded over
+'fsdp') raises DuplicateSpecError, so the axis types are given explicitly:
 
 * data   — replicas (HYBRID_SHARD's replicate dimension, config `num_replicate`);
 * fsdp   — parameter sharding (`num_shard`);

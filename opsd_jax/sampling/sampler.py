@@ -26,6 +26,9 @@ per-row state are pinned to rows over the batch axes (kv heads over 'tensor'), s
 weights whole or tensor-split a decode step moves no weight. The state is donated to each
 jitted call so the cache is updated in place. With several processes the prompt Pack is the
 global one (opsd_jax/parallel/distributed.py `put_rows`) and every process gets every row's completion.
+
+One module of a little over 400 lines: prefill, the decode round and the image-skip rounds share
+the cache layout and the per-row state, and are read together.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each row has the ThinkMorph columns: pid, question, answer, problem_image_0 and 
 ({bytes, path} PNG structs), resoning_thought_0 (before the VT; the misspelled name is the real
 one), resoning_thought_1 (after the VT, ending with the answer), full_text_only_thought (a
 text-only chain of thought). Thoughts are plain text: the ThinkMorph training format adds the
-`<think>` tags around them (opsd_loss_spec.md §c.2). The tasks are in tasks.py.
+`<think>` tags around them (docs/opsd_loss.md §c.2). The tasks are in tasks.py.
 
 Why: tests and the tiny CPU config need real-looking data without downloads, and a task a tiny
 model can learn, where privileged VT images visibly help the teacher. Images are 112x112 px (an
@@ -123,7 +123,7 @@ def corpus_lines(task: str, puzzle: dict[str, Any]) -> list[str]:
         t0,
         t1,
         text["full_text_only_thought"],
-        # The ThinkMorph output format (§c.2), so a tokenizer also sees the tags in context.
+        # The ThinkMorph output format (docs/opsd_loss.md §c.2), so a tokenizer also sees the tags in context.
         f"<think>{t0}</think><image_start>",
         f"<image_end><think>{t1}</think><answer>{text['answer']}</answer>",
         f"<think>{text['full_text_only_thought']}</think><answer>{text['answer']}</answer>",

@@ -23,6 +23,9 @@ config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`, and with `fre
 everything but lm_head, see `frozen_groups`) are split off the params before differentiation, so
 the backward computes no gradient for them, they get no optimizer state, and they stay
 bit-identical; `grad_norm` is over the trained parameters only.
+
+One module of about 600 lines: the state, each mode's loss and the one compiled step share the
+state's layout and the frozen-group split; the step is read in one place.
 """
 
 from __future__ import annotations
@@ -325,7 +328,8 @@ def make_loss(mode: str, graphdef, rest, settings: LossSettings, teacher_mode: s
 
 def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
     """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics) of one OPSD
-    micro-batch (the body of the train step's scan; for tests and compiled-program checks)."""
+    micro-batch: the body of the train step's scan, alone (bench/scale.py and bench/gpu_check.py
+    compile it for the GPU target; the layout tests read its program)."""
     loss_fn = make_opsd_loss(graphdef, rest, settings, teacher_mode)
 
     @jax.jit
@@ -386,18 +390,6 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
         return loss, metrics
 
     return loss_fn
-
-
-def make_offline_grad_step(graphdef, rest, settings: LossSettings):
-    """jit(params, pack, cache) -> (grads, metrics) of one offline micro-batch (tests, bench)."""
-    loss_fn = make_offline_loss(graphdef, rest, settings)
-
-    @jax.jit
-    def grad_step(params, pack, cache):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, None, (pack, cache))
-        return grads, metrics
-
-    return grad_step
 
 
 def _update(

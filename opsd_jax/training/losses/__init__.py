@@ -7,7 +7,7 @@ other names are the package's own):
   recomputing backward pass, the sharded top-k, token log-probabilities, the reductions).
 
 The student and the teacher are run teacher-forced on the same sampled completion; row t of the
-loss compares their next-token distributions (see shared/reference/opsd_loss_spec.md, section a).
+loss compares their next-token distributions (see docs/opsd_loss.md, section a).
 All three losses take logits already gathered at the completion rows, shape [..., C, V] (bf16 in
 training, fp32/fp64 in tests), and a `mask` [..., C] of valid entries.
 

@@ -136,7 +136,7 @@ def cached_top_k_kl(
     those ids are, with `student_norm`:
       'full'  (PyTorch offline trainer): log-softmax over the whole vocabulary at tau, gathered,
               so student mass outside the teacher's top-k is penalised too;
-      'top_k' (spec a.1, the online loss): renormalised over the k ids, so the value equals
+      'top_k' (docs/opsd_loss.md a.1, the online loss): renormalised over the k ids, so the value equals
               generalized_jsd(beta=0, top_k=k, clip=0) on the teacher's logits.
     Per entry l_t = tau**2 * sum_i q_i (log q_i - log p_i). `weights` [..., C] (VT-sensitivity)
     make each sample's value sum(w l) / sum(w) instead of the mean (see `_normalise_weights`);
