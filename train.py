@@ -29,7 +29,7 @@ from flax import nnx
 
 from models import pack as pack_lib
 from opsd_jax import run_config
-from opsd_jax.data import offline_cache, pack_shapes, sources
+from opsd_jax.data import pack_shapes, sources
 from opsd_jax.data.opsd_packs import (
     build_prompt_pack,
     prompt_shape_bound,
@@ -50,6 +50,7 @@ from opsd_jax.toy import assets as toy_assets
 from opsd_jax.toy import tasks as toy_tasks
 from opsd_jax.training import resume_changes, train_step
 from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
+from opsd_jax.training.offline import cache as offline_cache
 from opsd_jax.training.step_batches import step_batches_for
 from opsd_jax.training.stop_request import StopRequest
 

@@ -28,6 +28,9 @@ figure bench/scale.py prints): their ratio says how far to trust scale.py.
 `--dry-run` runs all of it on the CPU with tiny shapes (the Pallas kernel in its interpreter,
 programs compiled for the target without running them on it), so the script is known to start
 and to reach its table; no timing it prints means anything. The last line names what failed.
+
+One script of over 600 lines: what a session with a GPU runs first, as one command (parity,
+kernel timings, memory, the table), so a short lease is spent in one call.
 """
 
 from __future__ import annotations

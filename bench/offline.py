@@ -33,7 +33,7 @@ from flax import nnx
 
 from configs import offline_tiny
 from opsd_jax import run_config
-from opsd_jax.data import offline_cache, offline_views, pack_shapes
+from opsd_jax.data import pack_shapes
 from opsd_jax.data.opsd_packs import build_prompt_pack, build_training_packs
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.io.hf_load import load_hf
@@ -41,10 +41,10 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import sampler
 from opsd_jax.toy import assets as toy_assets
-from opsd_jax.training import (
-    offline_collect,
-    train_step,
-)
+from opsd_jax.training import train_step
+from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import collect as offline_collect
+from opsd_jax.training.offline import views as offline_views
 
 VOCAB_7B = 152_064
 TOP_K_7B = 256

@@ -31,6 +31,10 @@ and the memory headroom.
 What no compile can know (printed at the end): kernel speeds (nothing is autotuned without a
 device; the compute time is an assumed MFU), how much communication overlaps compute (both
 bounds are printed), and whether the decode kernels reach the HBM bandwidth.
+
+One script of over 600 lines: every program of a 7B step (grad step, update, prefill, decode
+round, decode-copy refresh) compiled for one target and costed the same way, in the order the
+table prints them.
 """
 
 from __future__ import annotations

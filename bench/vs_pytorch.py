@@ -40,6 +40,9 @@ case's one sample per row (the toy's multi-sample rows keep `chunked`, which ski
 between samples).
 `--multiple` rounds our pack shapes up (row tokens, patches, loss entries) as the config's
 derived sizes are (128); the default 8 keeps them within a few tokens of the content.
+
+One script of over 500 lines: both trainers' set-up on the same case and weights, side by side,
+so the comparison is read in one place.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ that remain: the PyTorch trainer packs micro-batches by a 10240-token budget (he
 8 rows, one micro-batch per step), takes the CE as a token mean (here `loss_reduction`, the
 sequence mean, for both terms) and aligns its two views from their ends (here both views score
 the same target, the reference completion the PyTorch student trains on, and the teacher sees the
-VT images in its context before it; `offline_target`, opsd_jax/data/offline_cache.py).
+VT images in its context before it; `offline_target`, opsd_jax/training/offline/cache.py).
 """
 
 import ml_collections

@@ -13,7 +13,7 @@ the cache matches what the trainer packs; `rows_per_micro_batch` rows of
 Resumable: run the same command again after a kill and it continues with the samples not yet
 committed (each exactly once). Several processes (e.g. one per host, each on its own devices,
 no communication) split the rows with --process_index / --process_count and write their own
-shards into the same directory. The format is in opsd_jax/data/offline_cache.py.
+shards into the same directory. The format is in opsd_jax/training/offline/cache.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import jax
 from absl import app, flags, logging
 
 from opsd_jax import run_config
-from opsd_jax.data import offline_cache
 from opsd_jax.io import init_weights
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.toy import assets as toy_assets
-from opsd_jax.training import offline_collect
+from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import collect as offline_collect
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")

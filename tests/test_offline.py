@@ -24,10 +24,12 @@ from test_opsd_packs import IME, IMS, SPECIAL, VS, encode, vit
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.data import offline_cache, offline_views
 from opsd_jax.data.pack_shapes import PackShape
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.training import losses, offline_collect, train_step
+from opsd_jax.training import losses, train_step
+from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import collect as offline_collect
+from opsd_jax.training.offline import views as offline_views
 
 # The interleaved target (ThinkMorph's output split at the VT images); TEXT_ONLY: the reference
 # completion after the student prompt / the OPSD teacher context.

@@ -69,7 +69,7 @@ class PromptOptions:
     noise_vt: bool
     max_reference_rounds: int
     noise_seed: int
-    # Offline mode's cached target (offline_cache.py): 'text_only' = the reference completion
+    # Offline mode's cached target (opsd_jax/training/offline/cache.py): 'text_only' = the reference completion
     # (text-only thought, answer) after the student prompt / the teacher context, as SFT and
     # OPSD see it; 'interleaved' = ThinkMorph's output split at the VT images.
     offline_target: str

@@ -9,7 +9,7 @@ one-sample row.
 A shape per pack: the teacher's (OPSD) or the only one (SFT, offline) comes from
 `pack_row_tokens`, `pack_row_patches`; the OPSD student's from `pack_student_row_tokens`,
 `pack_student_row_patches`; both packs share `pack_loss_entries` (their loss entries align).
-The offline pack is the text-only view (opsd_jax/data/offline_views.py): no teacher rows (the
+The offline pack is the text-only view (opsd_jax/training/offline/views.py): no teacher rows (the
 teacher is the cache, read at the pack's loss entries, so the cache arrays take the same fixed
 [rows, loss entries, top-k] shape).
 0 (the default) derives a value, rounded up to a multiple of `MULTIPLE`, with k =

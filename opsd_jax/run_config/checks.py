@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 
 from models import attention, configs
-from opsd_jax.data import offline_cache, pack_shapes
+from opsd_jax.data import pack_shapes
 from opsd_jax.io import hf_load
 from opsd_jax.parallel import mesh
 from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, train_step
+from opsd_jax.training.offline import cache as offline_cache
 
 MODES = ("opsd", "sft", "offline")
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from opsd_jax.data import offline_views, sft_packs
+from opsd_jax.data import sft_packs
 from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
 from opsd_jax.parallel import distributed
+from opsd_jax.training.offline import views as offline_views
 
 
 @dataclasses.dataclass(frozen=True)

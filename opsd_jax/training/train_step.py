@@ -63,7 +63,7 @@ class LossSettings:
     jsd_clip_mode: str
     reduction: str
     num_samples: int  # samples per micro-batch (per-sample reduction)
-    # Offline mode (a cached teacher, opsd_jax/data/offline_cache.py): the PyTorch offline trainer's.
+    # Offline mode (a cached teacher, opsd_jax/training/offline/cache.py): the PyTorch offline trainer's.
     kd_weight: float
     kd_temperature: float
     kd_use_vt_weights: bool

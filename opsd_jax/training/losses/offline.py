@@ -1,5 +1,5 @@
 """Offline distillation losses: a teacher cached once (its top-k log-probs per completion entry,
-opsd_jax/data/offline_cache.py), the student trained against it without a teacher forward. The
+opsd_jax/training/offline/cache.py), the student trained against it without a teacher forward. The
 conventions (masks, samples, reductions, diagnostics) are the package's (__init__.py).
 """
 

@@ -1,6 +1,6 @@
 """Offline mode's two views of a sample (the teacher view with its VT images, the text-only view)
 and the text-only micro-batches the trainer packs from them with the cached teacher. What the
-views hold, for each `offline_target`, is offline_cache.py's docstring.
+views hold, for each `offline_target`, is cache.py's docstring.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 
 from models.pack import Pack
-from opsd_jax.data.offline_cache import OFFLINE_TARGETS, CacheError, CacheReader, cache_key
 from opsd_jax.data.opsd_packs import (
     Encode,
     PromptOptions,
@@ -25,6 +24,7 @@ from opsd_jax.data.opsd_packs import (
 from opsd_jax.data.pack_shapes import PackShape, choose_bucket
 from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples, sample_length
 from opsd_jax.data.pipeline import reference_completion
+from opsd_jax.training.offline.cache import OFFLINE_TARGETS, CacheError, CacheReader, cache_key
 
 # ---- the two views ------------------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """Collecting the offline teacher cache: the model run once over the data on the mesh, batched,
 both views of every sample, the teacher's top-k and the VT weights written to the cache
-(offline_cache.py) in committed shards, resumable after a kill. scripts/collect_traces.py is
+(cache.py) in committed shards, resumable after a kill. scripts/collect_traces.py is
 its command line.
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from opsd_jax.data.offline_cache import (
+from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.training.offline.cache import (
     DUPLICATE,
     MANIFEST,
     TOO_LONG,
@@ -24,8 +25,7 @@ from opsd_jax.data.offline_cache import (
     read_manifest,
     write_json_atomic,
 )
-from opsd_jax.data.offline_views import build_offline_packs, sample_entries
-from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.training.offline.views import build_offline_packs, sample_entries
 
 # ---- collection ----------------------------------------------------------------------------------
 
