@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from opsd_jax import run_config
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
 from opsd_jax.data.opsd_packs import build_training_packs
 from opsd_jax.data.packing import SpecialTokens
@@ -21,6 +22,8 @@ from opsd_jax.toy import model as toy_model
 
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 VOCAB_LIMIT = 1004  # rows 1004.. of the tiny embedding table are padding
+
+MAX_FORWARD = run_config.defaults().max_forward_tokens  # the run default
 
 
 class CharTokenizer:
@@ -110,7 +113,9 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
     # Without VT images, intro and transition the teacher's context is the student's.
     bare = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
     no_vt = [dataclasses.replace(s, vt_images=[]) for s in data]
-    same = kl_diagnostic.kl_diagnostic(model, no_vt, tokenizer, options=bare, batch_size=3)
+    same = kl_diagnostic.kl_diagnostic(
+        model, no_vt, tokenizer, options=bare, batch_size=3, max_forward_tokens=MAX_FORWARD
+    )
     expected_tokens = [len(tokenizer.encode(reference_completion(s))) + 1 for s in data]
     assert [r["num_tokens"] for r in same.records] == expected_tokens
     assert [r["pid"] for r in same.records] == ["p0", "p1", "p2"]
@@ -120,7 +125,13 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
 
     # chunk_size=4: the shapes of test_chunked_entry_kl_equals_full_logits (one compile for both).
     with_vt = kl_diagnostic.kl_diagnostic(
-        model, data, tokenizer, options=bare, batch_size=3, chunk_size=4
+        model,
+        data,
+        tokenizer,
+        options=bare,
+        batch_size=3,
+        chunk_size=4,
+        max_forward_tokens=MAX_FORWARD,
     )
     noise = kl_diagnostic.kl_diagnostic(
         model,
@@ -128,6 +139,7 @@ def test_identical_contexts_give_zero_and_vt_gives_positive(model):
         tokenizer,
         batch_size=3,
         chunk_size=4,
+        max_forward_tokens=MAX_FORWARD,
         options=dataclasses.replace(bare, noise_vt=True),
     )
     for result in (with_vt, noise):

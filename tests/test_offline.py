@@ -56,8 +56,10 @@ def test_views_share_the_target_and_differ_by_the_vt_images():
     s = sample("a")
     # Written out by hand: ThinkMorph's output split at the VT image (docs/opsd_loss.md §c.2).
     segments = ["<think>t0</think><image_start>", "<image_end><think>t1</think><answer>A</answer>"]
-    assert offline_views.target_segments(s) == segments
-    assert offline_views.target_segments(sample("b", thoughts=(), vts=())) == ["<answer>A</answer>"]
+    assert offline_views.target_segments(s, 8) == segments
+    assert offline_views.target_segments(sample("b", thoughts=(), vts=()), 8) == [
+        "<answer>A</answer>"
+    ]
     packs = offline_views.build_offline_packs(
         [s, sample("b", vts=((1, 2),))],
         encode,
@@ -335,7 +337,7 @@ def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
         # Before the first VT image both views are the same text (causal attention): weight 0;
         # after it the teacher sees the image, the text-only view does not.
         row, cols = offline_views.sample_entries(pack, j)
-        before = len(encode(offline_views.target_segments(s)[0])) + 1
+        before = len(encode(offline_views.target_segments(s, 8)[0])) + 1
         weights = cache["vt_weights"][row, cols]
         assert (np.abs(weights[:before]) < 1e-6).all() and (weights[before:] > 1e-6).all()
 

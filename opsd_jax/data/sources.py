@@ -235,9 +235,9 @@ class ParquetSource:
     def __init__(
         self,
         files: Sequence[str],
-        split: str = "all",
-        heldout_fraction: float = 0.05,
-        max_reference_rounds: int = 8,
+        split: str,
+        heldout_fraction: float,
+        max_reference_rounds: int,
         num_used_data: int = -1,
         row_group_cache: int = 4,
     ):
@@ -322,8 +322,8 @@ class JsonlSource:
     def __init__(
         self,
         files: Sequence[str],
-        split: str = "all",
-        heldout_fraction: float = 0.05,
+        split: str,
+        heldout_fraction: float,
         num_used_data: int = -1,
     ):
         if split not in SPLITS:

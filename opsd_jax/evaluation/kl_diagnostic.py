@@ -165,7 +165,7 @@ def kl_diagnostic(
     *,
     options: PromptOptions | None = None,
     batch_size: int = 8,
-    max_forward_tokens: int = 10240,
+    max_forward_tokens: int,
     chunk_size: int = 64,
     completion_fn: Callable[[Any], str] = reference_completion,
     mesh: jax.sharding.Mesh | None = None,

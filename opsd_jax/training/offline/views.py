@@ -29,7 +29,7 @@ from opsd_jax.training.offline.cache import OFFLINE_TARGETS, CacheError, CacheRe
 # ---- the two views ------------------------------------------------------------------------------
 
 
-def target_segments(sample, max_reference_rounds: int = 8) -> list[str]:
+def target_segments(sample, max_reference_rounds: int) -> list[str]:
     """The target text blocks, split where the VT images go (one more block than images)."""
     rounds = min(len(sample.vt_images), max_reference_rounds)
     thoughts = list(sample.thoughts)
