@@ -16,6 +16,16 @@ Context: `student` ([system?, image, question]) or `teacher` (plus the VT images
 Writes `<out>/<name>_generations.jsonl`, `<name>_summary.json` and `<name>_table.md`, name =
 `<context>[_noise_vt]`, and prints the table. `--out` defaults to `<run>/eval/` with
 `--checkpoint` (next to the evaluations the trainer writes there), else `results/eval/`.
+
+The paper's benchmarks (Visual-OPSD Table 2), from VLMEvalKit's TSV files in one folder:
+
+    python scripts/evaluate.py --checkpoint results/run --benchmarks all --data_dir ~/LMUData \
+        [--limit N] [--seeds 0,1,2] [--harness_sampling] [--batch_size 16]
+
+greedy with 1024 new tokens (the paper's protocol; `--harness_sampling`: the harness's
+temperature 0.3 and 4096 tokens), scored without a judge (opsd_jax/evaluation/benchmarks);
+writes `<out>/benchmarks/benchmark_records.jsonl`, `benchmark_summary.json` and
+`benchmark_table.md`.
 """
 
 from __future__ import annotations
@@ -25,10 +35,15 @@ import os
 
 from opsd_jax import run_config
 from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.evaluation.benchmarks import registry as benchmark_registry
+from opsd_jax.evaluation.benchmarks import run as benchmark_run
 from opsd_jax.evaluation.cli import (
     add_model_and_data_flags,
     add_sampling_flags,
     check_sampling_flags,
+    image_transform_arg,
+    load_config,
+    load_model,
     run_dir_of,
     sampling_settings,
     setup,
@@ -46,8 +61,23 @@ def main(argv=None) -> None:
         default=None,
         help="output directory (default: RUN/eval with --checkpoint RUN, else results/eval)",
     )
+    bench = parser.add_argument_group("the paper's benchmarks")
+    bench.add_argument(
+        "--benchmarks",
+        help=f"comma-separated, or all: {','.join(benchmark_registry.PAPER_ORDER)}",
+    )
+    bench.add_argument("--data_dir", help="the folder of VLMEvalKit's <dataset>.tsv files")
+    bench.add_argument("--limit", type=int, default=None, help="the first N rows of each dataset")
+    bench.add_argument("--seeds", default="0", help="comma-separated; the scores are averaged")
+    bench.add_argument(
+        "--harness_sampling",
+        action="store_true",
+        help="temperature 0.3, 4096 new tokens (the harness's setting) instead of greedy, 1024",
+    )
     args = parser.parse_args(argv)
     check_sampling_flags(args)
+    if args.benchmarks:
+        return run_benchmarks(args)
     if args.noise_vt and args.context != "teacher":
         raise SystemExit("--noise_vt only changes the teacher context: add --context teacher")
 
@@ -88,6 +118,61 @@ def main(argv=None) -> None:
     print()
     print(evaluation.markdown_table(result.summary), end="")
     print()
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+
+
+def run_benchmarks(args) -> None:
+    """--benchmarks: every file checked first, then the model loaded once and every benchmark
+    decoded and scored (opsd_jax/evaluation/benchmarks/run.py)."""
+    from opsd_jax.data.data_config import image_transform_from
+
+    try:
+        benchmarks = benchmark_registry.benchmarks_named(args.benchmarks)
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if not args.data_dir:
+        raise SystemExit("--benchmarks needs --data_dir (the folder of the <dataset>.tsv files)")
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit must be >= 1, got {args.limit}")
+    try:
+        benchmark_run.check_files(args.data_dir, benchmarks)
+        file_config, config = load_config(args)
+        model, tokenizer, mesh = load_model(args, file_config, config)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    config = run_config.complete(config)
+    harness = args.harness_sampling
+    decode = benchmark_run.DecodeSettings(
+        max_new_tokens=args.max_new_tokens or (4096 if harness else 1024),
+        do_sample=harness or args.temperature > 0,
+        temperature=0.3 if harness else (args.temperature or 1.0),
+        batch_size=args.batch_size,
+        max_image_skips=args.max_image_skips or 0,
+    )
+    transform = image_transform_arg(args.image_size) or config.data.image_transform.to_dict()
+    result = benchmark_run.evaluate_benchmarks(
+        model,
+        tokenizer,
+        benchmarks,
+        args.data_dir,
+        options=run_config.prompt_options(config),
+        decode=decode,
+        image_transform=image_transform_from(transform),
+        seeds=seeds,
+        limit=args.limit,
+        mesh=mesh,
+        sampler_layout=config.sampler_layout,
+        cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
+        log=print,
+    )
+    out = args.out or (
+        os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint else "results/eval"
+    )
+    paths = benchmark_run.save(result, os.path.join(out, "benchmarks"))
+    print()
+    print(benchmark_run.markdown_table(result["summary"]), end="")
     for kind, path in paths.items():
         print(f"{kind}: {path}")
 

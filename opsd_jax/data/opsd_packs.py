@@ -158,7 +158,7 @@ def build_prompt_pack(
     """One prompt per row (the sampler's input); row length and patches rounded up to one of
     `buckets` (default: powers of two)."""
     items = [prompt_items(s, encode, options) for s in samples]
-    return _one_per_row(items, special, num_rows, buckets)
+    return prompt_pack_of(items, special, num_rows, buckets)
 
 
 def build_teacher_prompt_pack(
@@ -172,10 +172,14 @@ def build_teacher_prompt_pack(
     """The teacher's context (VT images included) as sampler prompts, one per row (evaluation
     of the with-VT model)."""
     items = [teacher_context_items(s, encode, options) for s in samples]
-    return _one_per_row(items, special, num_rows, buckets)
+    return prompt_pack_of(items, special, num_rows, buckets)
 
 
-def _one_per_row(items, special: SpecialTokens, num_rows: int | None, buckets) -> Pack:
+def prompt_pack_of(
+    items, special: SpecialTokens, num_rows: int | None = None, buckets=None
+) -> Pack:
+    """Sampler prompts from each row's items (Text / Image), one row each, the row length and
+    patches rounded up to one of `buckets` (default: powers of two)."""
     round_up = bucket if buckets is None else (lambda n: bucket_in(n, buckets))
     longest = max(sample_length(i) for i in items)
     patches = max(sum(len(it.patches) for it in i if isinstance(it, Image)) for i in items)

@@ -195,7 +195,7 @@ def evaluate(
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     num_batches = -(-len(samples) // batch_size)
-    sampled = _decode_model(model, mesh, sampler_layout)
+    sampled = decode_model(model, mesh, sampler_layout)
     for batch_index in range(num_batches):
         first = batch_index * batch_size
         batch = list(samples[first : first + batch_size])
@@ -243,7 +243,7 @@ def evaluate(
     return EvalResult(records, summarize(records, settings))
 
 
-def _decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
+def decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
     """What the sampler runs on: on a mesh, a compute-dtype copy of the model in the decode
     layout (no per-token weight gathers; free it with `.delete()`), else the model itself."""
     if mesh is None or model is None:
@@ -286,6 +286,40 @@ def sample_prompts(
     prompt_pack = build_context_prompt_pack(
         samples, tokenizer.encode, options, special, context, buckets=prompt_buckets
     )
+    return sample_pack(
+        model,
+        prompt_pack,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        max_image_skips=max_image_skips,
+        rng=rng,
+        row_ids=row_ids,
+        mesh=mesh,
+        cache_dtype=cache_dtype,
+        sample_fn=sample_fn,
+    )
+
+
+def sample_pack(
+    model,
+    prompt_pack: Pack,
+    tokenizer,
+    *,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    max_image_skips: int,
+    rng: jax.Array,
+    row_ids,
+    mesh: jax.sharding.Mesh | None = None,
+    cache_dtype: str = "bfloat16",
+    sample_fn: SampleFn = sampler_lib.sample,
+) -> sampler_lib.Completions:
+    """One sampler call on prompts already packed one per row (`sample_prompts`, and the
+    benchmark evaluation's own prompts); on a mesh the rows are sharded over it."""
+    special = tokenizer.special_tokens()
     sampling = {
         "special": special,
         "vocab_limit": tokenizer.vocab_length,
@@ -349,7 +383,7 @@ def answer(
         thoughts=[],
         full_text_only_thought=None,
     )
-    sampled = _decode_model(model, mesh, sampler_layout)
+    sampled = decode_model(model, mesh, sampler_layout)
     completions = sample_prompts(
         sampled,
         [sample],
