@@ -21,6 +21,7 @@ The paper's benchmarks (Visual-OPSD Table 2), from VLMEvalKit's TSV files in one
 
     python scripts/evaluate.py --checkpoint results/run --benchmarks all --data_dir ~/LMUData \
         [--limit N] [--seeds 0,1,2] [--harness_sampling] [--batch_size 16]
+        [--system_prompt_file F]
 
 greedy with 1024 new tokens (the paper's protocol; `--harness_sampling`: the harness's
 temperature 0.3 and 4096 tokens), scored without a judge (opsd_jax/evaluation/benchmarks);
@@ -31,6 +32,7 @@ writes `<out>/benchmarks/benchmark_records.jsonl`, `benchmark_summary.json` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from opsd_jax import run_config
@@ -49,6 +51,7 @@ from opsd_jax.evaluation.cli import (
     setup,
     step_dir_of,
 )
+from opsd_jax.parallel import distributed
 
 
 def main(argv=None) -> None:
@@ -69,6 +72,11 @@ def main(argv=None) -> None:
     bench.add_argument("--data_dir", help="the folder of VLMEvalKit's <dataset>.tsv files")
     bench.add_argument("--limit", type=int, default=None, help="the first N rows of each dataset")
     bench.add_argument("--seeds", default="0", help="comma-separated; the scores are averaged")
+    bench.add_argument(
+        "--system_prompt_file",
+        help="the system prompt's text, from a file, in place of the run's (e.g. the harness's "
+        "thinking-mode instruction, to prompt a model exactly as the paper's tables did)",
+    )
     bench.add_argument(
         "--harness_sampling",
         action="store_true",
@@ -143,6 +151,10 @@ def run_benchmarks(args) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     config = run_config.complete(config)
+    options = run_config.prompt_options(config)
+    if args.system_prompt_file:
+        with open(args.system_prompt_file, encoding="utf-8") as f:
+            options = dataclasses.replace(options, use_system_prompt=True, system_prompt=f.read())
     harness = args.harness_sampling
     decode = benchmark_run.DecodeSettings(
         max_new_tokens=args.max_new_tokens or (4096 if harness else 1024),
@@ -157,7 +169,7 @@ def run_benchmarks(args) -> None:
         tokenizer,
         benchmarks,
         args.data_dir,
-        options=run_config.prompt_options(config),
+        options=options,
         decode=decode,
         image_transform=image_transform_from(transform),
         seeds=seeds,
@@ -170,6 +182,8 @@ def run_benchmarks(args) -> None:
     out = args.out or (
         os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint else "results/eval"
     )
+    if not distributed.is_main():  # every process decoded its share; one writes the files
+        return
     paths = benchmark_run.save(result, os.path.join(out, "benchmarks"))
     print()
     print(benchmark_run.markdown_table(result["summary"]), end="")

@@ -355,6 +355,32 @@ def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
     assert "| | VSP | MMVP | Avg |" in printed and "not all nine benchmarks" in printed
     lines = (tmp_path / "benchmarks" / "benchmark_records.jsonl").read_text().splitlines()
     assert len(lines) == 2  # one row of each
+    prompt = tmp_path / "system.txt"
+    prompt.write_text("Think first.")
+    evaluate_cli.main(
+        [
+            "--model_dir",
+            str(model_dir),
+            "--compute_dtype",
+            "float32",
+            "--benchmarks",
+            "mmvp",
+            "--data_dir",
+            str(root / "data"),
+            "--limit",
+            "1",
+            "--max_new_tokens",
+            "4",
+            "--image_size",
+            "56,28",
+            "--out",
+            str(tmp_path / "own"),
+            "--system_prompt_file",
+            str(prompt),
+        ]
+    )
+    own = (tmp_path / "own" / "benchmarks" / "benchmark_records.jsonl").read_text()
+    assert len(own.splitlines()) == 1
     with pytest.raises(SystemExit, match="unknown 'mmvpp'"):
         evaluate_cli.main(
             [
@@ -370,3 +396,20 @@ def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
         evaluate_cli.main(
             ["--model_dir", str(model_dir), "--benchmarks", "blink", "--data_dir", str(tmp_path)]
         )
+
+
+def test_prompt_items_are_system_images_then_text():
+    import dataclasses
+
+    from opsd_jax.data.image_transform import VitImageInputs
+    from opsd_jax.data.packing import Image as PackImage
+    from opsd_jax.data.packing import Text
+
+    encode = lambda text: [ord(c) for c in text]  # noqa: E731
+    vit = VitImageInputs(np.zeros((4, 588), np.float32), np.arange(4, dtype=np.int32), 2, 2)
+    options = dataclasses.replace(run_config.prompt_options({}), system_prompt="Think first.")
+    items = prompts.prompt_items([vit, vit], "Question: q\n", encode, options)
+    assert [type(i) for i in items] == [Text, PackImage, PackImage, Text]
+    assert items[0].ids == encode("Think first.") and items[-1].ids == encode("Question: q\n")
+    bare = dataclasses.replace(options, use_system_prompt=False)
+    assert [type(i) for i in prompts.prompt_items([vit], "q", encode, bare)] == [PackImage, Text]
