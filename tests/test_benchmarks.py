@@ -327,75 +327,48 @@ def test_on_the_mesh_the_predictions_are_the_same(toy):
     ]
 
 
+def script_args(model_dir, data_dir, out, benchmarks, *extra):
+    return [
+        "--model_dir",
+        str(model_dir),
+        "--compute_dtype",
+        "float32",
+        "--benchmarks",
+        benchmarks,
+        "--data_dir",
+        str(data_dir),
+        "--limit",
+        "1",
+        "--max_new_tokens",
+        "4",
+        "--image_size",
+        "56,28",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
 def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
     from scripts import evaluate as evaluate_cli
 
     _, _, root, model_dir = toy
-    evaluate_cli.main(
-        [
-            "--model_dir",
-            str(model_dir),
-            "--compute_dtype",
-            "float32",
-            "--benchmarks",
-            "vsp,mmvp",
-            "--data_dir",
-            str(root / "data"),
-            "--limit",
-            "1",
-            "--max_new_tokens",
-            "4",
-            "--image_size",
-            "56,28",
-            "--out",
-            str(tmp_path),
-        ]
-    )
+    evaluate_cli.main(script_args(model_dir, root / "data", tmp_path, "vsp,mmvp"))
     printed = capsys.readouterr().out
     assert "| | VSP | MMVP | Avg |" in printed and "not all nine benchmarks" in printed
     lines = (tmp_path / "benchmarks" / "benchmark_records.jsonl").read_text().splitlines()
     assert len(lines) == 2  # one row of each
     prompt = tmp_path / "system.txt"
     prompt.write_text("Think first.")
+    own = tmp_path / "own"
     evaluate_cli.main(
-        [
-            "--model_dir",
-            str(model_dir),
-            "--compute_dtype",
-            "float32",
-            "--benchmarks",
-            "mmvp",
-            "--data_dir",
-            str(root / "data"),
-            "--limit",
-            "1",
-            "--max_new_tokens",
-            "4",
-            "--image_size",
-            "56,28",
-            "--out",
-            str(tmp_path / "own"),
-            "--system_prompt_file",
-            str(prompt),
-        ]
+        script_args(model_dir, root / "data", own, "mmvp", "--system_prompt_file", str(prompt))
     )
-    own = (tmp_path / "own" / "benchmarks" / "benchmark_records.jsonl").read_text()
-    assert len(own.splitlines()) == 1
+    assert len((own / "benchmarks" / "benchmark_records.jsonl").read_text().splitlines()) == 1
     with pytest.raises(SystemExit, match="unknown 'mmvpp'"):
-        evaluate_cli.main(
-            [
-                "--model_dir",
-                str(model_dir),
-                "--benchmarks",
-                "mmvpp",
-                "--data_dir",
-                str(root / "data"),
-            ]
-        )
+        evaluate_cli.main(script_args(model_dir, root / "data", tmp_path, "mmvpp"))
     with pytest.raises(SystemExit, match="BLINK.tsv"):
-        evaluate_cli.main(
-            ["--model_dir", str(model_dir), "--benchmarks", "blink", "--data_dir", str(tmp_path)]
-        )
+        evaluate_cli.main(script_args(model_dir, tmp_path, tmp_path, "blink"))
 
 
 def test_prompt_items_are_system_images_then_text():
