@@ -460,6 +460,27 @@ def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
     assert missing.stderr == "train.py: --config configs/nope.py: no such file\n"
 
 
+def test_no_config_is_one_message_and_help_still_prints():
+    def train(*args):
+        return subprocess.run(
+            [sys.executable, "train.py", *args],
+            cwd=ROOT,
+            env=subprocess_env(1),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    missing = train()
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert missing.stderr == (
+        "train.py: --config is required: python train.py --config configs/<name>.py\n"
+    )
+    helped = train("--help")
+    # absl prints the usage (the docstring) and exits 1, as after any --help.
+    assert "Visual-OPSD training" in helped.stdout and "Traceback" not in helped.stderr
+
+
 def test_bad_values_are_all_named_before_any_compute(tmp_path):
     result = run_train(
         f"--config.results_dir={tmp_path}",

@@ -104,6 +104,8 @@ def parse_flags(argv: list[str]) -> list[str]:
             keys.append(arg.split("=", 1)[0].split(".", 1)[1])
         rest.append(arg)
     if not path:
+        if any(arg in ("-h", "--help", "--helpshort", "--helpfull") for arg in rest):
+            return flags.FLAGS(rest)  # absl prints the help and exits
         config_error("--config is required: python train.py --config configs/<name>.py")
     try:
         config = load_config_file(path)
