@@ -21,7 +21,7 @@ The paper's benchmarks (Visual-OPSD Table 2), from VLMEvalKit's TSV files in one
 
     python scripts/evaluate.py --checkpoint results/run --benchmarks all --data_dir ~/LMUData \
         [--limit N] [--seeds 0,1,2] [--harness_sampling] [--batch_size 16]
-        [--system_prompt_file F]
+        [--system_prompt_file F] [--image_transform harness|run]
 
 greedy with 1024 new tokens (the paper's protocol; `--harness_sampling`: the harness's
 temperature 0.3 and 4096 tokens), scored without a judge (opsd_jax/evaluation/benchmarks);
@@ -81,6 +81,14 @@ def main(argv=None) -> None:
         "--harness_sampling",
         action="store_true",
         help="temperature 0.3, 4096 new tokens (the harness's setting) instead of greedy, 1024",
+    )
+    bench.add_argument(
+        "--image_transform",
+        choices=("harness", "run"),
+        default="harness",
+        help="harness (default): the images resized as the ThinkMorph harness resizes them (VAE "
+        "1024/512/16, then ViT 980/224/14); run: the run's data transform (--image_size: one "
+        "transform of those bounds)",
     )
     args = parser.parse_args(argv)
     check_sampling_flags(args)
@@ -163,22 +171,27 @@ def run_benchmarks(args) -> None:
         batch_size=args.batch_size,
         max_image_skips=args.max_image_skips or 0,
     )
-    transform = image_transform_arg(args.image_size) or config.data.image_transform.to_dict()
-    result = benchmark_run.evaluate_benchmarks(
-        model,
-        tokenizer,
-        benchmarks,
-        args.data_dir,
-        options=options,
-        decode=decode,
-        image_transform=image_transform_from(transform),
-        seeds=seeds,
-        limit=args.limit,
-        mesh=mesh,
-        sampler_layout=config.sampler_layout,
-        cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
-        log=print,
-    )
+    transform = image_transform_arg(args.image_size)
+    if transform is None and args.image_transform == "run":
+        transform = config.data.image_transform.to_dict()
+    try:
+        result = benchmark_run.evaluate_benchmarks(
+            model,
+            tokenizer,
+            benchmarks,
+            args.data_dir,
+            options=options,
+            decode=decode,
+            image_transform=None if transform is None else image_transform_from(transform),
+            seeds=seeds,
+            limit=args.limit,
+            mesh=mesh,
+            sampler_layout=config.sampler_layout,
+            cache_dtype=run_config.cache_dtype_for(args.compute_dtype),
+            log=print,
+        )
+    except ValueError as e:  # a bad benchmark file, images the model cannot take
+        raise SystemExit(f"error: {e}") from None
     out = args.out or (
         os.path.join(run_dir_of(args.checkpoint), "eval") if args.checkpoint else "results/eval"
     )

@@ -2,6 +2,8 @@
 written here, read back, prompted, decoded by the toy model and scored; the judge-free rules on
 the answers that trip rule-based scorers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -158,6 +160,100 @@ def test_bad_files_are_named(tmp_path):
     bad.write_text(f"index\timage\tquestion\nx\t{'A' * 80}\tq\n")
     with pytest.raises(tsv.BenchmarkFileError, match=r"bad.tsv, line 2: index 'x'"):
         tsv.read_tsv(bad)
+
+
+def test_cells_mean_what_pandas_reads_them_as_in_the_harness(tmp_path):
+    """VLMEvalKit reads its TSVs with pandas: its missing-value words are empty cells (the
+    option is not offered) and a column of numbers is numbers; aliases may point forward."""
+    path = tmp_path / "BLINK.tsv"
+    tsv.write_tsv(
+        path,
+        [
+            dict(index=1, image=2, question="How many?", A="0.50", B="None", C="2", answer="A"),
+            dict(index=2, image=picture(4), question="Which?", A="1.25", B="N/A", C="3"),
+        ],
+    )
+    first, second = tsv.read_tsv(path).rows
+    assert first.options == {"A": "0.5", "C": "2"}  # 'None' is pandas' NaN; 0.50 a float
+    assert second.options == {"A": "1.25", "C": "3"} and second.answer is None
+    assert first.images_b64 == second.images_b64  # a forward alias
+    bad = tmp_path / "bad.tsv"
+    tsv.write_tsv(bad, [dict(index=1, image=7, question="q")])
+    with pytest.raises(tsv.BenchmarkFileError, match=r"bad.tsv, line 2: column 'image' refers"):
+        tsv.read_tsv(bad)
+
+
+def test_images_are_what_the_harness_dumps_and_reads_back(tmp_path):
+    """One image goes through the harness's `<index>.jpg` file (a JPEG encode); a list through
+    `<index>_<i>.png` files (lossless)."""
+    path = tmp_path / "MMVP.tsv"
+    tsv.write_tsv(
+        path,
+        [
+            dict(index=5, image=picture(1, (64, 64)), question="q"),
+            dict(index=6, image=[picture(2), picture(3)], question="q"),
+        ],
+    )
+    one, two = tsv.read_tsv(path).rows
+    assert one.image_files == ("5.jpg",) and two.image_files == ("6_0.png", "6_1.png")
+    original = np.asarray(picture(1, (64, 64)))
+    seen = np.asarray(one.images()[0])
+    assert seen.shape == original.shape and not np.array_equal(seen, original)
+    assert np.array_equal(seen, np.asarray(tsv.as_harness_file(picture(1, (64, 64)), "x.jpg")))
+    assert np.array_equal(np.asarray(two.images()[0]), np.asarray(picture(2)))
+
+
+def test_the_model_input_is_images_first_then_one_text_with_placeholders():
+    mc = registry.BENCHMARKS["blink_jigsaw"].datasets[0]
+    row = tsv.BenchmarkRow(1, ("x", "y"), "Which piece?", {"A": "left"}, "A", None, {})
+    order, text = prompts.model_input(prompts.message(row, mc))
+    assert order == [0, 1]
+    assert text == (
+        "<img><|image_1|></img> <img><|image_2|></img> Question: Which piece?\nOptions:\n"
+        "A. left\n" + prompts.CHOOSE + "\n"
+    )
+    # VSP's tags place its images (an unnamed one is left out, <TEST-IMAGE> is the last).
+    vsp = registry.BENCHMARKS["vsp"].datasets[0]
+    maze = tsv.BenchmarkRow(
+        2, ("a", "b", "c"), "See <IMAGE-1>. Now: <TEST-IMAGE> Path?", {}, "", None, {}
+    )
+    parts = prompts.message(maze, vsp)
+    assert parts == ["See ", 0, ". Now: ", 2, " Path?"]
+    assert prompts.model_input(parts) == (
+        [0, 2],
+        "See  <img><|image_1|></img> . Now:  <img><|image_2|></img>  Path?",
+    )
+    plain = tsv.BenchmarkRow(3, ("a",), "Path?", {}, "", None, {})
+    assert prompts.message(plain, vsp) == [0, "Path?"]
+
+
+@pytest.mark.parametrize(
+    "dataset, prediction, hit, ruled",
+    [
+        ("MMVP", "<answer>B</answer>", True, True),
+        ("MMVP", "The answer is A.", False, True),
+        ("MMVP", "I am not sure about this one", False, False),  # the harness's judge reads it
+        ("MMVP", "Z", False, True),
+        ("ChartQA_h_bar", "<answer>12</answer>", True, True),
+        ("ChartQA_h_bar", "It is about 12", False, False),  # no tag: the judge, a miss here
+        ("VSP_maze_task_main_original", "no path", False, True),  # mazes have no judge
+    ],
+)
+def test_answers_the_rules_cannot_read_are_counted(dataset, prediction, hit, ruled):
+    d = next(d for b in registry.BENCHMARKS.values() for d in b.datasets if d.name == dataset)
+    row = tsv.BenchmarkRow(1, ("x",), "q", dict(OPTIONS), "B", None, {"maze_map": "['SG']"})
+    if dataset.startswith("ChartQA"):
+        row = dataclasses.replace(row, options={}, answer="12")
+    score = run.score_row(row, d, prediction)
+    assert (score.hit, score.ruled) == (hit, ruled)
+
+
+def test_images_larger_than_the_vit_grid_are_refused_before_decoding():
+    transform, pre_resize = run.harness_images()
+    assert (transform.max_size, pre_resize.max_size) == (980, 1024)
+    run.check_image_grid(transform, 14, 70)  # BAGEL's grid takes the harness's images
+    with pytest.raises(ValueError, match=r"980 px are 70 patches of 14 px .* grid of 40"):
+        run.check_image_grid(transform, 14, 40)
 
 
 def test_the_multiple_choice_prompt_is_the_harness_layout():

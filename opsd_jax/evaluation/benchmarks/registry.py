@@ -8,7 +8,9 @@ VisPuzzle, V*, BLINK-Jigsaw, MMVP, BLINK and CV-Bench are multiple choice (the q
 options and hint; CV-Bench's own `prompt` column); SAT is multiple choice with each question's
 options rotated (circular: all rotations must be right); ChartQA is free-form (relaxed
 accuracy). The paper's protocol names an LLM judge for ChartQA, VisPuzzle and V*: our scores
-there are judge-free (see scoring.py) and marked so.
+there are judge-free (see scoring.py) and marked so. The harness also falls back to its judge
+on every multiple-choice set for an answer its rules cannot read (and on ChartQA for one
+without an `<answer>` tag); those answers are misses here, and the table counts them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class Dataset:
     report: str = "mean"
     # Rows 2i and 2i+1 are one image pair (MMVP): the pair accuracy is reported beside the score.
     pairs: bool = False
+    # The question places the images itself with `<IMAGE-n>` / `<TEST-IMAGE>` tags (VSP).
+    image_tags: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +55,11 @@ BENCHMARKS = {
         Benchmark(
             "vsp",
             "VSP",
-            (Dataset("VSP_maze_task_main_original", prompt="plain", score="maze"),),
+            (
+                Dataset(
+                    "VSP_maze_task_main_original", prompt="plain", score="maze", image_tags=True
+                ),
+            ),
             judged_in_paper=False,
         ),
         Benchmark("vispuzzle", "VisPuzzle", (Dataset("VisPuzzle", **_CHOICE),), True),

@@ -1,7 +1,12 @@
 """Evaluating a model on the paper's benchmarks: read each dataset's TSV, prompt every row,
 decode in batches (on the run's mesh, through the trainer's sampler), score without a judge,
 and summarise as the paper's table (per benchmark, the average, output tokens and seconds per
-sample). Several seeds run the whole evaluation again and are averaged.
+sample, and the share of answers the rules could not read, which the harness would have sent
+to its judge). Several seeds run the whole evaluation again and are averaged.
+
+Images go through the harness's two resizes by default (its VAE transform's resize, then the
+ViT transform of the interleave path: opsd_jax/data/image_transform.interleave_transform), so
+the model sees the patches it saw there; `image_transform` replaces both by one transform.
 """
 
 from __future__ import annotations
@@ -60,21 +65,51 @@ def check_files(data_dir: str, benchmarks: Sequence[Benchmark]) -> None:
         )
 
 
-def score_row(row: BenchmarkRow, dataset: Dataset, prediction: str) -> tuple[bool, str]:
-    """(hit, what was extracted) for one prediction."""
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """One prediction scored: right or not, what the rules read, and whether they read anything
+    (where they did not, the harness asks its LLM judge; here it is a miss)."""
+
+    hit: bool
+    extracted: str
+    ruled: bool
+
+
+def score_row(row: BenchmarkRow, dataset: Dataset, prediction: str) -> Score:
+    """Score one prediction by the dataset's rule."""
     if dataset.score in ("choice", "circular"):
-        choice = scoring.choice_of(prediction, row.options)
-        return choice == (row.answer or "").strip(), choice
+        choice = scoring.rule_choice(prediction, row.options)
+        extracted = choice or scoring.NO_CHOICE
+        return Score(extracted == (row.answer or "").strip(), extracted, choice is not None)
     if dataset.score == "relaxed":
         answer = scoring.free_form_answer(prediction)
         golds = scoring.gold_answers(row.answer or "")
-        return any(scoring.relaxed_correct(g, answer) for g in golds), answer
+        hit = any(scoring.relaxed_correct(g, answer) for g in golds)
+        # The harness reads the <answer> tag by rule and asks its judge otherwise.
+        return Score(hit, answer, scoring.final_answer(prediction) is not None)
     if dataset.score == "maze":
         maze = row.extra.get("maze_map")
         if maze is None:
             raise ValueError(f"{dataset.name} row {row.index}: no maze_map column")
-        return scoring.maze_path_solves(prediction, maze), scoring.final_answer(prediction) or ""
+        hit = scoring.maze_path_solves(prediction, maze)
+        return Score(hit, scoring.final_answer(prediction) or "", True)  # no judge for mazes
     raise ValueError(f"{dataset.name}: unknown score kind {dataset.score!r}")
+
+
+def harness_images() -> tuple[ImageTransform, ImageTransform]:
+    """(the ViT transform, the resize before it) of the harness's ThinkMorph model."""
+    return ImageTransform.vit_interleave(), ImageTransform.vae_resize()
+
+
+def check_image_grid(transform: ImageTransform, patch_size: int, grid: int) -> None:
+    """The transform's largest image fits the model's ViT position grid, before any decoding."""
+    if transform.max_size // patch_size > grid:
+        raise ValueError(
+            f"images of up to {transform.max_size} px are {transform.max_size // patch_size} "
+            f"patches of {patch_size} px per side, more than this model's ViT position grid of "
+            f"{grid}: give a smaller image transform (scripts/evaluate.py: --image_transform "
+            "run, or --image_size)"
+        )
 
 
 def dataset_accuracy(dataset: Dataset, rows: Sequence[BenchmarkRow], hits: Sequence[bool]):
@@ -111,9 +146,15 @@ def evaluate_benchmarks(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """{'records': one dict per (seed, row), 'summary': the table's figures}; `limit`: the
-    first N rows of each dataset."""
+    first N rows of each dataset; `image_transform`: None for the harness's images."""
     check_files(data_dir, benchmarks)
-    transform = ImageTransform.vit_chat() if image_transform is None else image_transform
+    if image_transform is None:
+        transform, pre_resize = harness_images()
+    else:
+        transform, pre_resize = image_transform, None
+    check_image_grid(
+        transform, model.config.vit.patch_size, model.config.vit_max_num_patch_per_side
+    )
     files = {}
     for b in benchmarks:
         for d in b.datasets:
@@ -138,7 +179,7 @@ def evaluate_benchmarks(
                         files[d.name].rows,
                         options,
                         decode,
-                        transform,
+                        (transform, pre_resize),
                         seed,
                         mesh,
                         cache_dtype,
@@ -160,7 +201,7 @@ def _run_dataset(
     rows,
     options,
     decode,
-    transform,
+    images,
     seed,
     mesh,
     cache_dtype,
@@ -171,6 +212,7 @@ def _run_dataset(
     repeating its final row, the padding dropped) and scored."""
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     vit = model.config.vit
+    transform, pre_resize = images
     records, start = [], time.perf_counter()
     for first in range(0, len(rows), decode.batch_size):
         batch = list(rows[first : first + decode.batch_size])
@@ -178,18 +220,19 @@ def _run_dataset(
         batch += [batch[-1]] * (decode.batch_size - real)
         items = []
         for row in batch:
-            images = [
+            order, text = prompts.model_input(prompts.message(row, dataset))
+            pictures = row.images()
+            vit_images = [
                 prepare_vit_image(
-                    image,
+                    pictures[i],
                     transform,
+                    pre_resize=pre_resize,
                     patch_size=vit.patch_size,
                     max_patches_per_side=model.config.vit_max_num_patch_per_side,
                 )
-                for image in row.images()
+                for i in order
             ]
-            items.append(
-                prompts.prompt_items(images, prompts.question_text(row, dataset), encode, options)
-            )
+            items.append(prompts.prompt_items(vit_images, text, encode, options))
         t0 = time.perf_counter()
         completions = evaluation.sample_pack(
             sampled,
@@ -208,7 +251,7 @@ def _run_dataset(
         seconds = (time.perf_counter() - t0) / real
         for j, row in enumerate(batch[:real]):
             prediction = tokenizer.decode(completions.row(j))
-            hit, extracted = score_row(row, dataset, prediction)
+            score = score_row(row, dataset, prediction)
             records.append(
                 {
                     "seed": seed,
@@ -218,8 +261,9 @@ def _run_dataset(
                     "question": row.question,
                     "answer": row.answer,
                     "prediction": prediction,
-                    "extracted": extracted,
-                    "hit": bool(hit),
+                    "extracted": score.extracted,
+                    "hit": score.hit,
+                    "judge_fallback": not score.ruled,
                     "output_tokens": int(completions.lengths[j]),
                     "seconds": seconds,
                 }
@@ -257,6 +301,7 @@ def summarize(benchmarks, files, records, seeds) -> dict[str, Any]:
                 "skipped_rows": files[d.name].skipped,
                 "mean_output_tokens": float(np.mean([r["output_tokens"] for r in runs])),
                 "seconds_per_sample": float(np.mean([r["seconds"] for r in runs])),
+                "judge_fallback_percent": 100 * float(np.mean([r["judge_fallback"] for r in runs])),
             }
             if d.pairs:
                 parts[d.name]["pair_accuracy"] = 100 * float(
@@ -273,6 +318,9 @@ def summarize(benchmarks, files, records, seeds) -> dict[str, Any]:
             "judge_free_where_paper_judged": b.judged_in_paper,
             "mean_output_tokens": float(np.mean([p["mean_output_tokens"] for p in parts.values()])),
             "seconds_per_sample": float(np.mean([p["seconds_per_sample"] for p in parts.values()])),
+            "judge_fallback_percent": float(
+                np.mean([p["judge_fallback_percent"] for p in parts.values()])
+            ),
             "datasets": parts,
         }
     average = float(np.mean([t["score"] for t in table.values()])) if table else 0.0
@@ -286,8 +334,10 @@ def summarize(benchmarks, files, records, seeds) -> dict[str, Any]:
 
 
 def markdown_table(summary: dict[str, Any]) -> str:
-    """The paper's layout: one column per benchmark, then the average; a row of output tokens
-    and one of seconds per sample. '*' marks a judge-free score where the paper used a judge."""
+    """The paper's layout: one column per benchmark, then the average; rows of output tokens,
+    seconds per sample and the answers the rules could not read (the harness's judge would
+    have read them; here they are misses). '*' marks a judge-free score where the paper's
+    protocol names a judge."""
     table = summary["benchmarks"]
     names = [
         t["title"] + ("*" if t["judge_free_where_paper_judged"] else "") for t in table.values()
@@ -302,7 +352,10 @@ def markdown_table(summary: dict[str, Any]) -> str:
     seconds = "| s / sample | " + " | ".join(
         f"{t['seconds_per_sample']:.3f}" for t in table.values()
     )
-    lines = [head, rule, score, tokens + " | |", seconds + " | |"]
+    unread = "| no rule answer % | " + " | ".join(
+        f"{t['judge_fallback_percent']:.1f}" for t in table.values()
+    )
+    lines = [head, rule, score, tokens + " | |", seconds + " | |", unread + " | |"]
     if not summary["complete"]:
         lines.append("(not all nine benchmarks: the average is not the paper's)")
     lines.append("* judge-free here; the paper's protocol used an LLM judge")

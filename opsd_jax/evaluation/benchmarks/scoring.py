@@ -81,14 +81,19 @@ def final_answer(prediction: str) -> str | None:
     return boxed.group(1) if boxed else None
 
 
-def choice_of(prediction: str, options: dict[str, str]) -> str:
-    """The option letter a prediction chooses: the whole text first, then its marked answer;
-    'Z' when neither names one (where the harness would ask its judge)."""
+def rule_choice(prediction: str, options: dict[str, str]) -> str | None:
+    """The option letter (or 'Z') the rules read in a prediction: the whole text first, then its
+    marked answer; None when they read nothing, where the harness would ask its judge."""
     choice = infer_choice(prediction, options)
     marked = final_answer(prediction)
     if not choice and marked is not None:
         choice = infer_choice(marked, options)
-    return choice or NO_CHOICE
+    return choice
+
+
+def choice_of(prediction: str, options: dict[str, str]) -> str:
+    """The option letter a prediction chooses; 'Z' (a miss) where the rules read nothing."""
+    return rule_choice(prediction, options) or NO_CHOICE
 
 
 def circular_hits(groups: dict[int, list[bool]]) -> dict[int, bool]:

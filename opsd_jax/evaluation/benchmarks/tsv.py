@@ -1,4 +1,5 @@
-"""Benchmark files in the layout VLMEvalKit distributes them: one TSV per dataset.
+"""Benchmark files in the layout VLMEvalKit distributes them: one TSV per dataset, read as its
+harness reads them.
 
 Columns (VLMEvalKit's docs/en/Development.md and its dataset classes): `index` (a unique int),
 `image` (base64; several images as the text of a Python list of base64 strings; a value of at
@@ -8,6 +9,14 @@ cell means the row has no such option), `answer` (the option letter, or free tex
 and per-dataset extras: `category` / `l2-category` / `split`, `g_index` (circular sets: the
 rotations of one question; absent, it is `index % 1_000_000`), `prompt` / `source` (CV-Bench),
 `maze_map` / `maze_size` (VSP).
+
+Read with pandas as the harness reads it (`read_csv(sep='\\t')`), so a cell means what it means
+there: pandas' missing-value words ('None', 'N/A', 'NA', 'null', ...) are empty cells (such an
+option is not offered), and a column of numbers is numbers ('0.50' in an all-number option
+column is shown as '0.5'). The images are what the harness hands the model: it writes each one
+to a file first (`<index>.jpg` for a row's one image, `<index>_<i>.png` for a list, the
+`image_path` names where given) and the model reads that file, so a `.jpg` name means the pixels
+went through a JPEG encode (PIL's default quality).
 
 A bad file is an error naming the file (and the row and column where there is one); a row
 without an image is skipped and counted, as VLMEvalKit skips it.
@@ -22,8 +31,7 @@ import io
 import os
 import string
 
-import pyarrow as pa
-import pyarrow.csv as pa_csv
+import pandas as pd
 from PIL import Image
 
 OPTION_LETTERS = tuple(string.ascii_uppercase)
@@ -48,6 +56,8 @@ class BenchmarkRow:
     answer: str | None  # the option letter, or the free-form answer; None on a test split
     hint: str | None
     extra: dict[str, str]  # every other non-empty column (category, g_index, prompt, maze_map...)
+    # The file names the harness writes the images to (their extension decides the encoding).
+    image_files: tuple[str, ...] = ()
 
     @property
     def group(self) -> int:
@@ -56,8 +66,11 @@ class BenchmarkRow:
         return int(float(value)) if value else self.index % CIRCULAR_GROUP
 
     def images(self) -> list[Image.Image]:
-        """The decoded images (RGB)."""
-        return [decode_image(b64) for b64 in self.images_b64]
+        """The images as the model sees them (RGB): decoded, through the harness's image file."""
+        files = self.image_files or ("image.png",) * len(self.images_b64)
+        return [
+            as_harness_file(decode_image(b64), name) for b64, name in zip(self.images_b64, files)
+        ]
 
 
 @dataclasses.dataclass
@@ -70,26 +83,50 @@ class BenchmarkFile:
 
 
 def decode_image(b64: str) -> Image.Image:
-    return Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB")
+    """A base64 image as the harness decodes it: palette and alpha images become RGB."""
+    image = Image.open(io.BytesIO(base64.b64decode(b64)))
+    return image.convert("RGB") if image.mode in ("RGBA", "P", "LA") else image
 
 
-def _cell(value) -> str | None:
-    """A TSV cell as text; an empty cell (VLMEvalKit's NaN) as None."""
-    if value is None:
-        return None
-    text = str(value)
-    return None if text == "" or text.lower() == "nan" else text
+def as_harness_file(image: Image.Image, name: str) -> Image.Image:
+    """`image` written in the format its file name says and read back as RGB, as the harness's
+    model reads the file it dumped (a JPEG name costs the JPEG encode's loss)."""
+    fmt = Image.registered_extensions().get(os.path.splitext(name)[1].lower(), "PNG")
+    buffer = io.BytesIO()
+    try:
+        image.save(buffer, format=fmt)
+    except OSError:  # a mode the format cannot hold (e.g. 16-bit into JPEG)
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format=fmt)
+    return Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
 
 
-def _image_list(text: str) -> list[str]:
-    """The `image` column: one base64 string, or a Python list of them written as text."""
+def _missing(value) -> bool:
+    return value is None or (not isinstance(value, (list, tuple)) and bool(pd.isna(value)))
+
+
+def _text(value) -> str | None:
+    """A cell as the harness formats it (`f'{value}'`), or None when pandas read it as empty."""
+    return None if _missing(value) else f"{value}"
+
+
+def _as_list(text: str) -> list[str]:
+    """The `image` / `image_path` column: one string, or a Python list of them written as text."""
     text = text.strip()
     if text.startswith("[") and text.endswith("]"):
         value = ast.literal_eval(text)
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError("a list image cell must hold base64 strings")
-        return value
+        if not isinstance(value, list):
+            raise ValueError("a list cell must hold a list")
+        return [str(v) for v in value]
     return [text]
+
+
+def _index_key(text: str) -> str:
+    """An index as a lookup key ('12', '12.0' and ' 12' are one row)."""
+    try:
+        return str(int(float(text)))
+    except ValueError:
+        return text.strip()
 
 
 def read_tsv(path: str | os.PathLike) -> BenchmarkFile:
@@ -98,68 +135,71 @@ def read_tsv(path: str | os.PathLike) -> BenchmarkFile:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"benchmark file {path}: no such file")
     try:
-        with open(path, encoding="utf-8") as f:
-            header = f.readline().rstrip("\r\n").split("\t")
-        table = pa_csv.read_csv(
-            path,
-            # Rows with base64 images run to megabytes: a block must hold a whole row.
-            read_options=pa_csv.ReadOptions(block_size=1 << 28),
-            parse_options=pa_csv.ParseOptions(delimiter="\t", newlines_in_values=True),
-            # Every column as text, as written (no number parsing: option "0.50" stays "0.50").
-            convert_options=pa_csv.ConvertOptions(
-                strings_can_be_null=True, column_types={name: pa.string() for name in header}
-            ),
-        )
-    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        table = pd.read_csv(path, sep="\t")
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise BenchmarkFileError(f"benchmark file {path}: not a readable TSV ({e})") from None
-    columns = table.column_names
+    columns = [str(c) for c in table.columns]
     missing = [c for c in REQUIRED_COLUMNS if c not in columns]
     if missing:
         raise BenchmarkFileError(
             f"benchmark file {path}: no column {', '.join(map(repr, missing))} "
             f"(it has {', '.join(columns)})"
         )
-    records = table.to_pylist()
-    by_index: dict[str, list[str]] = {}
-    rows, skipped = [], {}
+    records = table.to_dict("records")
+    lines = range(2, len(records) + 2)  # line 1 is the header
+    skipped = {}
+    kept = []
+    for line, record in zip(lines, records):
+        if _missing(record["image"]):
+            skipped["no_image"] = skipped.get("no_image", 0) + 1
+        else:
+            kept.append((line, record))
+    # Aliases may point at any row of the file, before or after (the harness maps them all).
+    image_of = {_index_key(f"{r['index']}"): f"{r['image']}" for _, r in kept}
     option_columns = [c for c in columns if c in OPTION_LETTERS]
     known = {*REQUIRED_COLUMNS, "image_path", "hint", "answer", *option_columns}
-    for number, record in enumerate(records, start=2):  # line 1 is the header
-        where = f"benchmark file {path}, line {number}"
-        index_text = _cell(record["index"])
+    rows = []
+    for line, record in kept:
+        where = f"benchmark file {path}, line {line}"
+        index_text = f"{record['index']}"
         try:
             index = int(float(index_text))
-        except (TypeError, ValueError):
+        except ValueError:
             raise BenchmarkFileError(f"{where}: index {index_text!r} is not an integer") from None
-        image = _cell(record["image"])
-        if image is None:
-            skipped["no_image"] = skipped.get("no_image", 0) + 1
-            continue
+        image = f"{record['image']}"
         if len(image) <= ALIAS_MAX_CHARS:  # another row's image, by its index
-            alias = str(int(float(image))) if image.replace(".", "").isdigit() else image
-            if alias not in by_index:
-                raise BenchmarkFileError(f"{where}: image refers to row {image!r}, not before it")
-            images = by_index[alias]
+            target = image_of.get(_index_key(image))
+            if target is None or len(target) <= ALIAS_MAX_CHARS:
+                raise BenchmarkFileError(
+                    f"{where}: column 'image' refers to row {image!r}, which has no image data"
+                )
+            image = target
+        try:
+            images = _as_list(image)
+            paths = _as_list(f"{record['image_path']}") if _text(record.get("image_path")) else []
+        except (ValueError, SyntaxError) as e:
+            raise BenchmarkFileError(f"{where}: column 'image' / 'image_path': {e}") from None
+        if paths:
+            files = paths
+        elif len(images) == 1:
+            files = [f"{index}.jpg"]
         else:
-            try:
-                images = _image_list(image)
-            except (ValueError, SyntaxError) as e:
-                raise BenchmarkFileError(f"{where}: column 'image': {e}") from None
-        by_index[str(index)] = images
-        question = _cell(record["question"])
+            files = [f"{index}_{i}.png" for i in range(len(images))]
+        question = _text(record["question"])
         if question is None:
             raise BenchmarkFileError(f"{where}: column 'question' is empty")
-        options = {c: str(record[c]) for c in option_columns if _cell(record[c]) is not None}
-        extra = {c: _cell(record[c]) for c in columns if c not in known}
+        options = {c: _text(record[c]) for c in option_columns if _text(record[c]) is not None}
+        extra = {c: _text(record[c]) for c in columns if c not in known}
         rows.append(
             BenchmarkRow(
                 index=index,
                 images_b64=tuple(images),
                 question=question,
                 options=dict(sorted(options.items())),
-                answer=_cell(record.get("answer")),
-                hint=_cell(record.get("hint")),
+                answer=_text(record.get("answer")),
+                hint=_text(record.get("hint")),
                 extra={k: v for k, v in extra.items() if v is not None},
+                image_files=tuple(files),
             )
         )
     return BenchmarkFile(path=path, rows=rows, skipped=skipped)
