@@ -217,7 +217,6 @@ def _run_dataset(
     for first in range(0, len(rows), decode.batch_size):
         batch = list(rows[first : first + decode.batch_size])
         real = len(batch)
-        batch += [batch[-1]] * (decode.batch_size - real)
         items = []
         for row in batch:
             order, text = prompts.model_input(prompts.message(row, dataset))
@@ -233,6 +232,7 @@ def _run_dataset(
                 for i in order
             ]
             items.append(prompts.prompt_items(vit_images, text, encode, options))
+        items += [items[-1]] * (decode.batch_size - real)  # padding rows: the last one again
         t0 = time.perf_counter()
         completions = evaluation.sample_pack(
             sampled,
@@ -249,7 +249,7 @@ def _run_dataset(
             sample_fn=sample_fn,
         )
         seconds = (time.perf_counter() - t0) / real
-        for j, row in enumerate(batch[:real]):
+        for j, row in enumerate(batch):
             prediction = tokenizer.decode(completions.row(j))
             score = score_row(row, dataset, prediction)
             records.append(

@@ -102,7 +102,7 @@ def as_harness_file(image: Image.Image, name: str) -> Image.Image:
 
 
 def _missing(value) -> bool:
-    return value is None or (not isinstance(value, (list, tuple)) and bool(pd.isna(value)))
+    return value is None or bool(pd.isna(value))
 
 
 def _text(value) -> str | None:
@@ -161,6 +161,7 @@ def read_tsv(path: str | os.PathLike) -> BenchmarkFile:
     rows = []
     for line, record in kept:
         where = f"benchmark file {path}, line {line}"
+        cells = {c: _text(record[c]) for c in columns}
         index_text = f"{record['index']}"
         try:
             index = int(float(index_text))
@@ -176,7 +177,7 @@ def read_tsv(path: str | os.PathLike) -> BenchmarkFile:
             image = target
         try:
             images = _as_list(image)
-            paths = _as_list(f"{record['image_path']}") if _text(record.get("image_path")) else []
+            paths = _as_list(cells["image_path"]) if cells.get("image_path") else []
         except (ValueError, SyntaxError) as e:
             raise BenchmarkFileError(f"{where}: column 'image' / 'image_path': {e}") from None
         if paths:
@@ -185,20 +186,20 @@ def read_tsv(path: str | os.PathLike) -> BenchmarkFile:
             files = [f"{index}.jpg"]
         else:
             files = [f"{index}_{i}.png" for i in range(len(images))]
-        question = _text(record["question"])
+        question = cells["question"]
         if question is None:
             raise BenchmarkFileError(f"{where}: column 'question' is empty")
-        options = {c: _text(record[c]) for c in option_columns if _text(record[c]) is not None}
-        extra = {c: _text(record[c]) for c in columns if c not in known}
+        options = {c: cells[c] for c in option_columns if cells[c] is not None}
+        extra = {c: v for c, v in cells.items() if c not in known and v is not None}
         rows.append(
             BenchmarkRow(
                 index=index,
                 images_b64=tuple(images),
                 question=question,
                 options=dict(sorted(options.items())),
-                answer=_text(record.get("answer")),
-                hint=_text(record.get("hint")),
-                extra={k: v for k, v in extra.items() if v is not None},
+                answer=cells.get("answer"),
+                hint=cells.get("hint"),
+                extra=extra,
                 image_files=tuple(files),
             )
         )
