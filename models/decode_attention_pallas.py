@@ -12,10 +12,16 @@ pass over all S slots however few were filled. This kernel is a custom call that
 cache buffer itself (no slice exists), and each program loops over the key blocks of its own
 row up to that row's length, so the bytes a step reads grow with the filled length.
 
-Grid (B, Hkv): one program per row and kv head, holding that kv head's G = Hq / Hkv query
-heads as one [Gp, D] tile (G padded to 16, Triton's smallest dot). Per key block of `block_k`
-slots: scores in float32, an online softmax in the log2 domain, masked past the row's length.
-A row of length 0 returns 0.
+Grid (B, Hkv, splits), flash-decoding: one program per row, kv head and split of the cache,
+holding that kv head's G = Hq / Hkv query heads as one [Gp, D] tile (G padded to 16, Triton's
+smallest dot). A decode step has few rows and kv heads per device (the recipe under tensor 4 x
+data 2: 8 rows x 1 kv head), so a grid of (B, Hkv) alone ran 8 programs on a GPU of 132 SMs;
+the split axis cuts the key blocks into contiguous ranges so that the grid has at least
+MIN_PROGRAMS programs (`num_splits`). Each program loops over the key blocks of its range up to
+its row's length (`block_k` slots a step: scores in float32, an online softmax in the log2
+domain, masked past the length) and writes its normalised partial output and its log2-sum-exp;
+a small XLA fusion then combines the splits (weights 2^(lse - max lse)). A split wholly past the
+row's length runs no block and weighs 0; a row of length 0 returns 0.
 
 Requirements: S >= `block_k` (any S: the last block starts early enough to end at slot S - 1),
 D a power of two >= 16 (BAGEL: 128); `supported(...)` says whether a shape qualifies, and
@@ -41,6 +47,9 @@ _F32 = jnp.float32
 _LOG2_E = math.log2(math.e)
 BLOCK_K = 64  # key slots per loop step
 MIN_QUERY_ROWS = 16  # Triton's smallest dot tile
+# Programs the grid should have at least: 2 per SM of an H100 / H200 SXM (132 SMs), so that
+# every SM has work and a second program to switch to while the first waits on HBM.
+MIN_PROGRAMS = 2 * 132
 # The kernel's name in the compiled program (a Triton custom call's backend config), by which
 # opsd_jax/parallel/hbm_traffic.py and bench/scale.py tell it from other custom calls.
 KERNEL_NAME = "filled_cache_attention"
@@ -51,8 +60,59 @@ def supported(head_dim: int, num_slots: int, block_k: int = BLOCK_K) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and num_slots >= block_k
 
 
-def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k, num_slots):
-    row, head = pl.program_id(0), pl.program_id(1)
+def blocks_per_split(
+    batch: int,
+    kv_heads: int,
+    num_slots: int,
+    block_k: int = BLOCK_K,
+    min_programs: int = MIN_PROGRAMS,
+) -> int:
+    """Key blocks each split covers: as many as leave batch x kv_heads x splits >= min_programs
+    (at least one), so every split but the last covers the same number and none is empty."""
+    blocks = pl.cdiv(num_slots, block_k)
+    wanted = max(1, pl.cdiv(min_programs, batch * kv_heads))
+    return max(1, blocks // wanted)
+
+
+def num_splits(
+    batch: int,
+    kv_heads: int,
+    num_slots: int,
+    block_k: int = BLOCK_K,
+    min_programs: int = MIN_PROGRAMS,
+) -> int:
+    """The grid's split axis: batch x kv_heads x splits >= min_programs where the cache has
+    that many key blocks (else one split per block)."""
+    per_split = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
+    return pl.cdiv(pl.cdiv(num_slots, block_k), per_split)
+
+
+def grid(
+    batch: int,
+    kv_heads: int,
+    num_slots: int,
+    block_k: int = BLOCK_K,
+    min_programs: int = MIN_PROGRAMS,
+) -> tuple[int, int, int]:
+    """The kernel's launch grid for a device's share of the cache: (rows, kv heads, splits)."""
+    return (batch, kv_heads, num_splits(batch, kv_heads, num_slots, block_k, min_programs))
+
+
+def _kernel(
+    layer_ref,
+    length_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    scale,
+    block_k,
+    num_slots,
+    split_blocks,
+):
+    row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], length_ref[row]
     q = q_ref[...]  # [Gp, D]
     rows, dim = q.shape
@@ -82,28 +142,49 @@ def _kernel(layer_ref, length_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_k
         jnp.full((rows,), -jnp.inf, _F32),
         jnp.zeros((rows,), _F32),
     )
-    acc, _, l = lax.fori_loop(0, pl.cdiv(length, block_k), key_block, init)
+    # This split's key blocks, up to the row's last filled block (none when it starts past it).
+    first = split * split_blocks
+    last = jnp.minimum(first + split_blocks, pl.cdiv(length, block_k))
+    acc, m, l = lax.fori_loop(first, jnp.maximum(first, last), key_block, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0).astype(
-        o_ref.dtype
-    )
+    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def combine_splits(partial: jax.Array, lse: jax.Array) -> jax.Array:
+    """[..., splits, G, D] normalised partial outputs and [..., splits, G] log2-sum-exps -> the
+    attention over all of them, [..., G, D] in float32 (0 where no split saw a slot)."""
+    top = jnp.max(lse, axis=-2, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for empty splits
+    total = jnp.sum(weight, axis=-2)
+    out = jnp.sum(weight[..., None] * partial, axis=-3)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def filled_cache_attention(
-    q, k_cache, v_cache, layer, kv_lengths, *, block_k: int = BLOCK_K, interpret: bool = False
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    kv_lengths,
+    *,
+    block_k: int = BLOCK_K,
+    min_programs: int = MIN_PROGRAMS,
+    interpret: bool = False,
 ) -> jax.Array:
     """One query per row against layer `layer` of the stacked cache, slots < kv_lengths[b].
 
     q: [B, Hq, D]; k_cache, v_cache: [L, B, S, Hkv, D]; layer: int32 scalar; kv_lengths: [B].
-    Returns [B, Hq, D] in q.dtype (float32 scores, softmax and accumulator).
+    Returns [B, Hq, D] in q.dtype (float32 scores, softmax, partial outputs and combine).
+    min_programs: the grid's least size (num_splits); 1 runs one program per row and kv head.
     """
     batch, q_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[3]
+    kv_heads, num_slots = k_cache.shape[3], k_cache.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.shape[1] != batch or q_heads % kv_heads:
         raise ValueError(
             f"bad shapes q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
         )
-    if not supported(head_dim, k_cache.shape[2], block_k):
+    if not supported(head_dim, num_slots, block_k):
         raise ValueError(
             f"filled_cache_attention needs a power-of-two head dim >= 16 and at "
             f"least {block_k} slots; got {k_cache.shape}"
@@ -112,23 +193,33 @@ def filled_cache_attention(
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
     grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
     grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
-    whole = lambda x: pl.BlockSpec(x.shape, lambda b, h: (0,) * x.ndim)  # noqa: E731
+    split_blocks = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
+    splits = grid(batch, kv_heads, num_slots, block_k, min_programs)[2]
+    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     lengths = jnp.asarray(kv_lengths, jnp.int32)
-    out = pl.pallas_call(
+    partial, lse = pl.pallas_call(
         functools.partial(
             _kernel,
             scale=_LOG2_E / math.sqrt(head_dim),
             block_k=block_k,
-            num_slots=k_cache.shape[2],
+            num_slots=num_slots,
+            split_blocks=split_blocks,
         ),
-        grid=(batch, kv_heads),
+        grid=(batch, kv_heads, splits),
         in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
-        out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(grouped.shape, q.dtype),
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), _F32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), _F32),
+        ],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,
     )(layer, lengths, grouped, k_cache, v_cache)
-    return out[:, :, :group].reshape(batch, q_heads, head_dim)
+    out = combine_splits(partial[..., :group, :], lse[..., :group])
+    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

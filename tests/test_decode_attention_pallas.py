@@ -6,6 +6,8 @@ dispatch on a decode mesh, and lowers to Triton IR for an H100. That the compile
 it in place and copies no layer's cache is tests/test_gpu_compile.py's.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,15 +27,26 @@ def cache_case(rng, layers, rows, slots, kv_heads, group, dim, dtype):
     return q, k, v
 
 
-@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
-def test_kernel_matches_the_xla_decode_attention(dtype, tol):
+@pytest.mark.parametrize(
+    "dtype, tol, min_programs",
+    [
+        (jnp.float32, 2e-6, dap.MIN_PROGRAMS),
+        (jnp.bfloat16, 2e-2, dap.MIN_PROGRAMS),
+        (jnp.float32, 2e-6, 1),
+    ],
+)
+def test_kernel_matches_the_xla_decode_attention(dtype, tol, min_programs):
     """BAGEL's GQA group of 7 (padded to 16 query rows), lengths 0, 1, a block edge, mid-block
-    and full; every layer of the stack."""
+    and full; every layer of the stack. Split over the key blocks (the default: 5 rows x 2 kv
+    heads ask for more splits than the 4 blocks, so one block a split) and unsplit."""
     rng = np.random.default_rng(0)
-    q, k, v = cache_case(rng, layers=3, rows=5, slots=128, kv_heads=2, group=7, dim=32, dtype=dtype)
-    lengths = jnp.array([0, 1, 64, 100, 128], jnp.int32)
+    q, k, v = cache_case(rng, layers=3, rows=5, slots=256, kv_heads=2, group=7, dim=32, dtype=dtype)
+    assert dap.num_splits(5, 2, 256, min_programs=min_programs) == (4 if min_programs > 1 else 1)
+    lengths = jnp.array([0, 1, 64, 150, 256], jnp.int32)
     for layer in range(3):
-        got = dap.filled_cache_attention(q, k, v, jnp.int32(layer), lengths, interpret=True)
+        got = dap.filled_cache_attention(
+            q, k, v, jnp.int32(layer), lengths, min_programs=min_programs, interpret=True
+        )
         want = attention.decode_attention(q, k[layer], v[layer], lengths)
         assert got.dtype == q.dtype and got.shape == q.shape
         np.testing.assert_allclose(
@@ -43,18 +56,37 @@ def test_kernel_matches_the_xla_decode_attention(dtype, tol):
 
 
 def test_slots_past_a_rows_length_do_not_matter():
-    """NaN in every slot at and past each row's length (in its last key block and beyond)
-    leaves the output exactly as it was."""
+    """NaN in every slot at and past each row's length (in its last key block, in the splits
+    past it and beyond) leaves the output exactly as it was."""
     rng = np.random.default_rng(1)
     q, k, v = cache_case(
-        rng, layers=2, rows=3, slots=192, kv_heads=1, group=4, dim=16, dtype=jnp.float32
+        rng, layers=2, rows=4, slots=640, kv_heads=1, group=4, dim=16, dtype=jnp.float32
     )
-    lengths = jnp.array([3, 70, 150], jnp.int32)
-    past = jnp.arange(192)[None, :, None, None] >= lengths[:, None, None, None]
+    lengths = jnp.array([0, 3, 250, 640], jnp.int32)
+    past = jnp.arange(640)[None, :, None, None] >= lengths[:, None, None, None]
     poisoned = [jnp.where(past[None], jnp.nan, x) for x in (k, v)]
-    clean = dap.filled_cache_attention(q, k, v, jnp.int32(1), lengths, interpret=True)
-    got = dap.filled_cache_attention(q, *poisoned, jnp.int32(1), lengths, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
+    want = attention.decode_attention(q, k[1], v[1], lengths)
+    # 10 blocks: 3 splits of 3 blocks and one of 1 (4 rows x 3 splits >= 12 programs).
+    assert dap.grid(4, 1, 640, min_programs=12) == (4, 1, 4)
+    for min_programs in (12, 1):
+        run = lambda *a, m=min_programs: dap.filled_cache_attention(  # noqa: E731
+            q, *a, jnp.int32(1), lengths, min_programs=m, interpret=True
+        )
+        clean, got = run(k, v), run(*poisoned)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
+
+
+def test_the_recipes_decode_shapes_fill_an_h100():
+    """Each device's share at the recipe's shapes (16 rows, 4 kv heads, 7170 slots): tensor 4 x
+    data 2 gives 8 rows x 1 kv head, the replicated copy 2 rows x 4 kv heads. Unsplit, either
+    is 8 programs on 132 SMs; split, at least 2 per SM, and never an empty split."""
+    for rows, kv_heads in ((8, 1), (2, 4)):
+        assert dap.grid(rows, kv_heads, 7170, min_programs=1) == (rows, kv_heads, 1)
+        programs = math.prod(dap.grid(rows, kv_heads, 7170))
+        assert programs >= dap.MIN_PROGRAMS == 264, programs
+        per_split = dap.blocks_per_split(rows, kv_heads, 7170)
+        assert (dap.num_splits(rows, kv_heads, 7170) - 1) * per_split < math.ceil(7170 / 64)
 
 
 def test_a_cache_of_any_length_from_one_block_up():
