@@ -1,7 +1,7 @@
 """What a session with a GPU runs first: one command, one table, measured on the GPU.
 
     pip install -r requirements-gpu.txt
-    python bench/gpu_check.py                      # on one H100 / H200, about 5-8 minutes
+    python bench/gpu_check.py                      # on one H100 / H200: at most 8 minutes
     python bench/gpu_check.py --dry-run            # anywhere: every step but the timings
 
 Sections, each in its own process (so a crash or an out-of-memory costs one line, and each
@@ -19,15 +19,36 @@ program's peak memory is its own):
              program, attention counted analytically, against the GPU's dense bf16 peak);
   decode     the sampler's decode round on a bf16 copy of the whole BAGEL-7B LM at B = 1, 8, 32
              rows: tokens/s next to the HBM roofline (the weights and the filled KV cache read
-             once per step);
+             once per step); in the B = 8 process, the decode attention kernel alone at the
+             recipe's per-device share; with 4+ GPUs, the round at B = 8 on the 'tensor' decode
+             layout over 4 of them (its own process);
 
 and for grad_step and decode the peak memory the allocator saw next to what the same program
 compiled for the `--target` GPU without one predicts (opsd_jax/parallel/gpu_target.py, the
 figure bench/scale.py prints): their ratio says how far to trust scale.py.
 
-`--dry-run` runs all of it on the CPU with tiny shapes (the Pallas kernel in its interpreter,
-programs compiled for the target without running them on it), so the script is known to start
-and to reach its table; no timing it prints means anything. The last line names what failed.
+What fails (the thresholds are the named constants below; a failing row says which it missed):
+
+  parity     an error above PARITY_MAX_ERROR (2e-2, the output's bf16 rounding with margin);
+  attention  a case bench/attention.py could not run;
+  grad_step  MFU below MIN_GRAD_STEP_MFU (0.5: the MFU bench/scale.py's projection assumes);
+  decode     at B = 8, tokens/s below MIN_DECODE_ROOFLINE (60%) of the HBM roofline, on one
+             GPU and on the 'tensor' layout with 4 (per-device bytes: its weight shard and its
+             cache share); the kernel alone below MIN_KERNEL_HBM (60%) of the HBM bandwidth.
+             B = 1 and 32 are informative. With fewer than 4 GPUs the 'tensor' case is one row
+             "not run: N GPU(s)", which the summary counts as not run, not as passed;
+  any        a section's process that exits with an error.
+
+Budget: at most 8 minutes on one H200, compiles included (BUDGET_S; the summary says when it
+ran over). Hence one process per section or decode batch and no more, one compile per program
+timed (plus one deviceless compile per memory prediction), and one timed run after the warm-up
+for the informative decode batches.
+
+`--dry-run` runs all of it on the CPU with tiny shapes (the Pallas kernels in their interpreter,
+programs compiled for the target without running them on it, the 'tensor' decode case on four
+forced CPU devices), so the script is known to start and to reach its table; no timing it prints
+means anything, so no timing threshold is applied (the row says so), but every comparison runs.
+The last line counts the checks passed, not run and not applied, and names what failed.
 
 One script of over 600 lines: what a session with a GPU runs first, as one command (parity,
 kernel timings, memory, the table), so a short lease is spent in one call.
@@ -49,6 +70,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = "RESULT "  # prefix of the lines a section's process prints
 SECTIONS = ("parity", "attention", "grad_step", "decode")
 DECODE_BATCHES = (1, 8, 32)  # rows of the decode round, each in its own process
+
+# ---- thresholds: every figure a row is judged by ------------------------------------------------
+# Parity: largest error (relative to max(1, |reference|); the decode kernel's outputs are
+# averages of V rows, of order 1); bf16 inputs with fp32 accumulation round the output to
+# 2^-8, so an error past 2e-2 is a wrong kernel, not rounding.
+PARITY_MAX_ERROR = 2e-2
+# The grad step's MFU floor: the MFU bench/scale.py's projection assumes (its `--mfu` default).
+# Below it, every step time and run length scale.py projects is optimistic.
+MIN_GRAD_STEP_MFU = 0.5
+# Decode at DECODE_CHECK_BATCH rows (the recipe's rows per device): tokens/s at least this part
+# of the HBM roofline (weights and filled cache read once per step). B = 1 and 32 are shown only.
+MIN_DECODE_ROOFLINE = 0.60
+DECODE_CHECK_BATCH = 8
+# The decode attention kernel alone: bytes it must move per second, as a part of HBM bandwidth.
+MIN_KERNEL_HBM = 0.60
+# The 'tensor' decode case: this many GPUs (BAGEL's 28 / 4 / 16 heads split into whole heads).
+DECODE_TENSOR = 4
+# The whole script on one H200, compiles included (the summary says when it ran over).
+BUDGET_S = 8 * 60
 # Dense bf16 peak FLOP/s and HBM bytes/s by device kind (datasheets; bench/scale.py's table).
 PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "H800": (989e12, 3.35e12)}
 GIB = 2**30
@@ -73,23 +113,41 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--section", help=argparse.SUPPRESS)  # run one section, print RESULTs
     parser.add_argument("--decode-batch", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--decode-tensor", type=int, default=1, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 # ---- shared helpers (inside a section's process) ------------------------------------------------
 
 
-def setup_jax(dry_run: bool):
+def setup_jax(dry_run: bool, host_devices: int = 1):
+    """jax, on the CPU in a dry run (with `host_devices` CPU devices, for a multi-GPU case)."""
     if dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+        if host_devices > 1:
+            flag = f"--xla_force_host_platform_device_count={host_devices}"
+            os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import jax
 
     return jax
 
 
-def emit(**row):
-    print(RESULT + json.dumps(row), flush=True)
+def emit(kind="info", **row):
+    """One row of the table. kind: 'check' (a threshold was applied: ok says whether it was
+    met), 'info' (shown only; ok=False still fails it: a case that could not run), 'not applied'
+    (a timing threshold in a dry run) or 'not run' (a case this machine cannot run)."""
+    print(RESULT + json.dumps(dict(row, kind=kind)), flush=True)
+
+
+def judged(args, fraction: float, threshold: float, rule: str) -> dict:
+    """ok, kind and the verdict text of a measured `fraction` against `threshold`, `rule` naming
+    it ("60% of the roofline"). A dry run's timings mean nothing: the comparison runs, but its
+    row never fails and says the threshold was not applied."""
+    met = fraction >= threshold
+    if args.dry_run:
+        return dict(ok=True, kind="not applied", verdict=f"dry run: threshold not applied ({rule})")
+    return dict(ok=bool(met), kind="check", verdict=("at least " if met else "below ") + rule)
 
 
 def timed(fn, *args, repeats=3):
@@ -226,13 +284,15 @@ def section_parity(args):
             float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
             for a, b in zip(got, want)
         ]
-        # bf16 inputs, fp32 accumulation: the output's bf16 rounding (2^-8) bounds the error.
+        ok = max(errors) <= PARITY_MAX_ERROR
         emit(
             section="parity",
             case=f"{name}, T={length}",
             value=" / ".join(f"{e:.1e}" for e in errors),
-            unit="max error out / dq / dk / dv (vs reference)",
-            ok=bool(max(errors) < 2e-2),
+            unit=f"max error out / dq / dk / dv (vs reference), "
+            f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+            ok=bool(ok),
+            kind="check",
         )
 
     # The sampler's decode attention kernel on the stacked cache against XLA's on the layer's
@@ -253,12 +313,15 @@ def section_parity(args):
         q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), lengths
     )
     error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+    ok = error <= PARITY_MAX_ERROR
     emit(
         section="parity",
         case=f"decode {hq}q/{hkv}kv/128, {slots} slots",
         value=f"{error:.1e}",
-        unit="max error out (vs XLA decode attention, fp32)",
-        ok=bool(error < 2e-2),
+        unit=f"max error out (vs XLA decode attention, fp32), "
+        f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+        ok=bool(ok),
+        kind="check",
     )
 
 
@@ -328,6 +391,7 @@ def section_attention(args):
             value=f"exit {done.returncode}",
             unit=tail[:120],
             ok=False,
+            kind="check",
         )
 
 
@@ -450,6 +514,9 @@ def section_grad_step(args):
     peak_flops, _ = device_peaks(args)
     mfu = (flops + attention_flops) / seconds / peak_flops
     measured = peak_bytes()
+    judge = judged(
+        args, mfu, MIN_GRAD_STEP_MFU, f"an MFU of {MIN_GRAD_STEP_MFU:.0%}, scale.py's --mfu"
+    )
     emit(
         section="grad_step",
         case=f"{lm.num_hidden_layers} x 7B layers + SigLIP, student {student_len} / teacher "
@@ -457,8 +524,9 @@ def section_grad_step(args):
         if not args.dry_run
         else "tiny (dry run)",
         value=f"{seconds * 1e3:.1f} ms, MFU {mfu:.1%}",
-        unit="median of the runs",
-        ok=True,
+        unit=f"{judge['verdict']}; median of {args.repeats} runs",
+        ok=judge["ok"],
+        kind=judge["kind"],
     )
     emit(
         section="memory",
@@ -476,23 +544,30 @@ def section_grad_step(args):
 
 
 def section_decode(args):
-    """The decode round at B = args.decode_batch rows on a bf16 copy of the whole LM. The copy
+    """The decode round at B = args.decode_batch rows on a bf16 copy of the whole LM: on one
+    device, or with --decode-tensor T on the sampler's 'tensor' layout over T devices (heads,
+    MLP and vocabulary split T ways, rows and cache laid out as the sampler pins them). The copy
     is made in place as zeros (decode reads every weight whatever its value), so this process
     never holds fp32 weights and its allocator peak is the decode program's own."""
-    jax = setup_jax(args.dry_run)
+    jax = setup_jax(args.dry_run, host_devices=DECODE_TENSOR if args.decode_tensor > 1 else 1)
     import jax.numpy as jnp
     from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from models.bagel import Bagel
     from models.configs import BagelConfig
+    from models.sharding import logical_spec
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.sampling import decode_copy, sampler
+    from opsd_jax.sampling import decode_copy, layout_choice, sampler
 
     config = (BagelConfig.tiny if args.dry_run else BagelConfig.bagel_7b)(
         llm=dict(compute_dtype="bfloat16")
     )
     lm = config.llm
     batch = args.decode_batch
+    # The largest tensor size up to the one asked that splits every head count into whole heads:
+    # BAGEL's (28 / 4 / 16) take 4; the dry run's tiny model (4 / 2 / 2) takes 2, on the same path.
+    tensor = mesh_lib.tensor_size_for(layout_choice.head_counts(config), args.decode_tensor)
     prompt_len, new_tokens = (64, 16) if args.dry_run else (4096, 256)
     slots = sampler.cache_slots_for(prompt_len, new_tokens)
     cache_shape = (lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim)
@@ -517,69 +592,111 @@ def section_decode(args):
             finished=rows(jnp.bool_),
         )
 
-    def abstract_copy(on_mesh):
+    def abstract_copy(on_mesh, tensor_size):
         graphdef, abstract = mesh_lib.abstract_model(make, on_mesh)
-        view = mesh_lib.decode_mesh(on_mesh, "replicated")
+        layout = "tensor" if tensor_size > 1 else "replicated"
+        view = mesh_lib.decode_mesh(on_mesh, layout, tensor_size)
         return graphdef, view, decode_copy.abstract_decode_copy(abstract, view, jnp.bfloat16)
 
     abstract_state = jax.eval_shape(fresh_state)
     abstract_key = jax.eval_shape(lambda: jax.random.key(0))
 
-    def lower_for(on_mesh):
-        graphdef, view, copy = abstract_copy(on_mesh)
-        put = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
-            x.shape,
-            x.dtype,
-            sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
+    def state_shardings(view):
+        """The state as the sampler pins it (sampler._pinned): rows over the batch axes, the
+        cache's kv heads as the decode rules say."""
+
+        def names(x):
+            if x.ndim == len(sampler.CACHE_NAMES):
+                return sampler.CACHE_NAMES
+            return ("act_batch",) + (None,) * (x.ndim - 1)
+
+        return jax.tree.map(
+            lambda x: NamedSharding(view, logical_spec(x.shape, names(x), view, rules)),
+            abstract_state,
         )
+
+    def lower_for(on_mesh):
+        graphdef, view, copy = abstract_copy(on_mesh, 1)
+        on_view = lambda x, sharding: jax.ShapeDtypeStruct(  # noqa: E731
+            x.shape, x.dtype, sharding=sharding
+        )
+        shardings = state_shardings(view)
         return sampler.decode_round.lower(
             graphdef,
             copy,
-            jax.tree.map(put, abstract_state),
-            put(abstract_key),
-            put(jax.ShapeDtypeStruct((batch,), jnp.int32)),
+            jax.tree.map(on_view, abstract_state, shardings),
+            on_view(abstract_key, NamedSharding(view, PartitionSpec())),
+            on_view(jax.ShapeDtypeStruct((batch,), jnp.int32), shardings.length),
             settings,
             rules,
         )
 
-    predicted = predicted_peak(lower_for, args, decode=True)
+    # The prediction is for one GPU: the 'tensor' case skips it (one compile fewer).
+    predicted = predicted_peak(lower_for, args, decode=True) if tensor == 1 else None
 
-    mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
-    graphdef, view, copy = abstract_copy(mesh)
+    mesh = mesh_lib.make_mesh(devices=jax.devices()[:tensor])
+    graphdef, view, copy = abstract_copy(mesh, tensor)
     weights = jax.jit(
         lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), copy),
         out_shardings=jax.tree.map(lambda x: x.sharding, copy),
     )()
+
+    def shard_bytes(shape, dtype, sharding):  # what one device holds of it
+        return math.prod(sharding.shard_shape(shape)) * jnp.dtype(dtype).itemsize
+
+    # Per device: its shard of the LM's weights on the decode path (not the embedding table, of
+    # which a step reads B rows) and of the cache.
     read = sum(
-        x.nbytes
+        shard_bytes(x.shape, x.dtype, x.sharding)
         for p, x in jax.tree_util.tree_flatten_with_path(weights)[0]
         if "language_model" in jax.tree_util.keystr(p)
         and "embed_tokens" not in jax.tree_util.keystr(p)
     )
+    shardings = state_shardings(view)
+    cache_share = 2 * shard_bytes(cache_shape, jnp.bfloat16, shardings.cache[0])  # K and V
+    fresh = jax.jit(fresh_state, out_shardings=shardings)
+    checked = batch == DECODE_CHECK_BATCH
+    # B = 1 and 32 are shown only: one timed run after the warm-up is enough for them.
+    repeats = args.repeats if checked else 1
     with mesh_lib.use_mesh(view, rules):
-        row_ids = jnp.arange(batch, dtype=jnp.int32)
+        key = jax.device_put(jax.random.key(0), NamedSharding(view, PartitionSpec()))
+        row_ids = jax.device_put(jnp.arange(batch, dtype=jnp.int32), shardings.length)
         compiled = sampler.decode_round.lower(
-            graphdef, weights, fresh_state(), jax.random.key(0), row_ids, settings, rules
+            graphdef, weights, fresh(), key, row_ids, settings, rules
         ).compile()
         times, tokens = [], 0
-        for _ in range(args.repeats + 1):  # the first run warms up
-            state = fresh_state()  # donated: a fresh one per run
+        for _ in range(repeats + 1):  # the first run warms up
+            state = fresh()  # donated: a fresh one per run
             t0 = time.perf_counter()
-            state = jax.block_until_ready(compiled(weights, state, jax.random.key(0), row_ids))
+            state = jax.block_until_ready(compiled(weights, state, key, row_ids))
             times.append(time.perf_counter() - t0)
             tokens = int(state.length.sum()) + batch  # sampled + the fed <|im_start|>
     seconds = statistics.median(times[1:])
     _, hbm_bw = device_peaks(args)
-    mean_cache = 2 * math.prod(cache_shape) * 2 * (prompt_len + new_tokens / 2) / slots
-    roofline = hbm_bw / (read + mean_cache) * batch  # tokens/s reading each byte once per step
+    mean_cache = cache_share * (prompt_len + new_tokens / 2) / slots
+    # tokens/s reading each byte once per step; the devices of the 'tensor' case read their
+    # shares in parallel, each step yielding B tokens.
+    roofline = hbm_bw / (read + mean_cache) * batch
     tokens_s = tokens / seconds
+    if checked:
+        rule = f"{MIN_DECODE_ROOFLINE:.0%} of the roofline"
+        judge = judged(args, tokens_s / roofline, MIN_DECODE_ROOFLINE, rule)
+    else:
+        judge = dict(
+            ok=True, kind="info", verdict=f"informative (checked at B={DECODE_CHECK_BATCH})"
+        )
+    where = f" on 'tensor' x{tensor}" if tensor > 1 else ""
     emit(
         section="decode",
-        case=f"B={batch}, prompt {prompt_len}, {new_tokens} new tokens",
+        case=f"B={batch}{where}, prompt {prompt_len}, {new_tokens} new tokens",
         value=f"{tokens_s:.0f} tokens/s, roofline {roofline:.0f} ({tokens_s / roofline:.0%})",
-        unit=f"weights {read / GIB:.2f} GiB + cache {mean_cache / GIB:.2f} GiB per step",
-        ok=True,
+        unit=f"{judge['verdict']}; weights {read / GIB:.2f} GiB + cache {mean_cache / GIB:.2f} "
+        f"GiB per step{' per device' if tensor > 1 else ''}",
+        ok=judge["ok"],
+        kind=judge["kind"],
     )
+    if predicted is None:
+        return
     measured = peak_bytes()
     emit(
         section="memory",
@@ -594,13 +711,86 @@ def section_decode(args):
         unit="allocator peak / deviceless compile for the target",
         ok=True,
     )
+    if checked:  # after the memory row, so that its allocator peak is the round's alone
+        del weights, state
+        decode_kernel_alone(args)
+
+
+def decode_kernel_alone(args):
+    """The sampler's decode attention kernel (models/decode_attention_pallas.py) alone, at the
+    recipe's per-device share under tensor 4 x data 2: 8 rows, one kv head with its 7 query
+    heads, every row at 6656 of 7170 slots, 28 layers. Bytes per call: each row's K and V up to
+    its length, and the partial outputs the kernel writes and the split combine reads back."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from models import decode_attention_pallas as kernel
+
+    layers, rows, slots, length = (2, 2, 256, 200) if args.dry_run else (28, 8, 7170, 6656)
+    q_heads, kv_heads, dim = 7, 1, 128
+    # Passes over the layers per dispatch: one pass moves ~0.9 GB, ~0.2 ms at an H200's 4.8
+    # TB/s, of which a jitted call's own dispatch and sync (tens of us) would be a large part;
+    # over ten passes they are a few percent.
+    passes = 1 if args.dry_run else 10
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (rows, q_heads, dim), jnp.bfloat16)
+    cache = (layers, rows, slots, kv_heads, dim)
+    k, v = (jax.random.normal(key, cache, jnp.bfloat16) for key in keys[1:])
+    lengths = jnp.full((rows,), length, jnp.int32)
+
+    @jax.jit
+    def all_layers(q, k, v, lengths):
+        # One loop over the layers as the sampler's scan makes it, so one dispatch covers them
+        # all; each call's output is the next one's query, so calls neither overlap nor vanish.
+        def call(i, q):
+            layer = i % layers
+            return kernel.filled_cache_attention(q, k, v, layer, lengths, interpret=args.dry_run)
+
+        return lax.fori_loop(0, passes * layers, call, q)
+
+    grid = kernel.grid(rows, kv_heads, slots)
+    case = f"kernel alone: {layers} x [{rows}, {q_heads}q/{kv_heads}kv], {length}/{slots} slots"
+    try:
+        seconds, _ = timed(all_layers, q, k, v, lengths, repeats=1 if args.dry_run else 5)
+    except Exception as error:  # a row that names the case, not only the process's exit
+        import traceback
+
+        traceback.print_exc()
+        emit(
+            section="decode",
+            case=case,
+            value="error",
+            unit=f"{type(error).__name__}: {error}"[:160],
+            ok=False,
+            kind="check",
+        )
+        return
+    # The kernel pads each kv head's query heads to Triton's smallest dot (16 rows) and writes a
+    # float32 output and log-sum-exp per row, kv head, split and padded query head.
+    padded = max(16, 1 << (q_heads // kv_heads - 1).bit_length())
+    partials = 4 * rows * kv_heads * grid[2] * padded * (dim + 1)
+    per_call = rows * length * kv_heads * dim * 2 * 2 + 2 * partials  # bf16 K, V; partials w + r
+    achieved = passes * layers * per_call / seconds
+    _, hbm_bw = device_peaks(args)
+    rule = f"{MIN_KERNEL_HBM:.0%} of HBM bandwidth"
+    judge = judged(args, achieved / hbm_bw, MIN_KERNEL_HBM, rule)
+    emit(
+        section="decode",
+        case=case,
+        value=f"{achieved / 1e9:.0f} GB/s ({achieved / hbm_bw:.0%} of "
+        f"{hbm_bw / 1e12:.2f} TB/s), {math.prod(grid)} programs",
+        unit=f"{judge['verdict']}; grid {grid}, {per_call / 2**20:.1f} MiB per call",
+        ok=judge["ok"],
+        kind=judge["kind"],
+    )
 
 
 # ---- the driver ---------------------------------------------------------------------------------
 
 
-def run_section(name, args, *extra) -> list[dict]:
-    """One section in a fresh process; its RESULT rows, or one failed row."""
+def run_section(name, args, *extra, env=None) -> list[dict]:
+    """One section in a fresh process (environment `env`); its RESULT rows, or one failed row."""
     command = [
         sys.executable,
         os.path.abspath(__file__),
@@ -615,7 +805,7 @@ def run_section(name, args, *extra) -> list[dict]:
     command += ["--dry-run"] if args.dry_run else []
     command += ["--target", args.target] if args.target else []
     t0 = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     rows = [
         json.loads(line[len(RESULT) :])
         for line in done.stdout.splitlines()
@@ -630,6 +820,7 @@ def run_section(name, args, *extra) -> list[dict]:
                 value=f"exit {done.returncode}",
                 unit=tail[-1][:160],
                 ok=False,
+                kind="check",
             )
         )
     for row in rows:
@@ -644,6 +835,10 @@ def main():
         return
     if args.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    # The sections run with the environment as given; this process only asks jax which devices
+    # there are, and must not hold (preallocate) GPU memory they need meanwhile.
+    child_env = dict(os.environ)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     device = jax.devices()[0]
@@ -653,11 +848,33 @@ def main():
     )
     if not args.dry_run and device.platform != "gpu":
         sys.exit("no GPU here: pip install -r requirements-gpu.txt on a GPU machine, or --dry-run")
+    gpus = len(jax.devices())
+    # A dry run runs the 'tensor' decode case on forced CPU devices, so that its path is known
+    # to work before a machine with 4 GPUs does.
+    tensor_case = gpus >= DECODE_TENSOR or args.dry_run
     t0 = time.perf_counter()
     rows = []
     for name in args.sections:
-        runs = [("--decode-batch", str(b)) for b in DECODE_BATCHES] if name == "decode" else [()]
-        section_rows = [row for extra in runs for row in run_section(name, args, *extra)]
+        runs = [()]
+        if name == "decode":
+            runs = [("--decode-batch", str(b)) for b in DECODE_BATCHES]
+            if tensor_case:
+                batch = str(DECODE_CHECK_BATCH)
+                runs.append(("--decode-batch", batch, "--decode-tensor", str(DECODE_TENSOR)))
+        section_rows = [
+            row for extra in runs for row in run_section(name, args, *extra, env=child_env)
+        ]
+        if name == "decode" and not tensor_case:
+            section_rows.append(
+                dict(
+                    section="decode",
+                    case=f"B={DECODE_CHECK_BATCH} on 'tensor' x{DECODE_TENSOR}",
+                    value=f"not run: {gpus} GPU(s)",
+                    unit=f"the 'tensor' decode layout needs {DECODE_TENSOR} GPUs",
+                    ok=True,
+                    kind="not run",
+                )
+            )
         rows += section_rows
         for row in section_rows:
             print(
@@ -665,9 +882,21 @@ def main():
                 f"{'' if row['ok'] else 'FAILED '}{row['unit']}",
                 flush=True,
             )
+    elapsed = time.perf_counter() - t0
     failed = [f"{r['section']}: {r['case']}" for r in rows if not r["ok"]]
+    kinds = [r.get("kind", "info") for r in rows if r["ok"]]
+    tally = [f"{kinds.count('check')} checks passed"]
+    if kinds.count("not applied"):
+        tally.append(f"{kinds.count('not applied')} thresholds not applied (dry run)")
+    not_run = [f"{r['case']}, {r['value']}" for r in rows if r["ok"] and r.get("kind") == "not run"]
+    if not_run:
+        tally.append(f"{len(not_run)} not run ({'; '.join(not_run)})")
+    tally.append(f"{kinds.count('info')} informative")
+    # The budget is a GPU's: a dry run's CPU time says nothing about it.
+    over = elapsed > BUDGET_S and not args.dry_run
+    over = f", over the {BUDGET_S / 60:.0f}-minute budget" if over else ""
     print(
-        f"\n{len(rows)} rows in {time.perf_counter() - t0:.0f} s; "
+        f"\n{len(rows)} rows in {elapsed:.0f} s{over}: {', '.join(tally)}; "
         + (f"FAILED: {'; '.join(failed)}" if failed else "nothing failed")
     )
     sys.exit(1 if failed else 0)
