@@ -19,9 +19,16 @@ loops, the collectives by kind (read right after SPMD partitioning, loops counte
 counts: opsd_jax/parallel/hlo_stats.py), and for the decode round the HBM bytes one decode
 step moves, counted kernel by kernel in the optimized program (opsd_jax/parallel/
 hbm_traffic.py), next to the floor (the bf16 weights on the decode path read once, plus the KV
-cache up to the current length). Then a projection: compute at `--mfu` of peak, HBM and
-NVLink from the table below, the rollout, the step, hours for the paper recipe (1000 steps),
-and the memory headroom.
+cache up to the current length), and from XLA:GPU's thunk sequence the launches, the kernels
+inside CUDA graphs and the host syncs of one decode step, with the sampler's command buffers
+and without any (opsd_jax/parallel/thunk_launches.py), and the decode attention kernel's grid.
+Then a projection: compute at `--mfu` of peak (attention counted with bidirectional image
+blocks), HBM and NVLink from the table below; a decode step as its HBM time plus, at stated
+per-event costs (LAUNCH_S, GRAPH_NODE_S, HOST_SYNC_S, layout_choice's collective latency), its
+launches, in-graph kernels, host syncs and collectives, all added; the optimizer / EMA update
+(its HBM bytes); the host work on the step's path, measured on this machine
+(bench/host_work.py); the rollout, the step, hours for the paper recipe (1000 steps) next to
+the bytes-only figures this script printed before, and the memory headroom.
 
     python bench/scale.py                        # configs/thinkmorph_7b.py on 8 H100s
     python bench/scale.py --target h200 --devices 16 --num-replicate 2
@@ -30,7 +37,9 @@ and the memory headroom.
 
 What no compile can know (printed at the end): kernel speeds (nothing is autotuned without a
 device; the compute time is an assumed MFU), how much communication overlaps compute (both
-bounds are printed), and whether the decode kernels reach the HBM bandwidth.
+bounds are printed), whether the decode kernels reach the HBM bandwidth, and what a launch, a
+graph node or a sync really costs (stated, added without overlap: bench/gpu_check.py measures
+the decode round itself).
 
 One script of over 600 lines: every program of a 7B step (grad step, update, prefill, decode
 round, decode-copy refresh) compiled for one target and costed the same way, in the order the
@@ -59,6 +68,13 @@ GPUS = {
 }
 HEADROOM = 0.15  # keep this share of HBM free (allocator fragmentation, NCCL buffers, ...)
 GIB = 2**30
+# What a decode step costs besides its bytes, per event, stated (no compile can know them; the
+# counts come from the compiled program, opsd_jax/parallel/thunk_launches.py). Added to the HBM
+# time as if nothing overlapped (an upper bound): a decode step's kernels are microseconds long,
+# so a host that launches them one by one, or waits on a predicate, leaves the GPU idle.
+LAUNCH_S = 4e-6  # one launch from the host (a kernel, library call, copy or CUDA graph)
+GRAPH_NODE_S = 1e-6  # one kernel inside a CUDA graph (the gap between dependent kernels)
+HOST_SYNC_S = 10e-6  # a data-dependent loop's predicate: device -> host copy, wait, relaunch
 
 
 def default_target() -> str:
@@ -128,6 +144,11 @@ def parse_args():
     )
     parser.add_argument("--prompt-patches", type=int, default=4900)
     parser.add_argument(
+        "--skip-host-work",
+        action="store_true",
+        help="leave the measured host work (bench/host_work.py) out of the step",
+    )
+    parser.add_argument(
         "--skip-fit",
         action="store_true",
         help="skip the second grad-step compile that finds the largest pack",
@@ -165,12 +186,13 @@ def main():
     from models.pack import Pack
     from models.sharding import logical_spec
     from opsd_jax import run_config
-    from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats
+    from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats, thunk_launches
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
     from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
+    collective_latency = layout_choice.PLATFORMS["gpu"][1]
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
     accum = recipe.gradient_accumulation_steps
     new_tokens = recipe.sample_max_new_tokens
@@ -216,11 +238,18 @@ def main():
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
 
-    def compile_program(lowered, on_mesh):
+    def compile_program(lowered, on_mesh, **options):
         """(executable, HLO after SPMD partitioning, seconds) with the target's options."""
+        program, seconds = compile_with_thunks(lowered, on_mesh, **options)
+        return program.compiled, program.partitioned, seconds
+
+    def compile_with_thunks(lowered, on_mesh, **options):
+        """(hlo_stats.CompiledProgram with XLA:GPU's thunk sequence, seconds)."""
         t0 = time.perf_counter()
-        compiled, text = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(on_mesh))
-        return compiled, text, time.perf_counter() - t0
+        program = hlo_stats.compile_and_read_all(
+            lowered, {**gpu_target.compiler_options(on_mesh), **options}
+        )
+        return program, time.perf_counter() - t0
 
     # ---- abstract model and state (no memory) -----------------------------------------------
     def make_model():
@@ -379,7 +408,20 @@ def main():
     update = train_step.make_apply_update(optimizer, "ema", recipe.ema_decay)
     with mesh_lib.use_mesh(mesh):
         update_compiled, update_text, seconds = compile_program(update.lower(*state_args), mesh)
-    report("optimizer + EMA update", update_compiled, update_text, seconds)
+    update_memory, _, _, _ = report("optimizer + EMA update", update_compiled, update_text, seconds)
+    # The update streams the fp32 params, gradients, moments and EMA through HBM once per step:
+    # it reads every argument and writes every output at least once (what its kernels are
+    # counted to move, where the GPU program shows more, is taken instead).
+    update_bytes = update_memory.argument_size_in_bytes + update_memory.output_size_in_bytes
+    if on_gpu:
+        counted = hbm_traffic.total_bytes(hbm_traffic.outside_loops(update_compiled.as_text()))
+        update_bytes = max(update_bytes, counted)
+    update_s = update_bytes / hbm_bw
+    print(
+        f"  HBM per update per device: {update_bytes / GIB:.2f} GiB (its arguments read and "
+        f"outputs written once, or its kernels' count if more) -> {update_s * 1e3:.1f} ms per "
+        f"step"
+    )
 
     # ---- the sampler: refresh, prefill, decode round, per sampler layout ------------------------
     # After each update the params become a bf16 copy in a decode layout (one jitted reshard);
@@ -449,18 +491,14 @@ def main():
             seconds,
         )
 
-        view_cache = on_view(cache_shape, jnp.bfloat16, sampler.CACHE_NAMES)
-        view_state = sampler.DecodeState(
-            cache=(view_cache, view_cache),
-            kv_length=rows_of(jnp.int32),
-            rope=rows_of(jnp.int32),
-            tokens=rows_of(jnp.int32, new_tokens),
-            logprobs=rows_of(jnp.float32, new_tokens),
-            length=rows_of(jnp.int32),
-            budget=rows_of(jnp.int32),
-            active=rows_of(jnp.bool_),
-            finished=rows_of(jnp.bool_),
+        view_state = sampler.abstract_decode_state(
+            cache_shape,
+            new_tokens,
+            lambda shape, names, view=view: jax.sharding.NamedSharding(
+                view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
+            ),
         )
+        view_cache = view_state.cache[0]
         view_key = jax.ShapeDtypeStruct(
             key.shape,
             key.dtype,
@@ -476,13 +514,56 @@ def main():
                 settings,
                 mesh_lib.DECODE_RULES,
             )
-            compiled, text, seconds = compile_program(lowered, view)
+            program, seconds = compile_with_thunks(lowered, view)
+            # The same round without command buffers: every kernel launched from the host.
+            plain = compile_with_thunks(lowered, view, xla_gpu_enable_command_buffer="")[0]
+        compiled, text = program.compiled, program.partitioned
         memory, table, _, _ = report(
             f"decode round on the '{layout}' copy ({rows} rows, cache {slots} slots; one "
             f"while_loop iteration per token)",
             compiled,
             text,
             seconds,
+        )
+        # Per token: the collectives (counted through the loop at its bound, max_steps trips),
+        # and on a GPU the launches, kernels in graphs and host syncs of the thunk sequence.
+        collectives = sum(row["count"] for row in table.values()) / settings.max_steps
+        collective_s = collectives * collective_latency
+        launches = plain_launches = None
+        if on_gpu:
+            launches = thunk_launches.per_iteration(
+                program.thunk_sequence, program.thunk_metadata, compiled.as_text()
+            )
+            plain_launches = thunk_launches.per_iteration(
+                plain.thunk_sequence, plain.thunk_metadata, plain.compiled.as_text()
+            )
+            grids = [
+                k.grid
+                for k in thunk_launches.kernels(
+                    thunk_launches.parse(program.thunk_sequence),
+                    decode_attention_pallas.KERNEL_NAME,
+                )
+            ]
+            for name, counted in (("without", plain_launches), ("with", launches)):
+                print(
+                    f"  launches per decode step {name} command buffers: {counted.launches:.0f} "
+                    f"({counted.graph_launches:.0f} of them CUDA graphs holding "
+                    f"{counted.graph_kernels:.0f} kernels), host syncs {counted.host_syncs:.0f}"
+                    + (" (the sampler's XLA options)" if name == "with" else "")
+                )
+            if grids:
+                print(
+                    f"  decode attention kernel grid {grids[0]} = {math.prod(grids[0])} programs "
+                    f"per call on {gpu_target.sm_count(target)} SMs"
+                )
+        print(
+            f"  collectives per decode step: {collectives:.0f}"
+            + (
+                f" (2 x {llm.num_hidden_layers} layers + 1 = {2 * llm.num_hidden_layers + 1} "
+                "all-reduces of the tensor layout, + the stop test)"
+                if layout == "tensor"
+                else " (the stop test: any row still active)"
+            )
         )
         copy_bytes = shard_bytes(copy)
         cache_bytes = 2 * shard_bytes(view_cache)  # k and v, at capacity
@@ -527,10 +608,23 @@ def main():
                 f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
                 f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB"
             )
-        token_s = max(step_hbm / hbm_bw, moved / link_bw)
+        bytes_s = max(step_hbm / hbm_bw, moved / link_bw)
+        if launches is not None:
+            launch_s = launches.launches * LAUNCH_S + launches.graph_kernels * GRAPH_NODE_S
+            plain_launch_s = plain_launches.launches * LAUNCH_S
+            sync_s = launches.host_syncs * HOST_SYNC_S
+        else:  # the CPU proxy's program says nothing of a GPU's launches
+            launch_s = plain_launch_s = sync_s = 0.0
+        token_s = bytes_s + collective_s + launch_s + sync_s
         prefill_s = prefill_flops / (peak_flops * args.mfu)
         layouts[layout] = dict(
             token_s=token_s,
+            bytes_s=bytes_s,
+            collective_s=collective_s,
+            launch_s=launch_s,
+            plain_launch_s=plain_launch_s,
+            sync_s=sync_s,
+            launches=launches,
             floor_s=floor / hbm_bw,
             rollout_s=token_s * new_tokens,
             refresh_s=refresh_moved / link_bw,
@@ -554,16 +648,23 @@ def main():
         + 2 * lm_matmul * tokens_student  # + remat
         + 2 * lm_matmul * tokens_teacher
     ) / n
-    attention = (
-        2
-        * 2
-        * llm.num_hidden_layers
-        * llm.num_attention_heads
-        * llm.head_dim
-        * samples
-        * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)
-    ) / n
+    # Attention FLOPs (QK^T and PV, 2 FLOPs a multiply-add) per visible query-key pair; the
+    # student's counted 4 times (forward, remat re-forward, backward's two), the teacher's once.
+    # A row is causal except inside an image, whose tokens see the whole image both ways: the
+    # image adds P(P-1)/2 pairs (counted as one image of the row's patches: a split image adds
+    # fewer). Before this, every row was counted causal (L^2/2 pairs).
+    per_pair = 2 * 2 * llm.num_hidden_layers * llm.num_attention_heads * llm.head_dim * samples / n
+
+    def pairs(length, patches):
+        return length * (length + 1) / 2 + patches * (patches - 1) / 2
+
+    attention = per_pair * (
+        4 * pairs(args.student_len, args.student_patches)
+        + pairs(args.teacher_len, args.teacher_patches)
+    )
+    causal_attention = per_pair * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)
     compute_s = (grad_flops + attention) / (peak_flops * args.mfu)
+    causal_compute_s = (grad_flops + causal_attention) / (peak_flops * args.mfu)
     comm_s = (
         grad_table["all-gather"]["bytes"]
         + grad_table["reduce-scatter"]["bytes"]
@@ -577,7 +678,9 @@ def main():
     print(
         f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic 6·N·tokens + remat "
         f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
-        f"layer params) + attention ~{attention:.3g} (causal, analytic)"
+        f"layer params) + attention {attention:.4g} (causal rows with bidirectional image "
+        f"blocks of {args.student_patches} / {args.teacher_patches} patches; all causal: "
+        f"{causal_attention:.4g})"
     )
     print(
         f"  grad step: compute {compute_s:.2f} s at MFU {args.mfu}, communication "
@@ -586,11 +689,21 @@ def main():
     )
     for layout, row in layouts.items():
         print(
-            f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step "
-            f"(floor {row['floor_s'] * 1e3:.2f} ms) -> {rows / n / row['token_s']:.0f} tokens/s "
-            f"per GPU; a {new_tokens}-token rollout of {rows} rows {row['rollout_s']:.1f} s "
-            f"(at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
+            f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step = "
+            f"HBM {row['bytes_s'] * 1e3:.2f} + collective latency "
+            f"{row['collective_s'] * 1e3:.2f} + launches {row['launch_s'] * 1e3:.2f} "
+            f"(without command buffers {row['plain_launch_s'] * 1e3:.2f}) + host syncs "
+            f"{row['sync_s'] * 1e3:.2f} ms (floor {row['floor_s'] * 1e3:.2f} ms) -> "
+            f"{rows / n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
+            f"of {rows} rows {row['rollout_s']:.1f} s (bytes only {row['bytes_s'] * new_tokens:.1f}"
+            f" s; at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
             f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step"
+        )
+    if on_gpu:
+        print(
+            f"  (stated costs: {LAUNCH_S * 1e6:.0f} us a host launch, {GRAPH_NODE_S * 1e6:.0f} "
+            f"us a kernel in a CUDA graph, {HOST_SYNC_S * 1e6:.0f} us a host sync, "
+            f"{collective_latency * 1e6:.0f} us a small collective; all added, none overlapped)"
         )
     # The step samples on the copy in the recipe's layout.
     # The recipe's layout; 'auto': the least rollout time among those that fit (as train.py's
@@ -606,14 +719,45 @@ def main():
         )
     chosen = layouts[layout_used]
     sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
-    step_low = accum * max(compute_s, comm_s) + sampling_s
-    step_high = accum * (compute_s + comm_s) + sampling_s
+    # Host work per step, measured on this machine (bench/host_work.py). Reading, decoding and
+    # transforming images runs in the data pipeline's threads ahead of the step (grain prefetch:
+    # overlapped, not added); the prompt packs before sampling and the training packs after it
+    # are built on the main thread between device programs (added).
+    host_s = overlapped_s = 0.0
+    if not args.skip_host_work:
+        import host_work  # bench/host_work.py, beside this script
+
+        parts = host_work.measure(recipe)
+        overlapped_s = parts["image decode"] + parts["images"]
+        host_s = parts["total"] - overlapped_s
+    step_low = accum * max(compute_s, comm_s) + sampling_s + update_s + host_s
+    step_high = accum * (compute_s + comm_s) + sampling_s + update_s + host_s
+    # What this script printed before every cost was counted: bytes-only decode, all-causal
+    # attention, no update, no host work.
+    bytes_sampling_s = chosen["bytes_s"] * new_tokens + chosen["prefill_s"] + chosen["refresh_s"]
+    old_low = accum * max(causal_compute_s, comm_s) + bytes_sampling_s
+    old_high = accum * (causal_compute_s + comm_s) + bytes_sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
     print(
+        f"  optimizer + EMA update {update_s:.2f} s per step; host work measured on this "
+        f"machine ({os.cpu_count()} cores): "
+        + (
+            f"packing {host_s:.2f} s per step (on the step's path), image decode and "
+            f"preprocessing {overlapped_s:.2f} s (in the pipeline's threads, overlapped)"
+            if not args.skip_host_work
+            else "not measured (--skip-host-work)"
+        )
+    )
+    print(
         f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
-        f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s); paper "
-        f"recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
+        f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s + update + host "
+        f"work); paper recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
         f"{hours(step_high):.1f} h"
+    )
+    print(
+        f"  counted as before (decode bytes only, all-causal attention, no update or host "
+        f"work): step {old_low:.1f} .. {old_high:.1f} s, recipe {hours(old_low):.1f} .. "
+        f"{hours(old_high):.1f} h"
     )
 
     # ---- memory --------------------------------------------------------------------------------
@@ -650,7 +794,8 @@ def main():
     print(
         "\nNot known from a compile without a device: kernel speeds (nothing is autotuned; "
         f"compute is assumed at MFU {args.mfu}, decode at the full HBM bandwidth), how much "
-        "communication overlaps compute (both bounds shown)"
+        "communication overlaps compute (both bounds shown), what a launch, a kernel in a "
+        "graph, a host sync or a small collective costs (stated above, added)"
         + (
             ""
             if on_gpu

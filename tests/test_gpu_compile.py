@@ -29,7 +29,7 @@ from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
 from opsd_jax.data.opsd_packs import shaped_pack
 from opsd_jax.data.packing import SpecialTokens
-from opsd_jax.parallel import distributed, gpu_target, hbm_traffic, hlo_stats
+from opsd_jax.parallel import distributed, gpu_target, hbm_traffic, hlo_stats, thunk_launches
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy, sampler
 from opsd_jax.training import train_step
@@ -134,6 +134,17 @@ def test_a_deviceless_compile_needs_the_cub_flag():
     assert lowered.compile(compiler_options=gpu_target.DEVICELESS_OPTIONS) is not None
 
 
+def abstract_state(view, llm, rows, slots, new_tokens):
+    """The decode round's abstract state on `view`, laid out as the sampler lays it out."""
+    return sampler.abstract_decode_state(
+        (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
+        new_tokens,
+        lambda shape, names: jax.sharding.NamedSharding(
+            view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
+        ),
+    )
+
+
 @dataclasses.dataclass
 class SamplerPrograms:
     refresh: object
@@ -141,6 +152,7 @@ class SamplerPrograms:
     prefill_text: str
     decode: object
     decode_text: str
+    decode_program: hlo_stats.CompiledProgram  # with XLA:GPU's thunk sequence
     decode_weight_bytes: int
     decode_lowered: object
     layer_weight_shapes: set  # one layer's projection matrices (sorted dims, 1s dropped)
@@ -183,22 +195,8 @@ def h100_sampler() -> SamplerPrograms:
             graphdef, copy, prompt, new_tokens, slots, jnp.dtype(jnp.bfloat16), rules
         )
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
-    cache = on_view(
-        (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
-        jnp.bfloat16,
-        sampler.CACHE_NAMES,
-    )
-    decode_state = sampler.DecodeState(
-        cache=(cache, cache),
-        kv_length=rows_of(jnp.int32),
-        rope=rows_of(jnp.int32),
-        tokens=rows_of(jnp.int32, new_tokens),
-        logprobs=rows_of(jnp.float32, new_tokens),
-        length=rows_of(jnp.int32),
-        budget=rows_of(jnp.int32),
-        active=rows_of(jnp.bool_),
-        finished=rows_of(jnp.bool_),
-    )
+    decode_state = abstract_state(view, llm, rows, slots, new_tokens)
+    cache = decode_state.cache[0]
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(
         key.shape,
@@ -212,7 +210,8 @@ def h100_sampler() -> SamplerPrograms:
         lowered = sampler.decode_round.lower(
             graphdef, copy, decode_state, key, rows_of(jnp.int32), settings, rules
         )
-        decode, decode_text = hlo_stats.compile_and_read(lowered, options)
+        decode_program = hlo_stats.compile_and_read_all(lowered, options)
+    decode, decode_text = decode_program.compiled, decode_program.partitioned
     # The weights one decode step must read: the LM's layers, final norm and lm_head (of the
     # embedding table only the fed rows; the ViT not at all).
     lm = copy["language_model"]
@@ -234,6 +233,7 @@ def h100_sampler() -> SamplerPrograms:
         prefill_text,
         decode,
         decode_text,
+        decode_program,
         decode_weights,
         lowered,
         layer_shapes,
@@ -380,3 +380,71 @@ def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", missing)
     assert opsd_jax.cuda_plugin_installed() is False
     assert gpu_target.plugin_available() is False
+
+
+def launches_per_token(program) -> thunk_launches.Launches:
+    return thunk_launches.per_iteration(
+        program.thunk_sequence, program.thunk_metadata, program.compiled.as_text()
+    )
+
+
+def test_decode_round_launches_one_graph_per_token(h100_sampler):
+    """The sampler's XLA options (sampler.COMMAND_BUFFER_OPTIONS) put a token's whole layer
+    stack in one CUDA graph: a handful of launches per token (the stop test, one graph) and the
+    stop test's one host sync, whatever the layer count. Without command buffers every kernel of
+    every layer is its own launch (shown, so the check can fail)."""
+    launches = launches_per_token(h100_sampler.decode_program)
+    assert launches.graph_launches == 1 and launches.launches <= 6, launches
+    assert launches.graph_kernels >= 20 * h100_sampler.layers, launches
+    assert launches.host_syncs == 1, launches  # the data-dependent token loop's predicate
+    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        plain = hlo_stats.compile_and_read_all(
+            h100_sampler.decode_lowered,
+            {**gpu_target.compiler_options(view), "xla_gpu_enable_command_buffer": ""},
+        )
+    unbuffered = launches_per_token(plain)
+    assert unbuffered.graph_launches == 0, unbuffered
+    assert unbuffered.launches >= 10 * launches.launches, (unbuffered, launches)
+
+
+def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph():
+    """The 'tensor' layout all-reduces each layer's attention and MLP outputs (XLA's collective
+    kernels): with COLLECTIVES_KERNEL among the command types they stay inside the token's
+    graph instead of splitting it into one graph per all-reduce. The split-K decode attention
+    runs rows x kv heads x splits programs (here 2 x 1 x 4)."""
+    mesh = gpu_target.make_mesh("h100", 2)
+    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16"))
+    llm = model_config.llm
+    graphdef, params, rest = abstract_split(model_config, mesh)
+    view = mesh_lib.decode_mesh(mesh, "tensor", 2)
+    copy = decode_copy.abstract_decode_copy(nnx.merge_state(params, rest), view, jnp.bfloat16)
+    rows, new_tokens = 2, 8
+    slots = sampler.cache_slots_for(128, new_tokens)
+
+    def on_view(shape, dtype, names):
+        spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(view, spec))
+
+    def rows_of(dtype, *tail):
+        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+    state = abstract_state(view, llm, rows, slots, new_tokens)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(view, P()))
+    settings = sampler.RoundSettings(
+        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
+    )
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler.decode_round.lower(
+            graphdef, copy, state, key, rows_of(jnp.int32), settings, mesh_lib.DECODE_RULES
+        )
+        program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
+    all_reduces = [c for c in hlo_stats.collectives(program.partitioned) if c.kind == "all-reduce"]
+    assert all_reduces, "the tensor layout all-reduces per layer"
+    launches = launches_per_token(program)
+    assert launches.graph_launches == 1 and launches.launches <= 6, launches
+    thunks = thunk_launches.parse(program.thunk_sequence)
+    grids = {k.grid for k in thunk_launches.kernels(thunks, decode_attention_pallas.KERNEL_NAME)}
+    local_kv_heads = llm.num_key_value_heads // 2
+    assert grids == {decode_attention_pallas.grid(rows, local_kv_heads, slots)}, grids

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import jax
 import numpy as np
@@ -54,6 +55,11 @@ def target_config(target: str) -> str:
         raise ValueError(f"GPU target {target!r}: known targets are {', '.join(TARGETS)}")
     with open(os.path.join(TARGET_DIR, f"{target}.txtpb")) as f:
         return f.read()
+
+
+def sm_count(target: str) -> int:
+    """The streaming multiprocessors of `target` (its target config's core_count)."""
+    return int(re.search(r"core_count:\s*(\d+)", target_config(target)).group(1))
 
 
 @functools.lru_cache(maxsize=None)

@@ -191,13 +191,18 @@ def parse_module(text: str):
     return computations, entry
 
 
+def known_trip_count(loop: Instruction) -> int | None:
+    """The trip count XLA annotated on a while loop (`known_trip_count`), else None."""
+    found = _TRIP_COUNT.search(loop.attributes)
+    return int(found.group(1)) if found else None
+
+
 def trip_count(loop: Instruction, computations) -> int | None:
     """Iterations of a while loop: XLA's annotation when present, else a condition holding
     `counter < constant` (how jax writes scan / map loops; the counter starts at 0). A loop that
     can also stop early (`step < max_steps & any(active)`) is counted at its bound."""
-    found = _TRIP_COUNT.search(loop.attributes)
-    if found:
-        return int(found.group(1))
+    if known_trip_count(loop) is not None:
+        return known_trip_count(loop)
     condition = re.search(r"condition=%?([\w.\-]+)", loop.attributes)
     body = computations.get(condition.group(1), []) if condition else []
     constants = {i.name: i.operand_text for i in body if i.opcode == "constant"}
@@ -421,6 +426,16 @@ def partitioned_hlo(lowered, options: dict | None = None) -> str:
     return compile_and_read(lowered, options)[1]
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledProgram:
+    """A compiled executable and what XLA dumped while building it."""
+
+    compiled: object
+    partitioned: str  # the HLO right after SPMD partitioning
+    thunk_sequence: str  # XLA:GPU's final thunk sequence ("" on other backends)
+    thunk_metadata: str  # each thunk's id and HLO instruction ("" on other backends)
+
+
 def compile_and_read(lowered, options: dict | None = None):
     """(the compiled executable, its HLO right after SPMD partitioning) for a lowered jax
     computation, compiled for the devices it was lowered for with the XLA `options` given
@@ -430,6 +445,22 @@ def compile_and_read(lowered, options: dict | None = None):
     CPU backend widens bf16 collectives to f32 and never forms reduce-scatters; right after
     partitioning the program says what a GPU or TPU build would move (XLA dump of that pass).
     """
+    program = compile_and_read_all(lowered, options)
+    return program.compiled, program.partitioned
+
+
+def _read_dump(folder: str, pattern: str) -> str:
+    found = sorted(glob.glob(os.path.join(folder, pattern)))
+    if not found:
+        return ""
+    with open(found[-1]) as f:
+        return f.read()
+
+
+def compile_and_read_all(lowered, options: dict | None = None) -> CompiledProgram:
+    """compile_and_read, plus XLA:GPU's thunk sequence after its thunk passes (command buffers
+    formed) and the thunks' metadata, from the same dump (opsd_jax/parallel/thunk_launches.py
+    reads them)."""
     # A persistent-cache hit would skip the passes, and with them the dump (the cache key
     # ignores dump options). jax decides once whether the cache is used; reset_cache makes it
     # read the setting again, before and after.
@@ -445,16 +476,22 @@ def compile_and_read(lowered, options: dict | None = None):
                     "xla_dump_hlo_pass_re": "spmd-partitioning",
                 }
             )
-            dumps = sorted(glob.glob(os.path.join(folder, "*after_spmd-partitioning*.txt")))
-            if not dumps:  # one device: nothing to partition, the program as it came in
-                dumps = sorted(glob.glob(os.path.join(folder, "*before_optimizations.txt")))
-            if not dumps:
+            partitioned = _read_dump(folder, "*after_spmd-partitioning*.txt")
+            # One device: nothing to partition, the program as it came in.
+            partitioned = partitioned or _read_dump(folder, "*before_optimizations.txt")
+            if not partitioned:
                 raise RuntimeError(
                     f"XLA wrote no after-spmd-partitioning dump in {folder}: "
                     f"{sorted(os.listdir(folder))[:20]}"
                 )
-            with open(dumps[-1]) as f:
-                return compiled, f.read()
+            # Without thunk passes XLA writes only the sequence before them (the same thunks).
+            thunks = _read_dump(folder, "*thunk_sequence_after_thunk_passes.txt")
+            return CompiledProgram(
+                compiled,
+                partitioned,
+                thunks or _read_dump(folder, "*thunk_sequence.txt"),
+                _read_dump(folder, "*thunk_metadata.txt"),
+            )
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_was_on)
         persistent_cache.reset_cache()

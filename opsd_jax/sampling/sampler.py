@@ -86,6 +86,32 @@ class DecodeState:
 CACHE_NAMES = (None, "act_batch", None, "act_kv_heads", None)  # [L, B, S, Hkv, Dh]
 
 
+def abstract_decode_state(cache_shape, new_tokens: int, sharding_for, cache_dtype=jnp.bfloat16):
+    """A DecodeState of abstract arrays, for compiling decode_round ahead of time (bench/
+    scale.py, tests/test_gpu_compile.py). cache_shape: [L, B, S, Hkv, Dh];
+    `sharding_for(shape, logical axis names)` lays each array out (e.g. logical_spec on the
+    decode mesh under DECODE_RULES): rows over 'act_batch', the cache by CACHE_NAMES."""
+
+    def array(shape, dtype, names):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_for(shape, names))
+
+    def per_row(dtype, *tail):
+        return array((cache_shape[1],) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+    cache = array(cache_shape, cache_dtype, CACHE_NAMES)
+    return DecodeState(
+        cache=(cache, cache),
+        kv_length=per_row(jnp.int32),
+        rope=per_row(jnp.int32),
+        tokens=per_row(jnp.int32, new_tokens),
+        logprobs=per_row(jnp.float32, new_tokens),
+        length=per_row(jnp.int32),
+        budget=per_row(jnp.int32),
+        active=per_row(jnp.bool_),
+        finished=per_row(jnp.bool_),
+    )
+
+
 def _pinned(state: DecodeState) -> DecodeState:
     """`state` with its layout pinned: without it XLA may replicate the per-row state (and then
     gather each step's tokens) or let the cache follow the weights' layout."""
@@ -156,9 +182,25 @@ def _check_prompt_pack(pack: Pack) -> None:
 # (bench/scale.py), 7B, 16 rows: 40.926 GiB of HBM per decode step with the defaults, 16.596
 # GiB with these (the floor, weights + cache, is 14.100 GiB): cuBLAS reads each slice in place
 # (dynamic-slice fusion) and q, k, v stay three GEMMs. tests/test_gpu_compile.py holds it.
+#
+# Command buffers (CUDA graphs): a decode step runs about a thousand small kernels at 7B, and
+# launched one by one from the host each costs microseconds. XLA's defaults leave a layer loop
+# whose body reads a slice picked by the loop counter (the stacked weights, the cache) outside
+# any graph; with WHILE and CONDITIONAL commands and known-count loops unrolled into the graph,
+# the token's whole layer stack is one graph launch (opsd_jax/parallel/thunk_launches.py counts
+# them; bench/scale.py prints the counts with XLA's default command buffers and with these).
+# XLA forms them only for a driver of CUDA 12.9 or later (gpu_targets/*.txtpb say so).
+COMMAND_BUFFER_OPTIONS = {
+    "xla_gpu_enable_command_buffer": (
+        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,"
+        "COLLECTIVES,COLLECTIVES_KERNEL"
+    ),
+    "xla_gpu_command_buffer_unroll_loops": True,
+}
 SAMPLER_COMPILER_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
     "xla_gpu_dot_merger_threshold_mb": 0,
+    **COMMAND_BUFFER_OPTIONS,
 }
 
 
