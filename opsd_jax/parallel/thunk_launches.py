@@ -160,9 +160,7 @@ def in_command_buffer(thunks: list[Thunk], target: Thunk) -> bool:
         for thunk in items:
             if thunk is target:
                 return inside
-            found = walk(
-                thunk.condition + thunk.children, inside or thunk.kind == "kCommandBuffer"
-            )
+            found = walk(thunk.condition + thunk.children, inside or thunk.kind == "kCommandBuffer")
             if found is not None:
                 return found
         return None
