@@ -133,6 +133,8 @@ def pad_pack(pack: Pack, row_length: int, num_patches: int, num_loss: int) -> Pa
                     value = _empty_patch_field(name, pack.num_rows, pack.tokens)
                 else:
                     continue
+            if value.shape[1] == sizes[axis] and getattr(pack, name) is not None:
+                continue  # already that size: np.pad would copy it (ViT patches: ~200 MB a pack)
             widths = [(0, 0)] * value.ndim
             widths[1] = (0, sizes[axis] - value.shape[1])
             changes[name] = np.pad(value, widths, constant_values=_PAD_VALUE.get(name, 0))

@@ -201,3 +201,7 @@ def test_pad_pack_adds_inert_padding_only():
         assert (after[:, width:] == expected).all(), name  # padding: empty / no-op values
     with pytest.raises(ValueError, match="cannot pad"):
         pad_pack(pack, 8, 8, 6)
+    # A pack already at the sizes (a fixed-shape training pack) keeps its arrays: no copy of its
+    # ViT patches (hundreds of MB a pack at the recipe's shapes) on the step's path.
+    same = pad_pack(padded, *pack_sizes(padded))
+    assert same.vit_patches is padded.vit_patches and same.tokens is padded.tokens
