@@ -719,17 +719,18 @@ def main():
         )
     chosen = layouts[layout_used]
     sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
-    # Host work per step, measured on this machine (bench/host_work.py). Reading, decoding and
-    # transforming images runs in the data pipeline's threads ahead of the step (grain prefetch:
-    # overlapped, not added); the prompt packs before sampling and the training packs after it
-    # are built on the main thread between device programs (added).
+    # Host work per step, measured on this machine (bench/host_work.py). Added: the training
+    # packs and their stacking, built after the rollout's completions reach the host and before
+    # the step can be dispatched. Not added (overlapped): image decode and transform (the data
+    # pipeline's threads, prefetched) and the prompt packs (train.py builds them while the
+    # previous step, dispatched and not awaited, runs on the devices).
     host_s = overlapped_s = 0.0
     if not args.skip_host_work:
         import host_work  # bench/host_work.py, beside this script
 
         parts = host_work.measure(recipe)
-        overlapped_s = parts["image decode"] + parts["images"]
-        host_s = parts["total"] - overlapped_s
+        host_s = parts["training packs"] + parts["stacking"]
+        overlapped_s = parts["total"] - host_s
     step_low = accum * max(compute_s, comm_s) + sampling_s + update_s + host_s
     step_high = accum * (compute_s + comm_s) + sampling_s + update_s + host_s
     # What this script printed before every cost was counted: bytes-only decode, all-causal
@@ -742,8 +743,8 @@ def main():
         f"  optimizer + EMA update {update_s:.2f} s per step; host work measured on this "
         f"machine ({os.cpu_count()} cores): "
         + (
-            f"packing {host_s:.2f} s per step (on the step's path), image decode and "
-            f"preprocessing {overlapped_s:.2f} s (in the pipeline's threads, overlapped)"
+            f"training packs {host_s:.2f} s per step (on the step's path), image decode, "
+            f"transform and prompt packs {overlapped_s:.2f} s (overlapped with device work)"
             if not args.skip_host_work
             else "not measured (--skip-host-work)"
         )

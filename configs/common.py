@@ -24,6 +24,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
     c.attention_block = 512  # the chunked attention's tile (tokens); 128 is faster on a CPU
     c.unroll_layers = False  # unroll the LM's layer loop: faster on a CPU, slow to compile at 7B
+    # Unroll the decode step's layer loop: on a GPU the token loop becomes one CUDA graph
+    # (models/configs.py Qwen2Config.unroll_decode_layers).
+    c.unroll_decode_layers = True
 
     # --- data -------------------------------------------------------------------------------------
     c.toy_data = False  # write the toy task under results_dir if absent (tiny configs)

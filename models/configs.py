@@ -31,7 +31,14 @@ COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 REMAT_CHOICES = ("none",) + tuple(layers.REMAT_POLICIES)
 # Qwen2Config's runtime switches: how the model computes, never what (not in the checkpoint).
 # A run config has keys of the same names (opsd_jax/run_config/builds.py model_runtime).
-RUNTIME_FIELDS = ("compute_dtype", "attention_backend", "remat", "unroll_layers", "attention_block")
+RUNTIME_FIELDS = (
+    "compute_dtype",
+    "attention_backend",
+    "remat",
+    "unroll_layers",
+    "unroll_decode_layers",
+    "attention_block",
+)
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
@@ -77,6 +84,11 @@ class Qwen2Config:
     # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
     # deep models anywhere.
     unroll_layers: bool = False
+    # Unroll the decode step's layer loop (Qwen2MoT.decode_step). On a GPU the unrolled step has
+    # no inner loop, so XLA puts the whole token loop, stop test included, in one CUDA graph: no
+    # launch and no host sync per token, and no per-layer copies of the small stacked weights
+    # (bench/scale.py, tests/test_gpu_compile.py). Costs compile time, once per cache size.
+    unroll_decode_layers: bool = True
     # Query / key tile of the chunked attention backend. 512 suits a GPU; on a CPU, where the
     # padded part of a tile is paid in full, 128 is faster (bench/vs_pytorch.py, README).
     attention_block: int = 512

@@ -307,7 +307,12 @@ class Qwen2MoT(nnx.Module):
             h, cache = layer.decode(h, positions, cache, index, write_slots, kv_lengths)
             return h, cache, index + 1
 
-        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        scan = nnx.scan(
+            body,
+            in_axes=(0, nnx.Carry),
+            out_axes=nnx.Carry,
+            unroll=bool(self.config.unroll_decode_layers),
+        )
         h, cache, _ = scan(
             self.layers, (embeddings.astype(self.compute_dtype), cache, jnp.zeros((), jnp.int32))
         )
