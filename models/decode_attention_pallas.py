@@ -17,7 +17,7 @@ holding that kv head's G = Hq / Hkv query heads as one [Gp, D] tile (G padded to
 smallest dot). A decode step has few rows and kv heads per device (the recipe under tensor 4 x
 data 2: 8 rows x 1 kv head), so a grid of (B, Hkv) alone ran 8 programs on a GPU of 132 SMs;
 the split axis cuts the key blocks into contiguous ranges so that the grid has at least
-MIN_PROGRAMS programs (`num_splits`). Each program loops over the key blocks of its range up to
+MIN_PROGRAMS programs (`grid`). Each program loops over the key blocks of its range up to
 its row's length (`block_k` slots a step: scores in float32, an online softmax in the log2
 domain, masked past the length) and writes its normalised partial output and its log2-sum-exp;
 a small XLA fusion then combines the splits (weights 2^(lse - max lse)). A split wholly past the
@@ -74,19 +74,6 @@ def blocks_per_split(
     return max(1, blocks // wanted)
 
 
-def num_splits(
-    batch: int,
-    kv_heads: int,
-    num_slots: int,
-    block_k: int = BLOCK_K,
-    min_programs: int = MIN_PROGRAMS,
-) -> int:
-    """The grid's split axis: batch x kv_heads x splits >= min_programs where the cache has
-    that many key blocks (else one split per block)."""
-    per_split = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
-    return pl.cdiv(pl.cdiv(num_slots, block_k), per_split)
-
-
 def grid(
     batch: int,
     kv_heads: int,
@@ -94,8 +81,11 @@ def grid(
     block_k: int = BLOCK_K,
     min_programs: int = MIN_PROGRAMS,
 ) -> tuple[int, int, int]:
-    """The kernel's launch grid for a device's share of the cache: (rows, kv heads, splits)."""
-    return (batch, kv_heads, num_splits(batch, kv_heads, num_slots, block_k, min_programs))
+    """The kernel's launch grid for a device's share of the cache: (rows, kv heads, splits),
+    rows x kv heads x splits >= min_programs where the cache has that many key blocks (else one
+    split per block)."""
+    per_split = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
+    return (batch, kv_heads, pl.cdiv(pl.cdiv(num_slots, block_k), per_split))
 
 
 def _kernel(
@@ -176,7 +166,7 @@ def filled_cache_attention(
 
     q: [B, Hq, D]; k_cache, v_cache: [L, B, S, Hkv, D]; layer: int32 scalar; kv_lengths: [B].
     Returns [B, Hq, D] in q.dtype (float32 scores, softmax, partial outputs and combine).
-    min_programs: the grid's least size (num_splits); 1 runs one program per row and kv head.
+    min_programs: the grid's least size (`grid`); 1 runs one program per row and kv head.
     """
     batch, q_heads, head_dim = q.shape
     kv_heads, num_slots = k_cache.shape[3], k_cache.shape[2]

@@ -41,7 +41,7 @@ def test_kernel_matches_the_xla_decode_attention(dtype, tol, min_programs):
     heads ask for more splits than the 4 blocks, so one block a split) and unsplit."""
     rng = np.random.default_rng(0)
     q, k, v = cache_case(rng, layers=3, rows=5, slots=256, kv_heads=2, group=7, dim=32, dtype=dtype)
-    assert dap.num_splits(5, 2, 256, min_programs=min_programs) == (4 if min_programs > 1 else 1)
+    assert dap.grid(5, 2, 256, min_programs=min_programs)[2] == (4 if min_programs > 1 else 1)
     lengths = jnp.array([0, 1, 64, 150, 256], jnp.int32)
     for layer in range(3):
         got = dap.filled_cache_attention(
@@ -86,7 +86,7 @@ def test_the_recipes_decode_shapes_fill_an_h100():
         programs = math.prod(dap.grid(rows, kv_heads, 7170))
         assert programs >= dap.MIN_PROGRAMS == 264, programs
         per_split = dap.blocks_per_split(rows, kv_heads, 7170)
-        assert (dap.num_splits(rows, kv_heads, 7170) - 1) * per_split < math.ceil(7170 / 64)
+        assert (dap.grid(rows, kv_heads, 7170)[2] - 1) * per_split < math.ceil(7170 / 64)
 
 
 def test_a_cache_of_any_length_from_one_block_up():
