@@ -691,8 +691,9 @@ def main():
         print(
             f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step = "
             f"HBM {row['bytes_s'] * 1e3:.2f} + collective latency "
-            f"{row['collective_s'] * 1e3:.2f} + launches {row['launch_s'] * 1e3:.2f} "
-            f"(without command buffers {row['plain_launch_s'] * 1e3:.2f}) + host syncs "
+            f"{row['collective_s'] * 1e3:.2f} + launches and kernels in graphs "
+            f"{row['launch_s'] * 1e3:.2f} (without command buffers, launches "
+            f"{row['plain_launch_s'] * 1e3:.2f}) + host syncs "
             f"{row['sync_s'] * 1e3:.2f} ms (floor {row['floor_s'] * 1e3:.2f} ms) -> "
             f"{rows / n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
             f"of {rows} rows {row['rollout_s']:.1f} s (bytes only {row['bytes_s'] * new_tokens:.1f}"
