@@ -32,7 +32,7 @@ from opsd_jax.parallel import hlo_stats
 _LINE = re.compile(r"^(\s*)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")
 _META = re.compile(r'profile_annotation:\s*"([^"]*)"\s*thunk_id:\s*(\d+)')
 _GRID = re.compile(r"grid: \[(\d+), (\d+), (\d+)\]")
-_NO_LAUNCH = {"kAsyncDone", "kSequential", "kWaitForStreams", "kRecordEvent"}
+_NO_LAUNCH = {"kAsyncDone", "kWaitForStreams", "kRecordEvent"}  # stream events, no kernel
 _CONTAINERS = {"kAsyncStart", "kDynamicSliceFusion", "kSequential"}  # count what they hold
 
 
