@@ -238,9 +238,9 @@ def main():
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
 
-    def compile_program(lowered, on_mesh, **options):
+    def compile_program(lowered, on_mesh):
         """(executable, HLO after SPMD partitioning, seconds) with the target's options."""
-        program, seconds = compile_with_thunks(lowered, on_mesh, **options)
+        program, seconds = compile_with_thunks(lowered, on_mesh)
         return program.compiled, program.partitioned, seconds
 
     def compile_with_thunks(lowered, on_mesh, **options):
@@ -515,8 +515,8 @@ def main():
                 mesh_lib.DECODE_RULES,
             )
             program, seconds = compile_with_thunks(lowered, view)
-            # The same round without command buffers: every kernel launched from the host.
-            plain = compile_with_thunks(lowered, view, xla_gpu_enable_command_buffer="")[0]
+            if on_gpu:  # the same round without command buffers: every kernel a host launch
+                plain = compile_with_thunks(lowered, view, xla_gpu_enable_command_buffer="")[0]
         compiled, text = program.compiled, program.partitioned
         memory, table, _, _ = report(
             f"decode round on the '{layout}' copy ({rows} rows, cache {slots} slots; one "
@@ -624,7 +624,6 @@ def main():
             launch_s=launch_s,
             plain_launch_s=plain_launch_s,
             sync_s=sync_s,
-            launches=launches,
             floor_s=floor / hbm_bw,
             rollout_s=token_s * new_tokens,
             refresh_s=refresh_moved / link_bw,

@@ -142,30 +142,17 @@ def _cost(thunks, names, trips, in_graph: bool) -> Launches:
     return total
 
 
-def main_loop(thunks: list[Thunk]) -> Thunk | None:
-    """The outermost while loop of the program, inside a command buffer or not."""
+def main_loop(thunks: list[Thunk], inside: bool = False) -> tuple[Thunk | None, bool]:
+    """(the outermost while loop of the program, whether a command buffer holds it: then it
+    runs as part of one graph)."""
     for thunk in thunks:
         if thunk.kind == "kWhile":
-            return thunk
-        inner = main_loop(thunk.children) if thunk.kind == "kCommandBuffer" else None
-        if inner is not None:
-            return inner
-    return None
-
-
-def in_command_buffer(thunks: list[Thunk], target: Thunk) -> bool:
-    """Whether `target` is held by a command buffer (it then runs as part of one graph)."""
-
-    def walk(items, inside):
-        for thunk in items:
-            if thunk is target:
-                return inside
-            found = walk(thunk.condition + thunk.children, inside or thunk.kind == "kCommandBuffer")
-            if found is not None:
-                return found
-        return None
-
-    return bool(walk(thunks, False))
+            return thunk, inside
+        if thunk.kind == "kCommandBuffer":
+            loop, held = main_loop(thunk.children, True)
+            if loop is not None:
+                return loop, held
+    return None, False
 
 
 def per_iteration(sequence: str, metadata: str, hlo_text: str) -> Launches:
@@ -173,11 +160,9 @@ def per_iteration(sequence: str, metadata: str, hlo_text: str) -> Launches:
     while loop (one decode step of a decode round). A loop held by a command buffer launches
     nothing per iteration (its graph was launched once, before it); otherwise its condition and
     body are launched every iteration, and a data-dependent condition syncs with the host."""
-    thunks = parse(sequence)
-    loop = main_loop(thunks)
+    loop, in_graph = main_loop(parse(sequence))
     if loop is None:
         raise ValueError("the thunk sequence has no while loop")
-    in_graph = in_command_buffer(thunks, loop)
     names, trips = annotations(metadata), trip_counts(hlo_text)
     step = _cost(loop.condition + loop.children, names, trips, in_graph)
     data_dependent = trips.get(names.get(loop.thunk_id, "")) is None
