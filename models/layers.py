@@ -104,10 +104,19 @@ class Projection(nnx.Module):
             None if bias_shape is None else param(jnp.zeros(bias_shape, jnp.float32), bias_names)
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, bias_apart: bool = False) -> jax.Array:
+        """x times the kernel, plus the bias. `bias_apart`: the bias added as an op of its own
+        (an optimization barrier between), so that it fuses into what reads the result. For the
+        decode step's layers on a GPU: XLA otherwise folds it into the cuBLAS call, which then
+        cannot read its weight in place from the stacked layers (a layer's k / v weight is
+        copied out every token) or needs the q bias broadcast by another kernel: 5 kernels a
+        layer per token. The result is what this code says: the product rounded to x's dtype,
+        then the bias added (cuBLAS adds it before rounding: within one rounding of x's dtype)."""
         y = weight_einsum(self.equation, x, compute_weight(self.kernel, self.kernel_names, x.dtype))
         if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
+            y = (jax.lax.optimization_barrier(y) if bias_apart else y) + self.bias[...].astype(
+                x.dtype
+            )
         return y
 
 

@@ -105,9 +105,10 @@ class Expert(nnx.Module):
         self.up_proj = Projection(rngs, "btd,df->btf", (d, f), ("embed", "mlp"))
         self.down_proj = Projection(rngs, "btf,fd->btd", (f, d), ("mlp", "embed"))
 
-    def qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Projections of the input-normed x, with QK-norm applied (RoPE comes after)."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    def qkv(self, x: jax.Array, bias_apart: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Projections of the input-normed x, with QK-norm applied (RoPE comes after);
+        `bias_apart`: Projection's (the decode step's)."""
+        q, k, v = (p(x, bias_apart=bias_apart) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -174,9 +175,9 @@ class DecoderLayer(nnx.Module):
     def _routed(self, gen_index, fn, *inputs):
         return route(gen_index, fn, self.und, self.gen, *inputs)
 
-    def _qkv(self, h, positions, gen_index):
+    def _qkv(self, h, positions, gen_index, bias_apart=False):
         """Input norm, q/k/v projections, QK-norm, then RoPE (keys are cached in this form)."""
-        q, k, v = self._routed(gen_index, lambda e, h: e.qkv(e.input_layernorm(h)), h)
+        q, k, v = self._routed(gen_index, lambda e, h: e.qkv(e.input_layernorm(h), bias_apart), h)
         theta = self.config.rope_theta
         q, k = apply_rope(q, positions, theta), apply_rope(k, positions, theta)
         return constrain(q, ROWS_HEADS), constrain(k, ROWS_KV_HEADS), constrain(v, ROWS_KV_HEADS)
@@ -213,7 +214,7 @@ class DecoderLayer(nnx.Module):
         that are done), then the query attends the first `kv_lengths[b]` slots of that layer
         (attention.cache_attention: on a GPU a kernel that reads only those slots, in place).
         """
-        q, k, v = self._qkv(h, positions, None)
+        q, k, v = self._qkv(h, positions, None, bias_apart=True)
 
         # Per row (vmap over the cache's row axis): the scatter then has a batch dimension, which
         # the SPMD partitioner keeps on each device's own rows; indexed by a row-id array instead,

@@ -367,6 +367,16 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(before.as_text()))
 
 
+def test_the_tensor_layout_decode_reads_its_weights_in_place(h100_tensor_decode):
+    """No kernel of the 'tensor' layout's decode loop copies a layer's weight shard out of the
+    stacked layers. With the q/k/v bias folded into the cuBLAS call (a BIAS epilogue, which
+    XLA's in-place dynamic-slice GEMM cannot take) the k and v weights were copied every token,
+    every layer; Projection's `bias_apart` keeps the bias out of the call."""
+    program, _, _, shard_shapes = h100_tensor_decode
+    copies = layer_weight_copies(program.compiled.as_text(), shard_shapes)
+    assert not copies, hbm_traffic.describe(copies)
+
+
 def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):
     """With only requirements.txt (no jax plugin) the `jax_plugins` namespace is missing and
     find_spec raises: that is 'not installed', not an import error of opsd_jax."""
@@ -408,11 +418,11 @@ def test_decode_round_is_one_graph_launch(h100_sampler):
     assert unbuffered.launches >= 20 * h100_sampler.layers, unbuffered
 
 
-def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph():
-    """The 'tensor' layout all-reduces each layer's attention and MLP outputs (XLA's collective
-    kernels): with COLLECTIVES_KERNEL among the command types they stay inside the round's one
-    graph instead of splitting it around every all-reduce. The split-K decode attention runs
-    rows x kv heads x splits programs (here 2 x 1 x 4)."""
+@pytest.fixture(scope="module")
+def h100_tensor_decode():
+    """The tiny model's decode round on two H100s in the 'tensor' layout (tensor 2: one kv head
+    per device, as the 7B recipe's tensor 4): (its program, rows, cache slots, the shapes of
+    a layer's weight shards: each device's part of one layer's projections)."""
     mesh = gpu_target.make_mesh("h100", 2)
     model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16"))
     llm = model_config.llm
@@ -440,6 +450,21 @@ def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph():
             graphdef, copy, state, key, rows_of(jnp.int32), settings, mesh_lib.DECODE_RULES
         )
         program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
+    shard_shapes = {
+        tuple(sorted(d for d in x.sharding.shard_shape(x.shape)[1:] if d != 1))
+        for path, x in jax.tree_util.tree_flatten_with_path(copy["language_model"]["layers"])[0]
+        if "kernel" in jax.tree_util.keystr(path)
+    }
+    return program, rows, slots, shard_shapes
+
+
+def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph(h100_tensor_decode):
+    """The 'tensor' layout all-reduces each layer's attention and MLP outputs (XLA's collective
+    kernels): with COLLECTIVES_KERNEL among the command types they stay inside the round's one
+    graph instead of splitting it around every all-reduce. The split-K decode attention runs
+    rows x kv heads x splits programs (here 2 x 1 x 4)."""
+    program, rows, slots, _ = h100_tensor_decode
+    llm = BagelConfig.tiny().llm
     all_reduces = [c for c in hlo_stats.collectives(program.partitioned) if c.kind == "all-reduce"]
     assert all_reduces, "the tensor layout all-reduces per layer"
     launches = launches_per_token(program)
