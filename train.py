@@ -503,10 +503,7 @@ def main(argv):
             samples = data.take(accum * local_per_micro)
         completions, own_completions = None, None  # SFT and offline sample nothing
         if config.mode == "opsd":
-            with logger.phase("step"):
-                # The sampler needs the previous step's params: its device time counts here.
-                jax.block_until_ready(state.params)
-            with logger.phase("sample"):
+            with logger.phase("sample"):  # while the previous step still runs on the devices
                 prompt_pack = build_prompt_pack(
                     samples, encode, options, special, buckets=config.sample_prompt_buckets
                 )
@@ -527,6 +524,10 @@ def main(argv):
                         f"({len(prompt_shapes)} of at most "
                         f"{prompt_shape_bound(config.sample_prompt_buckets)} shapes)"
                     )
+            with logger.phase("step"):
+                # The sampler needs the previous step's params: its device time counts here.
+                jax.block_until_ready(state.params)
+            with logger.phase("sample"):
                 # Decode on a compute-dtype copy of the updated student in the decode layout
                 # (one all-gather on device), freed right after: no per-token weight gathers,
                 # and never two copies alive.

@@ -7,13 +7,16 @@ What a step of train.py does outside the jitted programs, for the step's samples
 * images: `pipeline.prepare_sample`, the ViT transform of every image (`prepare_vit_image`:
   resize to the recipe's image transform, normalize, patchify, position ids);
 * prompt packs: `build_prompt_pack` of the step's samples at `sample_prompt_buckets`;
-* training packs: train.py's pack phase, `OpsdBatches.pack` up to its device put
-  (`build_training_packs` of every micro-batch at the recipe's fixed pack shapes), on
-  completions of `sample_max_new_tokens` random ids (the longest a rollout makes);
-* stacking: `put_micro_batches`' host half, each pack's micro-batches stacked [micro, rows, ...].
+* pack memory: `PackMemory.make`, the next step's zero-filled pack arrays that train.py makes
+  on a background thread while the step before runs (opsd_jax/training/pack_memory.py);
+* training packs: train.py's pack phase, `OpsdBatches.host_pack` (`OpsdBatches.pack` up to its
+  device put: `build_training_packs` of every micro-batch at the recipe's fixed pack shapes,
+  written into the prepared memory, stacked [micro, rows, ...]), on completions of
+  `sample_max_new_tokens` random ids (the longest a rollout makes). Also timed into new
+  arrays, as before pack memory (shown, not added).
 
-Why: bench/scale.py adds the total to its projection of a step's time, which otherwise counts
-device programs only. Each part is timed on one thread, as it runs (the decode and the ViT
+Why: bench/scale.py adds the training packs to its projection of a step's time, which
+otherwise counts device programs only (the rest runs while device work does). Each part is timed on one thread, as it runs (the decode and the ViT
 transform run in grain's read threads, which may overlap device work: an upper bound there).
 Images are synthetic 1024x768 RGB (smooth gradients plus noise, so PNG compresses as a picture
 does); text is tokenized by a toy Qwen2-format BPE tokenizer built offline (opsd_jax/toy/model.py),
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 IMAGE_SIZE = (1024, 768)  # width, height: a typical ThinkMorph picture, above the 980 px max side
@@ -84,9 +88,9 @@ def _timed(fn, repeats: int):
 
 def measure(recipe, repeats: int = 3) -> dict[str, float]:
     """Seconds of host work per training step of `recipe` (a run config), median of `repeats`:
-    "image decode", "images", "prompt packs", "training packs", "stacking" and their "total".
+    "image decode", "images", "prompt packs", "pack memory", "training packs" and their
+    "total"; and "training packs, new arrays" (not in the total: packing without pack memory).
     Imports the heavy modules here, so `import host_work` stays cheap (bench/scale.py)."""
-    import jax
     import numpy as np
 
     from opsd_jax import run_config
@@ -139,37 +143,27 @@ def measure(recipe, repeats: int = 3) -> dict[str, float]:
         local_rows=recipe.rows_per_micro_batch,
         sample_offset=0,
     )
-    # OpsdBatches.pack up to its device put: every micro-batch's build_training_packs (one
-    # length bucket in the recipe, so nothing is packed twice).
-    training_s, (packed, _, _, _) = _timed(
-        lambda: batches._pack_all(0, samples, completions, 0), repeats
-    )
-
-    def stack():
-        # put_micro_batches' host half: each pack's micro-batches stacked [micro, rows, ...].
-        # Its device put is not timed: on one CPU device here it is a fresh 0.5 GB copy
-        # (page faults), not what the GPU's host-to-device copy costs.
-        return [jax.tree.map(lambda *xs: np.stack(xs), *parts) for parts in zip(*packed)]
-
-    stack_s, _ = _timed(stack, repeats)
+    # OpsdBatches.pack up to its device put (one length bucket in the recipe, so nothing is
+    # packed twice); its device put is not timed: on one CPU device here it would be a new
+    # 0.6 GB copy, not what the GPU's host-to-device copy costs. First into new arrays (no
+    # memory prepared), then as train.py packs from its second step on: into the memory that
+    # PackMemory made meanwhile on its thread (timed on its own here).
+    new_arrays_s, _ = _timed(lambda: batches.host_pack(0, samples, completions), repeats)
+    memory_s, _ = _timed(lambda: batches.memory.make(0), repeats)
+    training = []
+    for _ in range(repeats):
+        batches.memory.prepare(0)
+        batches.memory.wait()
+        training.append(_timed(lambda: batches.host_pack(0, samples, completions), 1)[0])
     scale = step_samples / IMAGE_SAMPLES
     parts = {
         "image decode": decode_s * scale,
         "images": images_s * scale,
         "prompt packs": prompt_s,
-        "training packs": training_s,
-        "stacking": stack_s,
+        "pack memory": memory_s,
+        "training packs": statistics.median(training),
     }
-    return dict(parts, total=sum(parts.values()))
-
-
-def _load_config(path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("host_work_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return dict(parts, total=sum(parts.values()), **{"training packs, new arrays": new_arrays_s})
 
 
 def main():
@@ -178,13 +172,22 @@ def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--config", default=os.path.join(root, "configs", "thinkmorph_7b.py"))
     args = parser.parse_args()
-    recipe = _load_config(args.config)
+    sys.path.insert(0, root)  # a config imports configs.common
+    from opsd_jax.run_config.command_line import load_config_file
+
+    recipe = load_config_file(args.config)
     seconds = measure(recipe, args.repeats)
     step = recipe.samples_per_micro_batch * recipe.gradient_accumulation_steps
+    new_arrays = seconds.pop("training packs, new arrays")
     parts = ", ".join(f"{name} {s:.3f} s" for name, s in seconds.items() if name != "total")
     print(
         f"host work per step (this machine, {len(os.sched_getaffinity(0))} cores): {parts}; "
         f"total {seconds['total']:.3f} s"
+    )
+    print(
+        f"  training packs into new arrays (no pack memory): {new_arrays:.3f} s; on the step's "
+        "path: the training packs only (pack memory is made on a thread while the step before "
+        "runs; the rest runs while device work does)"
     )
     print(
         f"  median of {args.repeats}; {step} samples of {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]} px, "

@@ -720,16 +720,17 @@ def main():
     chosen = layouts[layout_used]
     sampling_s = chosen["rollout_s"] + chosen["prefill_s"] + chosen["refresh_s"]
     # Host work per step, measured on this machine (bench/host_work.py). Added: the training
-    # packs and their stacking, built after the rollout's completions reach the host and before
-    # the step can be dispatched. Not added (overlapped): image decode and transform (the data
-    # pipeline's threads, prefetched) and the prompt packs (train.py builds them while the
-    # previous step, dispatched and not awaited, runs on the devices).
-    host_s = overlapped_s = 0.0
+    # packs, built after the rollout's completions reach the host and before the step can be
+    # dispatched. Not added (overlapped): image decode and transform (the data pipeline's
+    # threads, prefetched), the prompt packs (train.py builds them before it waits for the
+    # previous step, dispatched and not awaited, to finish on the devices) and the pack memory
+    # (made on a thread while the previous step and the rollout run).
+    host_s = overlapped_s = new_arrays_s = 0.0
     if not args.skip_host_work:
         import host_work  # bench/host_work.py, beside this script
 
         parts = host_work.measure(recipe)
-        host_s = parts["training packs"] + parts["stacking"]
+        host_s, new_arrays_s = parts["training packs"], parts["training packs, new arrays"]
         overlapped_s = parts["total"] - host_s
     step_low = accum * max(compute_s, comm_s) + sampling_s + update_s + host_s
     step_high = accum * (compute_s + comm_s) + sampling_s + update_s + host_s
@@ -743,8 +744,9 @@ def main():
         f"  optimizer + EMA update {update_s:.2f} s per step; host work measured on this "
         f"machine ({os.cpu_count()} cores): "
         + (
-            f"training packs {host_s:.2f} s per step (on the step's path), image decode, "
-            f"transform and prompt packs {overlapped_s:.2f} s (overlapped with device work)"
+            f"training packs {host_s:.2f} s per step (on the step's path; into new arrays "
+            f"{new_arrays_s:.2f} s), image decode, transform, prompt packs and pack memory "
+            f"{overlapped_s:.2f} s (overlapped with device work)"
             if not args.skip_host_work
             else "not measured (--skip-host-work)"
         )

@@ -216,11 +216,14 @@ def build_training_packs(
     num_rows: int,
     max_forward_tokens: int,
     shapes: dict[str, list[PackShape]] | None = None,
+    out: Callable[[int], dict[str, Pack] | None] | None = None,
 ) -> TrainingPacks:
     """Student and teacher packs of the same samples and completions, rows shared, entries aligned.
 
     `shapes` ({'student', 'teacher'} -> a PackShape per length bucket, pack_shapes.pack_shapes)
-    fixes the packs' sizes; None fits them to the content (powers of two)."""
+    fixes the packs' sizes; None fits them to the content (powers of two). `out` (with
+    `shapes`): the index of the bucket chosen -> empty arrays to write each pack into
+    (pack_samples' `out`), or None for new ones."""
     if len(samples) != len(completions):
         raise ValueError(f"{len(samples)} samples but {len(completions)} completions")
     contexts, prompts, kept, packed_completions = [], [], [], []
@@ -295,9 +298,16 @@ def build_training_packs(
         rows_of = [rows[i] for i in keep]
         sizes = {name: shapes[name][bucket_index] for name in ("student", "teacher")}
     pack_items = {"student": student_items, "teacher": teacher_items}
+    given = (out(bucket_index) if out is not None and shapes is not None else None) or {}
     packs = {
         name: shaped_pack(
-            pack_items[name], size, num_rows, special, rows_of, fixed=shapes is not None
+            pack_items[name],
+            size,
+            num_rows,
+            special,
+            rows_of,
+            fixed=shapes is not None,
+            out=given.get(name),
         )
         for name, size in sizes.items()
     }
@@ -315,10 +325,18 @@ def build_training_packs(
 
 
 def shaped_pack(
-    items, shape: PackShape, num_rows: int, special: SpecialTokens, rows_of, *, fixed: bool
+    items,
+    shape: PackShape,
+    num_rows: int,
+    special: SpecialTokens,
+    rows_of,
+    *,
+    fixed: bool,
+    out: Pack | None = None,
 ) -> Pack:
-    """pack_samples at `shape`; `fixed`: the ViT fields too even without images (zero-filled),
-    so every pack of a fixed shape has the same arrays (one compiled step)."""
+    """pack_samples at `shape` (into `out`'s arrays if given); `fixed`: the ViT fields too even
+    without images (zero-filled), so every pack of a fixed shape has the same arrays (one
+    compiled step)."""
     pack = pack_samples(
         items,
         row_length=shape.row_length,
@@ -327,6 +345,7 @@ def shaped_pack(
         max_loss_entries=shape.loss_entries,
         special=special,
         rows_of=rows_of,
+        out=out,
     )
     return pad_pack(pack, *dataclasses.astuple(shape)) if fixed else pack
 

@@ -91,13 +91,16 @@ def pack_samples(
     special: SpecialTokens = SpecialTokens(),
     one_sample_per_row: bool = False,
     rows_of: Sequence[int] | None = None,
+    out: Pack | None = None,
 ) -> Pack:
     """Lay samples out in fixed-shape rows. Sizes left as None are fitted to the content.
 
     Loss entries are listed per row in sample order and, within a sample, in sequence order;
     `loss_sample` holds the sample's index in `samples`. `one_sample_per_row` gives every
     sample its own row (sampler prompts); `rows_of` fixes every sample's row instead (so two
-    packs of the same samples can share one layout).
+    packs of the same samples can share one layout). `out`: arrays to write the pack into
+    instead of new ones (opsd_jax/data/pack_memory.py), each of the pack's shape and dtype and
+    holding an empty pack (zeros, `vit_slots` -1); the returned Pack holds them.
     """
     lengths = [sample_length(s) for s in samples]
     if rows_of is None:
@@ -126,27 +129,32 @@ def pack_samples(
     if max(row_loss, default=0) > num_loss:
         raise ValueError(f"a row needs {max(row_loss)} loss entries, max_loss_entries={num_loss}")
 
-    def zeros(shape, dtype=np.int32):
-        return np.zeros(shape, dtype)
-
-    tokens, positions, segment_ids = (
-        zeros((rows, row_length)),
-        zeros((rows, row_length)),
-        zeros((rows, row_length)),
-    )
-    k_start, k_end = zeros((rows, row_length)), zeros((rows, row_length))
     patch_dim = next(
         (it.patches.shape[1] for s in samples for it in s if isinstance(it, Image)), 588
     )
-    vit_patches = np.zeros((rows, num_patches, patch_dim), np.float32)
-    vit_pos_ids, vit_image_ids = zeros((rows, num_patches)), zeros((rows, num_patches))
-    vit_slots = np.full((rows, num_patches), -1, np.int32)
-    loss_rows, loss_targets, loss_sample = (
-        zeros((rows, num_loss)),
-        zeros((rows, num_loss)),
-        zeros((rows, num_loss)),
+    by_row, by_patch, by_loss = (rows, row_length), (rows, num_patches), (rows, num_loss)
+    shapes = dict(
+        tokens=by_row,
+        positions=by_row,
+        segment_ids=by_row,
+        k_start=by_row,
+        k_end=by_row,
+        vit_patches=(*by_patch, patch_dim),
+        vit_pos_ids=by_patch,
+        vit_slots=by_patch,
+        vit_image_ids=by_patch,
+        loss_rows=by_loss,
+        loss_targets=by_loss,
+        loss_mask=by_loss,
+        loss_sample=by_loss,
     )
-    loss_mask = np.zeros((rows, num_loss), bool)
+    arrays = _empty_arrays(shapes) if out is None else _given_arrays(out, shapes)
+    tokens, positions, segment_ids = arrays["tokens"], arrays["positions"], arrays["segment_ids"]
+    k_start, k_end = arrays["k_start"], arrays["k_end"]
+    vit_patches, vit_pos_ids = arrays["vit_patches"], arrays["vit_pos_ids"]
+    vit_slots, vit_image_ids = arrays["vit_slots"], arrays["vit_image_ids"]
+    loss_rows, loss_targets = arrays["loss_rows"], arrays["loss_targets"]
+    loss_mask, loss_sample = arrays["loss_mask"], arrays["loss_sample"]
     cursor, patch_cursor, loss_cursor = [0] * rows, [0] * rows, [0] * rows
     segments, images = [0] * rows, [0] * rows
 
@@ -211,3 +219,31 @@ def pack_samples(
     )
     pack.validate()
     return pack
+
+
+# An empty pack's value and dtype per field (every field not named: 0, int32).
+_DTYPES = {"vit_patches": np.float32, "loss_mask": np.bool_}
+_FILL = {"vit_slots": -1}
+
+
+def _empty_arrays(shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    return {
+        name: np.full(shape, _FILL[name], np.int32)
+        if name in _FILL
+        else np.zeros(shape, _DTYPES.get(name, np.int32))
+        for name, shape in shapes.items()
+    }
+
+
+def _given_arrays(out: Pack, shapes: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """`out`'s arrays, checked against the pack's shapes and dtypes (their content is trusted to
+    be an empty pack's: checking it would read every page, the cost `out` is there to save)."""
+    arrays = {}
+    for name, shape in shapes.items():
+        array = getattr(out, name)
+        dtype = np.dtype(_DTYPES.get(name, np.int32))
+        if array is None or array.shape != shape or array.dtype != dtype:
+            have = None if array is None else f"{array.shape} {array.dtype}"
+            raise ValueError(f"pack_samples: out.{name} is {have}, the pack needs {shape} {dtype}")
+        arrays[name] = array
+    return arrays

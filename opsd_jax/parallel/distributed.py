@@ -182,6 +182,12 @@ def put_micro_batches(packs: list[Pack], mesh, *, sample_offset: int = 0) -> Pac
     are fixed by the config, so processes need not agree on them first. Any pytree of row-major
     arrays goes the same way (the offline cache's dict of per-entry arrays)."""
     stacked = jax.tree.map(lambda *xs: np.stack(xs), *packs)
+    return put_stacked_micro_batches(stacked, mesh, sample_offset=sample_offset)
+
+
+def put_stacked_micro_batches(stacked, mesh, *, sample_offset: int = 0):
+    """`put_micro_batches` of micro-batches already stacked [micro-batch, rows, ...] on the
+    host (opsd_jax/training/pack_memory.py packs them in place)."""
     if sample_offset and isinstance(stacked, Pack) and stacked.loss_sample is not None:
         stacked = stacked.replace(loss_sample=stacked.loss_sample + sample_offset)
     return jax.tree.map(

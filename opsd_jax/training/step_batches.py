@@ -17,12 +17,16 @@ in `local_rows` rows (micro-batches are laid out process-major, see parallel/dis
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
+
+import jax
+import numpy as np
 
 from opsd_jax.data import sft_packs
 from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
 from opsd_jax.parallel import distributed
 from opsd_jax.training.offline import views as offline_views
+from opsd_jax.training.pack_memory import PackMemory, StepMemory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,8 @@ class StepBatches:
     """What every mode shares: the bucket agreement, the stacking and the compile shapes."""
 
     pack_names: tuple[str, ...]
+    # Whether `micro` packs into the memory it is given (`out`); only then is any prepared.
+    packs_in_place = False
 
     def __init__(
         self,
@@ -58,23 +64,39 @@ class StepBatches:
         self.accum = config.gradient_accumulation_steps
         self.local_samples, self.local_rows = local_samples, local_rows
         self.sample_offset = sample_offset
+        # Each step's host arrays, made on a background thread while the step before runs.
+        self.memory = PackMemory(self.accum, self.empty_parts)
 
     def pack(self, step: int, samples: list, completions: list | None = None) -> PackedStep:
         """Every micro-batch of the step in one length bucket (the first that fits all of them
-        on every process: a micro-batch packed at a smaller one is packed again)."""
-        packed, buckets, sums, tokens = self._pack_all(step, samples, completions, 0)
+        on every process: a micro-batch packed at a smaller one is packed again), on the mesh."""
+        bucket, stacked, sums, tokens = self.host_pack(step, samples, completions)
+        batch = tuple(
+            distributed.put_stacked_micro_batches(part, self.mesh, sample_offset=self.sample_offset)
+            for part in stacked
+        )
+        if self.packs_in_place:  # the next step's memory, made while this step runs
+            self.memory.prepare(bucket)
+        return PackedStep(bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens))
+
+    def host_pack(self, step: int, samples: list, completions: list | None = None):
+        """`pack` up to the device put: (bucket, each part's micro-batches stacked [micro, rows,
+        ...] on the host, packing's scalars, tokens per micro-batch). Packs into the memory
+        `self.memory` prepared, when there is some."""
+        memory = self.memory.take()
+        packed, buckets, sums, tokens = self._pack_all(step, samples, completions, 0, memory)
         bucket = max(buckets)
         if self.config.pack_length_buckets > 1:
             bucket = int(distributed.all_processes(bucket).max())
             if any(b != bucket for b in buckets):
-                packed, _, sums, tokens = self._pack_all(step, samples, completions, bucket)
-        batch = tuple(
-            distributed.put_micro_batches(
-                [parts[i] for parts in packed], self.mesh, sample_offset=self.sample_offset
-            )
-            for i in range(len(packed[0]))
-        )
-        return PackedStep(bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens))
+                packed, _, sums, tokens = self._pack_all(step, samples, completions, bucket, memory)
+        stacked = [
+            memory.stack(i, list(parts))
+            if memory is not None
+            else jax.tree.map(lambda *xs: np.stack(xs), *parts)
+            for i, parts in enumerate(zip(*packed))
+        ]
+        return bucket, stacked, sums, tokens
 
     def abstract_batch(self, bucket: int) -> tuple:
         """The global, sharded shapes of `pack`'s batch in `bucket` (to compile the step)."""
@@ -112,11 +134,14 @@ class StepBatches:
         completions: list | None,
         first_bucket: int,
         sums: dict,
+        out: Callable[[int], list | None] | None = None,
     ) -> tuple[tuple, int, int]:
-        """One micro-batch -> (its parts, the bucket it fits, tokens); adds to `sums`."""
+        """One micro-batch -> (its parts, the bucket it fits, tokens); adds to `sums`. `out`:
+        the bucket chosen (an index from `first_bucket`) -> empty arrays to pack each part
+        into, or None (new ones)."""
         raise NotImplementedError
 
-    def _pack_all(self, step, samples, completions, first_bucket):
+    def _pack_all(self, step, samples, completions, first_bucket, memory: StepMemory | None):
         sums: dict[str, float] = {}
         packed, buckets, tokens = [], [], []
         for m in range(self.accum):
@@ -128,6 +153,7 @@ class StepBatches:
                 None if completions is None else completions[chunk],
                 first_bucket,
                 sums,
+                None if memory is None else (lambda b, m=m: memory.views(m, first_bucket + b)),
             )
             packed.append(parts)
             buckets.append(bucket)
@@ -146,9 +172,15 @@ class OpsdBatches(StepBatches):
     """Visual-OPSD: the student's view and the teacher's (VT images before the completion)."""
 
     pack_names = ("student", "teacher")
+    packs_in_place = True
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums):
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
         del step, micro  # the packs depend only on the samples and their completions
+
+        def given(bucket: int) -> dict | None:
+            parts = None if out is None else out(bucket)
+            return None if parts is None else dict(zip(self.pack_names, parts))
+
         packs = build_training_packs(
             samples,
             completions,
@@ -158,6 +190,7 @@ class OpsdBatches(StepBatches):
             num_rows=self.local_rows,
             max_forward_tokens=self.config.max_forward_tokens,
             shapes={name: self.shapes[name][first_bucket:] for name in self.pack_names},
+            out=given,
         )
         tokens = int((packs.student.segment_ids > 0).sum() + (packs.teacher.segment_ids > 0).sum())
         for name, fraction in packs.padding_fraction.items():
@@ -172,8 +205,8 @@ class SftBatches(StepBatches):
 
     pack_names = ("sft",)
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums):
-        del completions  # SFT samples nothing
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
+        del completions, out  # SFT samples nothing; it packs into new arrays
         # Which samples train in the VT context: seeded by the micro-batch, so a resume agrees.
         use_vt = sft_packs.choose_vt(
             len(samples),
@@ -216,8 +249,8 @@ class OfflineBatches(StepBatches):
     def describe(self, bucket):
         return super().describe(bucket) + f", cached teacher top-{self.cache_reader.top_k}"
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums):
-        del step, micro, completions  # nothing is sampled
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
+        del step, micro, completions, out  # nothing is sampled; it packs into new arrays
         batch = offline_views.offline_batch(
             samples,
             self.cache_reader,
