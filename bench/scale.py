@@ -752,15 +752,15 @@ def main():
         )
     )
     print(
-        f"  step: {step_low:.1f} .. {step_high:.1f} s ({accum} micro-batches + "
-        f"'{layout_used}' refresh, prefill and rollout {sampling_s:.1f} s + update + host "
-        f"work); paper recipe ({recipe.total_steps} steps): {hours(step_low):.1f} .. "
-        f"{hours(step_high):.1f} h"
+        f"  step: {step_low:.2f} .. {step_high:.2f} s ({accum} micro-batches + "
+        f"'{layout_used}' refresh, prefill and rollout {sampling_s:.2f} s + update + host "
+        f"work); paper recipe ({recipe.total_steps} steps): {hours(step_low):.2f} .. "
+        f"{hours(step_high):.2f} h"
     )
     print(
         f"  counted as before (decode bytes only, all-causal attention, no update or host "
-        f"work): step {old_low:.1f} .. {old_high:.1f} s, recipe {hours(old_low):.1f} .. "
-        f"{hours(old_high):.1f} h"
+        f"work): step {old_low:.2f} .. {old_high:.2f} s, recipe {hours(old_low):.2f} .. "
+        f"{hours(old_high):.2f} h"
     )
 
     # ---- memory --------------------------------------------------------------------------------

@@ -98,9 +98,12 @@ def _noise_like(patches: np.ndarray, seed: int, pid: str, index: int) -> np.ndar
     return np.random.default_rng(key).standard_normal(patches.shape).astype(patches.dtype)
 
 
-def teacher_context_items(sample, encode: Encode, options: PromptOptions) -> list:
-    """The teacher's view up to (not including) the completion."""
-    items = prompt_items(sample, encode, options)
+def teacher_context_items(
+    sample, encode: Encode, options: PromptOptions, prompt: list | None = None
+) -> list:
+    """The teacher's view up to (not including) the completion; it starts with the student's
+    prompt (`prompt`: `prompt_items` of the sample, when the caller has them already)."""
+    items = list(prompt_items(sample, encode, options) if prompt is None else prompt)
     if options.use_reference_intro:
         items.append(Text(encode(options.reference_intro)))
     rounds = min(len(sample.vt_images), options.max_reference_rounds)
@@ -229,7 +232,8 @@ def build_training_packs(
     contexts, prompts, kept, packed_completions = [], [], [], []
     truncated = []  # per kept sample: its completion was cut
     for index, (sample, completion) in enumerate(zip(samples, completions)):
-        context = teacher_context_items(sample, encode, options)
+        prompt = prompt_items(sample, encode, options)
+        context = teacher_context_items(sample, encode, options, prompt)
         room = max_forward_tokens - sample_length(context) - 2  # completion's two markers
         if room < 0:
             continue
@@ -238,7 +242,7 @@ def build_training_packs(
         completion = completion[:room]
         kept.append(index)
         contexts.append(context)
-        prompts.append(prompt_items(sample, encode, options))
+        prompts.append(prompt)
         packed_completions.append(completion)
     if not kept:
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
