@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 IMAGE_SIZE = (1024, 768)  # width, height: a typical ThinkMorph picture, above the 980 px max side
@@ -172,7 +171,6 @@ def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser.add_argument("--config", default=os.path.join(root, "configs", "thinkmorph_7b.py"))
     args = parser.parse_args()
-    sys.path.insert(0, root)  # a config imports configs.common
     from opsd_jax.run_config.command_line import load_config_file
 
     recipe = load_config_file(args.config)
