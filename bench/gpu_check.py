@@ -596,7 +596,10 @@ def section_decode(args):
         graphdef, abstract = mesh_lib.abstract_model(make, on_mesh)
         layout = "tensor" if tensor_size > 1 else "replicated"
         view = mesh_lib.decode_mesh(on_mesh, layout, tensor_size)
-        return graphdef, view, decode_copy.abstract_decode_copy(abstract, view, jnp.bfloat16)
+        copy_graphdef, copy = decode_copy.abstract_decode_copy(
+            graphdef, abstract, view, jnp.bfloat16
+        )
+        return copy_graphdef, view, copy
 
     abstract_state = jax.eval_shape(fresh_state)
     abstract_key = jax.eval_shape(lambda: jax.random.key(0))

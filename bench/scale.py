@@ -451,8 +451,10 @@ def main():
             if layout == "tensor"
             else None,
         )
-        copy = decode_copy.abstract_decode_copy(model_state, view, recipe.compute_dtype)
-        refresh = decode_copy.cast_function(model_state, view, recipe.compute_dtype)
+        copy_graphdef, copy = decode_copy.abstract_decode_copy(
+            graphdef, model_state, view, recipe.compute_dtype
+        )
+        refresh = decode_copy.cast_function(graphdef, model_state, view, recipe.compute_dtype)
         refresh_compiled, refresh_text, seconds = compile_program(refresh.lower(model_state), view)
         _, refresh_table, _, _ = report(
             f"decode-copy refresh to '{layout}' (decode mesh {dict(view.shape)})",
@@ -474,7 +476,7 @@ def main():
         prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
             lowered = sampler.prefill_rows.lower(
-                graphdef,
+                copy_graphdef,
                 copy,
                 prompt,
                 new_tokens,
@@ -506,7 +508,7 @@ def main():
         )
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
             lowered = sampler.decode_round.lower(
-                graphdef,
+                copy_graphdef,
                 copy,
                 view_state,
                 view_key,

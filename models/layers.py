@@ -90,19 +90,24 @@ class Projection(nnx.Module):
 
     def __init__(
         self,
-        rngs: nnx.Rngs,
+        rngs: nnx.Rngs | None,
         equation: str,
         kernel_shape: tuple[int, ...],
         kernel_names: tuple[str, ...],
         bias_shape: tuple[int, ...] | None = None,
         bias_names: tuple[str, ...] | None = None,
+        *,
+        kernel: nnx.Param | None = None,
+        bias: nnx.Param | None = None,
     ):
+        """A new projection (`kernel_shape`, initialised from `rngs`), or one holding the given
+        `kernel` and `bias` parameters (rngs None; the shapes are theirs)."""
         self.equation = equation
         self.kernel_names = kernel_names
-        self.kernel = normal_param(rngs, kernel_shape, kernel_names)
-        self.bias = (
-            None if bias_shape is None else param(jnp.zeros(bias_shape, jnp.float32), bias_names)
-        )
+        self.kernel = normal_param(rngs, kernel_shape, kernel_names) if kernel is None else kernel
+        if bias is None and bias_shape is not None:
+            bias = param(jnp.zeros(bias_shape, jnp.float32), bias_names)
+        self.bias = bias
 
     def __call__(self, x: jax.Array, *, bias_apart: bool = False) -> jax.Array:
         """x times the kernel, plus the bias. `bias_apart`: the bias added as an op of its own

@@ -87,7 +87,7 @@ def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
     assert copy.nbytes < sum(x.nbytes for x in jax.tree.leaves((params, rest))) * 0.6
     # The refresh casts each shard, then gathers: only bf16 crosses the interconnect.
     state = nnx.merge_state(params, rest)
-    refresh = decode_copy.cast_function(state, copy.mesh, jnp.bfloat16).lower(state)
+    refresh = decode_copy.cast_function(graphdef, state, copy.mesh, jnp.bfloat16).lower(state)
     found = hlo_stats.collectives(hlo_stats.partitioned_hlo(refresh))
     assert found and all(c.kind == "all-gather" and c.dtypes == {"bf16"} for c in big(found))
     leaves = jax.tree.leaves(copy.state)
@@ -100,8 +100,13 @@ def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
     )
     assert dict(tensor.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
     layers = tensor.state["language_model"]["layers"]["und"]
-    assert layers["gate_proj"]["kernel"][...].sharding.spec == P(None, None, "tensor")  # MLP
-    assert layers["q_proj"]["kernel"][...].sharding.spec == P(None, None, "tensor", None)  # heads
+    # [L, D, t, 2, F/t] and [L, D, t, Hq/t + 2 Hkv/t, Dh]: each device holds its MLP columns
+    # and its q, k and v heads.
+    assert layers["gate_up_proj"]["kernel"][...].sharding.spec == P(
+        None, None, "tensor", None, None
+    )
+    assert layers["qkv_proj"]["kernel"][...].sharding.spec == P(None, None, "tensor", None, None)
+    assert layers["qkv_proj"]["kernel"][...].shape[2:4] == (2, 4 // 2 + 2 * (2 // 2))
     assert tensor.state["language_model"]["lm_head"][...].sharding.spec == P(None, "tensor")
     with pytest.raises(ValueError, match="sampler_layout='pipeline'"):
         mesh_lib.decode_mesh(mesh, "pipeline")

@@ -171,8 +171,8 @@ def h100_sampler() -> SamplerPrograms:
     state = nnx.merge_state(params, rest)
     view = mesh_lib.decode_mesh(mesh, "replicated")
     options = gpu_target.compiler_options(view)
-    copy = decode_copy.abstract_decode_copy(state, view, jnp.bfloat16)
-    refresh = decode_copy.cast_function(state, view, jnp.bfloat16).lower(state)
+    copy_graphdef, copy = decode_copy.abstract_decode_copy(graphdef, state, view, jnp.bfloat16)
+    refresh = decode_copy.cast_function(graphdef, state, view, jnp.bfloat16).lower(state)
     refresh_compiled, refresh_text = hlo_stats.compile_and_read(refresh, options)
 
     rows, prompt_len, patches, new_tokens = 4, 128, 64, 8  # 2 rows per device
@@ -192,7 +192,7 @@ def h100_sampler() -> SamplerPrograms:
     rules = mesh_lib.DECODE_RULES
     with mesh_lib.use_mesh(view, rules):
         lowered = sampler.prefill_rows.lower(
-            graphdef, copy, prompt, new_tokens, slots, jnp.dtype(jnp.bfloat16), rules
+            copy_graphdef, copy, prompt, new_tokens, slots, jnp.dtype(jnp.bfloat16), rules
         )
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
     decode_state = abstract_state(view, llm, rows, slots, new_tokens)
@@ -208,7 +208,7 @@ def h100_sampler() -> SamplerPrograms:
     )
     with mesh_lib.use_mesh(view, rules):
         lowered = sampler.decode_round.lower(
-            graphdef, copy, decode_state, key, rows_of(jnp.int32), settings, rules
+            copy_graphdef, copy, decode_state, key, rows_of(jnp.int32), settings, rules
         )
         decode_program = hlo_stats.compile_and_read_all(lowered, options)
     decode, decode_text = decode_program.compiled, decode_program.partitioned
@@ -355,11 +355,14 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     copies = layer_cache_copies(text, h100_sampler.layer_cache_elements)
     assert not copies, hbm_traffic.describe(copies)
 
-    graphdef, _, _ = abstract_split(
+    graphdef, params, rest = abstract_split(
         BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="chunked")),
         gpu_target.make_mesh("h100", 2),
     )
     view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
+    graphdef, _ = decode_copy.abstract_decode_copy(
+        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
+    )
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.decode_round.lower(graphdef, *h100_sampler.decode_inputs)
         before, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
@@ -375,6 +378,23 @@ def test_the_tensor_layout_decode_reads_its_weights_in_place(h100_tensor_decode)
     program, _, _, shard_shapes = h100_tensor_decode
     copies = layer_weight_copies(program.compiled.as_text(), shard_shapes)
     assert not copies, hbm_traffic.describe(copies)
+
+
+def test_a_decode_layer_runs_four_gemms(h100_tensor_decode):
+    """The decode copy holds q/k/v as one projection and gate/up as another
+    (qwen2_mot.fuse_projections): a layer's token runs 4 GEMMs (q/k/v, o, gate/up, down), plus
+    the lm_head's one a token. With the projections apart it ran 7 a layer."""
+    program = h100_tensor_decode[0]
+    loop, _ = thunk_launches.main_loop(thunk_launches.parse(program.thunk_sequence))
+
+    def gemms(thunks):
+        return sum(
+            (t.kind in ("kCublasLtMatmul", "kGemm")) + gemms(t.condition + t.children)
+            for t in thunks
+        )
+
+    layers = BagelConfig.tiny().llm.num_hidden_layers
+    assert gemms(loop.condition + loop.children) == 4 * layers + 1
 
 
 def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):
@@ -428,7 +448,9 @@ def h100_tensor_decode():
     llm = model_config.llm
     graphdef, params, rest = abstract_split(model_config, mesh)
     view = mesh_lib.decode_mesh(mesh, "tensor", 2)
-    copy = decode_copy.abstract_decode_copy(nnx.merge_state(params, rest), view, jnp.bfloat16)
+    graphdef, copy = decode_copy.abstract_decode_copy(
+        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
+    )
     rows, new_tokens = 2, 8
     slots = sampler.cache_slots_for(128, new_tokens)
 

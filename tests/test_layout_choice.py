@@ -82,17 +82,16 @@ def test_the_tensor_copy_splits_attention_and_auto_resolves(monkeypatch):
         graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, model_config=config
     )
     assert dict(copy.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
-    layers = copy.state["language_model"]["layers"]["und"]
-    for name in ("q_proj", "k_proj", "v_proj"):
-        assert layers[name]["kernel"][...].sharding.spec == P(None, None, "tensor", None), name
+    # q, k and v in one [L, D, t, Hq/t + 2 Hkv/t, Dh] kernel: each device its own heads.
+    qkv = copy.state["language_model"]["layers"]["und"]["qkv_proj"]["kernel"][...]
+    assert qkv.shape[2] == 2 and qkv.sharding.spec == P(None, None, "tensor", None, None)
     copy.delete()
     # The old choice, all the host's devices: the kv heads stay whole (replicated) per device.
     eight = decode_copy.make_decode_copy(
         graphdef, params, rest, layout="tensor", mesh=mesh, dtype=jnp.bfloat16, tensor_size=8
     )
-    assert eight.state["language_model"]["layers"]["und"]["k_proj"]["kernel"][
-        ...
-    ].sharding.spec == P(None, None, None, None)
+    qkv = eight.state["language_model"]["layers"]["und"]["qkv_proj"]["kernel"][...]
+    assert qkv.shape[2] == 1 and qkv.sharding.is_fully_replicated, qkv.sharding
     eight.delete()
     # 'auto' on the CPU: replicated (see above); a mesh is never made for 'auto' itself.
     auto = decode_copy.make_decode_copy(

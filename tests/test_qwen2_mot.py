@@ -333,3 +333,32 @@ def test_a_gen_expert_model_on_a_pack_without_gen_tokens_does_an_und_only_models
     whole_row = _bagel_dot_flops(gen_config, marked)
     eight = _bagel_dot_flops(gen_config.replace(llm=dict(gen_token_capacity=8)), marked)
     assert und_flops < eight < whole_row
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_fused_projections_compute_what_the_separate_ones_do(shards):
+    """fuse_projections (the decode copy's layout: q/k/v and gate/up each one projection, in
+    `shards` groups) gives the same logits as the separate projections, with nonzero q/k/v
+    biases, and leaves no separate projection behind."""
+    from models.qwen2_mot import Expert, fuse_projections
+
+    config = tiny_llm(build_gen_expert=True)
+    lm = Qwen2MoT(config, rngs=nnx.Rngs(5))
+    rng = np.random.default_rng(5)
+    experts = [m for _, m in nnx.iter_modules(lm) if isinstance(m, Expert)]
+    assert len(experts) == 2  # und and gen
+    for expert in experts:
+        for projection in (expert.q_proj, expert.k_proj, expert.v_proj):
+            projection.bias[...] = rng.normal(size=projection.bias.shape).astype(np.float32)
+    n = 14
+    tokens = rng.integers(0, config.vocab_size, (2, n)).astype(np.int32)
+    seg, k_start, k_end, pos = causal_ranges([5, 9], n)
+    tile = lambda x: np.tile(x, (2, 1))  # noqa: E731
+    gen = tile(np.arange(n) >= 10)
+    args = (tokens, tile(pos), tile(seg), tile(k_start), tile(k_end), gen)
+    separate = forward(lm, *args)
+    assert fuse_projections(lm, shards) == shards
+    for expert in experts:
+        assert expert.fused_shards == shards and not hasattr(expert, "q_proj")
+        assert expert.qkv_proj.kernel.shape[2] == shards
+    np.testing.assert_allclose(forward(lm, *args), separate, atol=1e-5, rtol=0)

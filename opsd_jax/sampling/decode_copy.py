@@ -22,6 +22,11 @@ Floating parameters of two or more dimensions are cast (the model casts them to 
 dtype before every use anyway); one-dimensional ones (norm scales, biases: well under 1% of the
 bytes) keep their dtype, because some are used in fp32 (the ViT's LayerNorm). So the copy
 computes exactly what the training parameters compute, without per-token casts.
+
+The copy's language model holds q/k/v as one projection and gate/up as another
+(models/qwen2_mot.py `fuse_projections`, in shards of the layout's tensor axis): one GEMM each
+a decode step instead of three and two. Its module structure therefore differs from the
+training model's: `DecodeCopy.graphdef` is the copy's own.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models import qwen2_mot
 from models.sharding import logical_spec
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import layout_choice
@@ -90,10 +96,25 @@ def decode_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules=mesh_lib.D
     return jax.tree.map(sharding, state, is_leaf=_is_variable)
 
 
-def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
-    """The jitted state -> copy on the decode mesh `view` (cached: one compile per run, not one
-    per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
+def _copy_model(graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.Mesh, dtype):
+    """The model of `graphdef` and `state` cast to the copy's dtypes, its projections fused
+    in shards of `view`'s tensor axis (traced: under jit or eval_shape)."""
+    model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), state))
+    qwen2_mot.fuse_projections(model, view.shape["tensor"])
+    return model
+
+
+def _copy_split(graphdef, state, view, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """(the copy's graphdef, its abstract state: Variables of ShapeDtypeStructs with their
+    logical names), computing nothing."""
+    return nnx.split(nnx.eval_shape(lambda s: _copy_model(graphdef, s, view, dtype), state))
+
+
+def cast_function(graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.Mesh, dtype):
+    """The jitted state -> copy state on the decode mesh `view` (cached: one compile per run,
+    not one per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
     key = (
+        graphdef,
         jax.tree.structure(state),
         tuple(x.shape for x in jax.tree.leaves(state)),
         view,
@@ -102,9 +123,10 @@ def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
     if key not in _CAST_FUNCTIONS:
         # Each device casts its own shard first (the input's layout), so the gather that the
         # out_shardings ask for moves compute-dtype bytes.
+        _, abstract = _copy_split(graphdef, state, view, dtype)
         _CAST_FUNCTIONS[key] = jax.jit(
-            lambda s: jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), s),
-            out_shardings=decode_shardings(state, view),
+            lambda s: nnx.state(_copy_model(graphdef, s, view, dtype)),
+            out_shardings=decode_shardings(abstract, view),
         )
     return _CAST_FUNCTIONS[key]
 
@@ -112,13 +134,17 @@ def cast_function(state: nnx.State, view: jax.sharding.Mesh, dtype):
 _CAST_FUNCTIONS: dict = {}
 
 
-def abstract_decode_copy(state: nnx.State, view: jax.sharding.Mesh, dtype) -> nnx.State:
-    """The copy's ShapeDtypeStructs (dtype and decode sharding), allocating nothing."""
+def abstract_decode_copy(
+    graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.Mesh, dtype
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(the copy's graphdef, its ShapeDtypeStructs with dtype and decode sharding), allocating
+    nothing: what the sampler's programs are compiled for."""
+    copy_graphdef, abstract = _copy_split(graphdef, state, view, dtype)
 
-    def abstract(x, sharding):
-        return jax.ShapeDtypeStruct(x.shape, copy_dtype(x, dtype), sharding=sharding)
+    def with_sharding(x, sharding):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-    return jax.tree.map(abstract, state, decode_shardings(state, view))
+    return copy_graphdef, jax.tree.map(with_sharding, abstract, decode_shardings(abstract, view))
 
 
 def copy_nbytes(state: nnx.State, dtype) -> int:
@@ -173,4 +199,6 @@ def make_decode_copy(
             layout, tensor_size = choice.layout, tensor_size or choice.tensor_size
     heads = layout_choice.head_counts(model_config) if model_config is not None else ()
     view = mesh_lib.decode_mesh(mesh, layout, tensor_size, heads)
-    return DecodeCopy(graphdef, cast_function(state, view, dtype)(state), view, layout)
+    copy_graphdef, _ = _copy_split(graphdef, state, view, dtype)
+    copy = cast_function(graphdef, state, view, dtype)(state)
+    return DecodeCopy(copy_graphdef, copy, view, layout)
