@@ -32,6 +32,7 @@ training model's: `DecodeCopy.graphdef` is the copy's own.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +114,12 @@ def _copy_split(graphdef, state, view, dtype) -> tuple[nnx.GraphDef, nnx.State]:
 def cast_function(graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.Mesh, dtype):
     """The jitted state -> copy state on the decode mesh `view` (cached: one compile per run,
     not one per step). `state` may be abstract (ShapeDtypeStructs), e.g. to read its program."""
+    return _cast(graphdef, state, view, dtype)[1]
+
+
+def _cast(graphdef, state, view, dtype) -> tuple[nnx.GraphDef, Any]:
+    """(the copy's graphdef, the jitted cast), made once per model, layout and dtype: tracing
+    the copy's structure costs a pass over the model, too much to repeat every step."""
     key = (
         graphdef,
         jax.tree.structure(state),
@@ -123,10 +130,13 @@ def cast_function(graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.M
     if key not in _CAST_FUNCTIONS:
         # Each device casts its own shard first (the input's layout), so the gather that the
         # out_shardings ask for moves compute-dtype bytes.
-        _, abstract = _copy_split(graphdef, state, view, dtype)
-        _CAST_FUNCTIONS[key] = jax.jit(
-            lambda s: nnx.state(_copy_model(graphdef, s, view, dtype)),
-            out_shardings=decode_shardings(abstract, view),
+        copy_graphdef, abstract = _copy_split(graphdef, state, view, dtype)
+        _CAST_FUNCTIONS[key] = (
+            copy_graphdef,
+            jax.jit(
+                lambda s: nnx.state(_copy_model(graphdef, s, view, dtype)),
+                out_shardings=decode_shardings(abstract, view),
+            ),
         )
     return _CAST_FUNCTIONS[key]
 
@@ -199,6 +209,5 @@ def make_decode_copy(
             layout, tensor_size = choice.layout, tensor_size or choice.tensor_size
     heads = layout_choice.head_counts(model_config) if model_config is not None else ()
     view = mesh_lib.decode_mesh(mesh, layout, tensor_size, heads)
-    copy_graphdef, _ = _copy_split(graphdef, state, view, dtype)
-    copy = cast_function(graphdef, state, view, dtype)(state)
-    return DecodeCopy(copy_graphdef, copy, view, layout)
+    copy_graphdef, cast = _cast(graphdef, state, view, dtype)
+    return DecodeCopy(copy_graphdef, cast(state), view, layout)
