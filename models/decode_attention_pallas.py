@@ -14,14 +14,18 @@ row up to that row's length, so the bytes a step reads grow with the filled leng
 
 Grid (B, Hkv, splits), flash-decoding: one program per row, kv head and split of the cache,
 holding that kv head's G = Hq / Hkv query heads as one [Gp, D] tile (G padded to 16, Triton's
-smallest dot). A decode step has few rows and kv heads per device (the recipe under tensor 4 x
-data 2: 8 rows x 1 kv head), so a grid of (B, Hkv) alone ran 8 programs on a GPU of 132 SMs;
-the split axis cuts the key blocks into contiguous ranges so that the grid has at least
-MIN_PROGRAMS programs (`grid`). Each program loops over the key blocks of its range up to
-its row's length (`block_k` slots a step: scores in float32, an online softmax in the log2
-domain, masked past the length) and writes its normalised partial output and its log2-sum-exp;
-a small XLA fusion then combines the splits (weights 2^(lse - max lse)). A split wholly past the
-row's length runs no block and weighs 0; a row of length 0 returns 0.
+smallest dot, inside the kernel: its q block is 16 rows of the unpadded [B, Hkv, G, D] query, the
+rows past G masked off the load, so no padded copy of q exists). A decode step has few rows and
+kv heads per device (the recipe under tensor 4 x data 2: 8 rows x 1 kv head), so a grid of
+(B, Hkv) alone ran 8 programs on a GPU of 132 SMs; the split axis cuts the key blocks into
+contiguous ranges so that the grid has at least MIN_PROGRAMS programs (`grid`). Each program
+loops over the key blocks of its range up to its row's length (`block_k` slots a step: scores in
+float32, an online softmax in the log2 domain, masked past the length) and writes the G real
+rows of its normalised partial output and its log2-sum-exp. A second kernel, grid (B, Hkv, G),
+combines the splits of one query head (weights 2^(lse - max lse)) and writes it in q's dtype:
+two kernels a layer where the padding and XLA's combine took four (a pad, then an exp, a reduce
+and a convert fusion). A split wholly past the row's length runs no block and weighs 0; a row of
+length 0 returns 0.
 
 Requirements: S >= `block_k` (any S: the last block starts early enough to end at slot S - 1),
 D a power of two >= 16 (BAGEL: 128); `supported(...)` says whether a shape qualifies, and
@@ -53,6 +57,7 @@ MIN_PROGRAMS = 2 * 132
 # The kernel's name in the compiled program (a Triton custom call's backend config), by which
 # opsd_jax/parallel/hbm_traffic.py and bench/scale.py tell it from other custom calls.
 KERNEL_NAME = "filled_cache_attention"
+COMBINE_KERNEL_NAME = "combine_cache_splits"
 
 
 def supported(head_dim: int, num_slots: int, block_k: int = BLOCK_K) -> bool:
@@ -101,11 +106,15 @@ def _kernel(
     block_k,
     num_slots,
     split_blocks,
+    group,
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], length_ref[row]
-    q = q_ref[...]  # [Gp, D]
+    # [Gp, D]: the G query heads of this kv head; the block's rows past G lie off the array
+    # (Pallas masks them off the load, leaving them undefined) and are set to 0.
+    q = q_ref[...]
     rows, dim = q.shape
+    q = jnp.where((jnp.arange(rows) < group)[:, None], q, 0)
 
     def key_block(kb, carry):
         acc, m, l = carry
@@ -141,14 +150,19 @@ def _kernel(
     lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
-def combine_splits(partial: jax.Array, lse: jax.Array) -> jax.Array:
-    """[..., splits, G, D] normalised partial outputs and [..., splits, G] log2-sum-exps -> the
-    attention over all of them, [..., G, D] in float32 (0 where no split saw a slot)."""
-    top = jnp.max(lse, axis=-2, keepdims=True)
-    weight = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for empty splits
-    total = jnp.sum(weight, axis=-2)
-    out = jnp.sum(weight[..., None] * partial, axis=-3)
-    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+def _combine_kernel(partial_ref, lse_ref, o_ref, *, splits):
+    """One query head of one row and kv head: its [splits, D] normalised partial outputs and
+    [splits] log2-sum-exps (the split axis padded to a power of two by the block, read as empty
+    splits) -> the attention over all splits, [D] in the output's dtype (0 where none saw a
+    slot)."""
+    real = (jnp.arange(lse_ref.shape[0]) < splits)[:, None]  # [splits padded, 1]
+    lse = jnp.where(real[:, 0], lse_ref[...], -jnp.inf)
+    partial = jnp.where(real, partial_ref[...], 0.0)
+    top = jnp.max(lse)
+    weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for empty splits
+    total = jnp.sum(weight)
+    out = jnp.sum(weight[:, None] * partial, axis=0) / jnp.where(total > 0, total, 1.0)
+    o_ref[...] = out.astype(o_ref.dtype)  # 0 where total is 0: every partial is 0 then
 
 
 def filled_cache_attention(
@@ -181,10 +195,12 @@ def filled_cache_attention(
         )
     group = q_heads // kv_heads
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
+    # Free reshape; the kernel pads the G heads to `rows` as it loads them.
     grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
-    grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     split_blocks = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
     splits = grid(batch, kv_heads, num_slots, block_k, min_programs)[2]
+    # Blocks of `rows` query heads over arrays of G: Pallas masks the rows past G off every load
+    # and store of them.
     tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
@@ -196,6 +212,7 @@ def filled_cache_attention(
             block_k=block_k,
             num_slots=num_slots,
             split_blocks=split_blocks,
+            group=group,
         ),
         grid=(batch, kv_heads, splits),
         in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
@@ -204,12 +221,28 @@ def filled_cache_attention(
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, head_dim), _F32),
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), _F32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, group, head_dim), _F32),
+            jax.ShapeDtypeStruct((batch, kv_heads, splits, group), _F32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,
     )(layer, lengths, grouped, k_cache, v_cache)
-    out = combine_splits(partial[..., :group, :], lse[..., :group])
-    return out.reshape(batch, q_heads, head_dim).astype(q.dtype)
+    # The combine: one program per row, kv head and query head, all its splits in one load,
+    # with warps enough to hold them (64 floats a thread; 4 warps at the recipe's 38 splits).
+    padded = pl.next_power_of_2(splits)
+    combine_warps = min(32, max(4, padded * head_dim // (64 * 32)))
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits),
+        grid=(batch, kv_heads, group),
+        in_specs=[
+            pl.BlockSpec((None, None, padded, None, head_dim), lambda b, h, g: (b, h, 0, g, 0)),
+            pl.BlockSpec((None, None, padded, None), lambda b, h, g: (b, h, 0, g)),
+        ],
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, h, g: (b, h, g, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=combine_warps, num_stages=1),
+        interpret=interpret,
+        name=COMBINE_KERNEL_NAME,
+    )(partial, lse)
+    return out.reshape(batch, q_heads, head_dim)

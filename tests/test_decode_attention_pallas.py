@@ -28,21 +28,25 @@ def cache_case(rng, layers, rows, slots, kv_heads, group, dim, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, min_programs",
+    "dtype, tol, min_programs, slots, splits",
     [
-        (jnp.float32, 2e-6, dap.MIN_PROGRAMS),
-        (jnp.bfloat16, 2e-2, dap.MIN_PROGRAMS),
-        (jnp.float32, 2e-6, 1),
+        (jnp.float32, 2e-6, dap.MIN_PROGRAMS, 256, 4),
+        (jnp.bfloat16, 2e-2, dap.MIN_PROGRAMS, 256, 4),
+        (jnp.float32, 2e-6, 1, 256, 1),
+        (jnp.float32, 2e-6, dap.MIN_PROGRAMS, 320, 5),  # the combine's block pads 5 splits to 8
     ],
 )
-def test_kernel_matches_the_xla_decode_attention(dtype, tol, min_programs):
-    """BAGEL's GQA group of 7 (padded to 16 query rows), lengths 0, 1, a block edge, mid-block
-    and full; every layer of the stack. Split over the key blocks (the default: 5 rows x 2 kv
-    heads ask for more splits than the 4 blocks, so one block a split) and unsplit."""
+def test_kernel_matches_the_xla_decode_attention(dtype, tol, min_programs, slots, splits):
+    """BAGEL's GQA group of 7 (padded to 16 query rows inside the kernel), lengths 0, 1, a
+    block edge, mid-block and full; every layer of the stack. Split over the key blocks (the
+    default: 5 rows x 2 kv heads ask for more splits than the blocks, so one block a split,
+    a power of two of them or not) and unsplit."""
     rng = np.random.default_rng(0)
-    q, k, v = cache_case(rng, layers=3, rows=5, slots=256, kv_heads=2, group=7, dim=32, dtype=dtype)
-    assert dap.grid(5, 2, 256, min_programs=min_programs)[2] == (4 if min_programs > 1 else 1)
-    lengths = jnp.array([0, 1, 64, 150, 256], jnp.int32)
+    q, k, v = cache_case(
+        rng, layers=3, rows=5, slots=slots, kv_heads=2, group=7, dim=32, dtype=dtype
+    )
+    assert dap.grid(5, 2, slots, min_programs=min_programs)[2] == splits
+    lengths = jnp.array([0, 1, 64, 150, slots], jnp.int32)
     for layer in range(3):
         got = dap.filled_cache_attention(
             q, k, v, jnp.int32(layer), lengths, min_programs=min_programs, interpret=True

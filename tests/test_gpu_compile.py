@@ -397,6 +397,24 @@ def test_a_decode_layer_runs_four_gemms(h100_tensor_decode):
     assert gemms(loop.condition + loop.children) == 4 * layers + 1
 
 
+def test_decode_attention_is_two_kernels_a_layer(h100_tensor_decode):
+    """A layer's decode attention is the split-K kernel, then the Pallas combine of its splits,
+    one after the other: no pad of q before it (the kernel pads the query heads as it loads
+    them) and no XLA fusions after it (the combine was an exp, a reduce and a convert)."""
+    program = h100_tensor_decode[0]
+    loop, _ = thunk_launches.main_loop(thunk_launches.parse(program.thunk_sequence))
+    body = [t for t in loop.children if t.kind == "kCustomKernel"]
+    names = [t.kernel_name for t in body]
+    layers = BagelConfig.tiny().llm.num_hidden_layers
+    attention = decode_attention_pallas.KERNEL_NAME
+    combine = decode_attention_pallas.COMBINE_KERNEL_NAME
+    at = [i for i, name in enumerate(names) if name == attention]
+    assert len(at) == layers and names.count(combine) == layers, names
+    for i in at:
+        assert names[i + 1] == combine, names[i - 2 : i + 3]
+        assert "pad" not in names[i - 1], names[i - 2 : i + 3]
+
+
 def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):
     """With only requirements.txt (no jax plugin) the `jax_plugins` namespace is missing and
     find_spec raises: that is 'not installed', not an import error of opsd_jax."""
