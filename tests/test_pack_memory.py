@@ -11,6 +11,7 @@ from test_sft import SAMPLES
 from test_step_batches import batches_for
 
 from models.pack import Pack
+from opsd_jax.data import packing
 from opsd_jax.data.packing import Text, pack_samples
 
 SAMPLES_2X2 = SAMPLES[:2] * 2  # 2 micro-batches of 2 samples
@@ -93,3 +94,16 @@ def test_stack_takes_the_prepared_array_only_where_every_micro_batch_wrote_into_
     assert stacked.positions is memory.parts[0].positions
     assert stacked.tokens is not memory.parts[0].tokens
     np.testing.assert_array_equal(stacked.tokens, np.stack([views[0].tokens, elsewhere.tokens]))
+
+
+def test_large_image_copies_run_on_threads_and_pack_the_same(monkeypatch):
+    """Above packing._THREADED_COPY_BYTES the patches are copied on a thread pool (a 7B step's
+    ~0.5 GB of them sits on the step's path); the packs are the same as copied one by one."""
+    want = host_pack(batches_for("opsd"), SHORT + SHORT)
+    monkeypatch.setattr(packing, "_THREADED_COPY_BYTES", 0)
+    monkeypatch.setattr(packing, "_copy_pool", None)
+    got = host_pack(batches_for("opsd"), SHORT + SHORT)
+    assert packing._copy_pool is not None
+    assert got[1][0].vit_patches.any()  # there were patches to copy
+    for part, reference in zip(got[1], want[1]):
+        assert_same_arrays(part, reference)
