@@ -302,16 +302,13 @@ def section_parity(args):
 
     layers, rows, slots, hq, hkv = (2, 4, 256, 7, 1) if args.dry_run else (2, 8, 4160, 28, 4)
     q = jnp.asarray(rng.normal(size=(rows, hq, 128)), jnp.bfloat16)
-    k, v = (
-        jnp.asarray(rng.normal(size=(layers, rows, slots, hkv, 128)), jnp.bfloat16) for _ in "kv"
-    )
+    cache = jnp.asarray(rng.normal(size=(layers, rows, slots, 2, hkv, 128)), jnp.bfloat16)
     lengths = jnp.asarray(np.linspace(1, slots, rows).astype(np.int32))
     got = jax.jit(lambda *a: filled_cache_attention(*a, interpret=args.dry_run))(
-        q, k, v, jnp.int32(1), lengths
+        q, cache, jnp.int32(1), lengths
     )
-    want = decode_attention(
-        q.astype(jnp.float32), k[1].astype(jnp.float32), v[1].astype(jnp.float32), lengths
-    )
+    k, v = (cache[1, :, :, i].astype(jnp.float32) for i in (0, 1))
+    want = decode_attention(q.astype(jnp.float32), k, v, lengths)
     error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
     ok = error <= PARITY_MAX_ERROR
     emit(
@@ -570,7 +567,9 @@ def section_decode(args):
     tensor = mesh_lib.tensor_size_for(layout_choice.head_counts(config), args.decode_tensor)
     prompt_len, new_tokens = (64, 16) if args.dry_run else (4096, 256)
     slots = sampler.cache_slots_for(prompt_len, new_tokens)
-    cache_shape = (lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim)
+    cache_shape = sampler.cache_shape_for(
+        lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim
+    )
     settings = sampler.RoundSettings(
         1.0, True, lm.vocab_size - 4, lm.vocab_size - 3, lm.vocab_size, new_tokens + 1
     )
@@ -578,10 +577,9 @@ def section_decode(args):
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
     def fresh_state():
-        zeros = jnp.zeros(cache_shape, jnp.bfloat16)
         rows = lambda dtype, *tail: jnp.zeros((batch,) + tail, dtype)  # noqa: E731
         return sampler.DecodeState(
-            cache=(zeros, jnp.zeros_like(zeros)),
+            cache=jnp.zeros(cache_shape, jnp.bfloat16),
             kv_length=jnp.full((batch,), prompt_len, jnp.int32),
             rope=jnp.full((batch,), prompt_len, jnp.int32),
             tokens=rows(jnp.int32, new_tokens),
@@ -656,7 +654,7 @@ def section_decode(args):
         and "embed_tokens" not in jax.tree_util.keystr(p)
     )
     shardings = state_shardings(view)
-    cache_share = 2 * shard_bytes(cache_shape, jnp.bfloat16, shardings.cache[0])  # K and V
+    cache_share = shard_bytes(cache_shape, jnp.bfloat16, shardings.cache)  # K and V
     fresh = jax.jit(fresh_state, out_shardings=shardings)
     checked = batch == DECODE_CHECK_BATCH
     # B = 1 and 32 are shown only: one timed run after the warm-up is enough for them.
@@ -738,24 +736,23 @@ def decode_kernel_alone(args):
     passes = 1 if args.dry_run else 10
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (rows, q_heads, dim), jnp.bfloat16)
-    cache = (layers, rows, slots, kv_heads, dim)
-    k, v = (jax.random.normal(key, cache, jnp.bfloat16) for key in keys[1:])
+    cache = jax.random.normal(keys[1], (layers, rows, slots, 2, kv_heads, dim), jnp.bfloat16)
     lengths = jnp.full((rows,), length, jnp.int32)
 
     @jax.jit
-    def all_layers(q, k, v, lengths):
+    def all_layers(q, cache, lengths):
         # One loop over the layers as the sampler's scan makes it, so one dispatch covers them
         # all; each call's output is the next one's query, so calls neither overlap nor vanish.
         def call(i, q):
             layer = i % layers
-            return kernel.filled_cache_attention(q, k, v, layer, lengths, interpret=args.dry_run)
+            return kernel.filled_cache_attention(q, cache, layer, lengths, interpret=args.dry_run)
 
         return lax.fori_loop(0, passes * layers, call, q)
 
     grid = kernel.grid(rows, kv_heads, slots)
     case = f"kernel alone: {layers} x [{rows}, {q_heads}q/{kv_heads}kv], {length}/{slots} slots"
     try:
-        seconds, _ = timed(all_layers, q, k, v, lengths, repeats=1 if args.dry_run else 5)
+        seconds, _ = timed(all_layers, q, cache, lengths, repeats=1 if args.dry_run else 5)
     except Exception as error:  # a row that names the case, not only the process's exit
         import traceback
 
@@ -769,10 +766,9 @@ def decode_kernel_alone(args):
             kind="check",
         )
         return
-    # The kernel pads each kv head's query heads to Triton's smallest dot (16 rows) and writes a
-    # float32 output and log-sum-exp per row, kv head, split and padded query head.
-    padded = max(16, 1 << (q_heads // kv_heads - 1).bit_length())
-    partials = 4 * rows * kv_heads * grid[2] * padded * (dim + 1)
+    # The kernel writes a float32 output and log-sum-exp per row, kv head, split and query head,
+    # which the combine kernel reads back.
+    partials = 4 * rows * kv_heads * grid[2] * (q_heads // kv_heads) * (dim + 1)
     per_call = rows * length * kv_heads * dim * 2 * 2 + 2 * partials  # bf16 K, V; partials w + r
     achieved = passes * layers * per_call / seconds
     _, hbm_bw = device_peaks(args)

@@ -429,7 +429,9 @@ def main():
     # sampler.sample(copy) does.
     rows = samples * accum
     slots = sampler.cache_slots_for(args.prompt_len, new_tokens, rounds - 1)
-    cache_shape = (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim)
+    cache_shape = sampler.cache_shape_for(
+        llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
+    )
     settings = sampler.RoundSettings(
         temperature=1.0,
         do_sample=True,
@@ -500,7 +502,7 @@ def main():
                 view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
             ),
         )
-        view_cache = view_state.cache[0]
+        view_cache = view_state.cache
         view_key = jax.ShapeDtypeStruct(
             key.shape,
             key.dtype,
@@ -568,7 +570,7 @@ def main():
             )
         )
         copy_bytes = shard_bytes(copy)
-        cache_bytes = 2 * shard_bytes(view_cache)  # k and v, at capacity
+        cache_bytes = shard_bytes(view_cache)  # k and v, at capacity
         # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
         # embedding table only the rows fed) read once, and each row's cache up to its length.
         vit_bytes = sum(

@@ -465,41 +465,43 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def cache_attention(
-    q, k_cache, v_cache, layer, kv_lengths, backend: str = "auto", interpret: bool = False
+    q, cache, layer, kv_lengths, backend: str = "auto", interpret: bool = False
 ) -> jax.Array:
-    """The decode step's attention for layer `layer` of the stacked cache (k_cache, v_cache:
-    [L, B, S, Hkv, D]); q: [B, Hq, D]; key slot j of row b is visible iff j < kv_lengths[b].
+    """The decode step's attention for layer `layer` of the stacked cache (cache:
+    [L, B, S, 2, Hkv, D], keys at 0 and values at 1 of axis 3, so that a token's key and value
+    are written in one scatter); q: [B, Hq, D]; key slot j of row b is visible iff
+    j < kv_lengths[b].
 
     With the Pallas backend (see `resolve_backend`) and a shape it takes, the kernel of
     models/decode_attention_pallas.py reads the cache in place and only each row's filled
     slots, per device (a shard_map over rows and kv heads). Otherwise `decode_attention` on the
-    layer's slice, which XLA partitions by itself. `interpret` runs the kernel in the Pallas
+    layer's slices, which XLA partitions by itself. `interpret` runs the kernel in the Pallas
     interpreter (tests, on any backend).
     """
     if resolve_backend(backend) == "pallas":
         from models import decode_attention_pallas as kernel  # Triton only when used
 
-        if kernel.supported(k_cache.shape[-1], k_cache.shape[2]):
-            names = _cache_arg_names(q, k_cache)
+        if kernel.supported(cache.shape[-1], cache.shape[2]):
+            names = _cache_arg_names(q, cache)
             per_device = sharding.per_row_shard_map(
                 functools.partial(kernel.filled_cache_attention, interpret=interpret),
                 names,
                 out_names=names[0],
             )
-            return per_device(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), kv_lengths)
-    return decode_attention(q, k_cache[layer], v_cache[layer], kv_lengths)
+            return per_device(q, cache, jnp.asarray(layer, jnp.int32), kv_lengths)
+    return decode_attention(q, cache[layer, :, :, 0], cache[layer, :, :, 1], kv_lengths)
 
 
-def _cache_arg_names(q, k_cache):
-    """Logical names of cache_attention's arguments (q [B, Hq, D], the [L, B, S, Hkv, D] caches,
-    the layer, the lengths): rows over the batch axes, heads as `_head_names` allows."""
-    heads, cache = _head_names(
+def _cache_arg_names(q, cache):
+    """Logical names of cache_attention's arguments (q [B, Hq, D], the [L, B, S, 2, Hkv, D]
+    cache, the layer, the lengths): rows over the batch axes, heads as `_head_names` allows."""
+    heads, cache_names = _head_names(
         q,
         ("act_batch", "act_heads", None),
-        k_cache,
-        (None, "act_batch", None, "act_kv_heads", None),
+        cache,
+        (None, "act_batch", None, None, "act_kv_heads", None),
     )
-    return (heads, cache, cache, (), ("act_batch",))
+    return (heads, cache_names, (), ("act_batch",))
 
 
 def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:

@@ -1,9 +1,10 @@
 """Decode attention that reads the KV cache in place and only up to each row's filled length:
 a Pallas kernel for NVIDIA GPUs (Triton backend).
 
-Contract: `attention.decode_attention(q, k_cache[layer], v_cache[layer], kv_lengths)`, with the
-whole stacked cache ([L, B, S, Hkv, D], as the sampler holds it) and the layer index as
-arguments instead of the layer's slice.
+Contract: `attention.decode_attention(q, cache[layer, :, :, 0], cache[layer, :, :, 1],
+kv_lengths)`, with the whole stacked cache ([L, B, S, 2, Hkv, D]: keys and values of a slot
+side by side, as the sampler holds it) and the layer index as arguments instead of the layer's
+slices.
 
 Why a kernel: compiled for an H100 (bench/scale.py), XLA materialised each layer's K and V
 slice of the stacked cache on every decode step (a dynamic slice, or a pad to a multiple of 8
@@ -97,8 +98,7 @@ def _kernel(
     layer_ref,
     length_ref,
     q_ref,
-    k_ref,
-    v_ref,
+    cache_ref,
     o_ref,
     lse_ref,
     *,
@@ -122,7 +122,7 @@ def _kernel(
         # that it ends at the last slot; the slots it shares with the block before are masked.
         start = jnp.minimum(kb * block_k, num_slots - block_k)
         span = pl.ds(start, block_k)
-        k = k_ref[layer, row, span, head, :]  # [block_k, D], read in place from the cache
+        k = cache_ref[layer, row, span, 0, head, :]  # [block_k, D], read in place
         s = plgpu.dot(q, k, trans_b=True) * scale  # [Gp, block_k], log2 domain
         slot = start + jnp.arange(block_k)
         filled = (slot >= kb * block_k) & (slot < length)
@@ -132,7 +132,7 @@ def _kernel(
         p = jnp.exp2(s - m_new[:, None])
         rescale = jnp.exp2(m - m_new)
         # Slots past the length in the last block may hold anything (0 x NaN is NaN).
-        v = jnp.where(filled[:, None], v_ref[layer, row, span, head, :], 0)
+        v = jnp.where(filled[:, None], cache_ref[layer, row, span, 1, head, :], 0)
         acc = rescale[:, None] * acc + plgpu.dot(p.astype(v.dtype), v)
         return acc, m_new, rescale * l + jnp.sum(p, axis=1)
 
@@ -167,8 +167,7 @@ def _combine_kernel(partial_ref, lse_ref, o_ref, *, splits):
 
 def filled_cache_attention(
     q,
-    k_cache,
-    v_cache,
+    cache,
     layer,
     kv_lengths,
     *,
@@ -178,25 +177,26 @@ def filled_cache_attention(
 ) -> jax.Array:
     """One query per row against layer `layer` of the stacked cache, slots < kv_lengths[b].
 
-    q: [B, Hq, D]; k_cache, v_cache: [L, B, S, Hkv, D]; layer: int32 scalar; kv_lengths: [B].
+    q: [B, Hq, D]; cache: [L, B, S, 2, Hkv, D] (keys at 0, values at 1 of its axis 3); layer:
+    int32 scalar; kv_lengths: [B].
     Returns [B, Hq, D] in q.dtype (float32 scores, softmax, partial outputs and combine).
     min_programs: the grid's least size (`grid`); 1 runs one program per row and kv head.
     """
     batch, q_heads, head_dim = q.shape
-    kv_heads, num_slots = k_cache.shape[3], k_cache.shape[2]
-    if k_cache.shape != v_cache.shape or k_cache.shape[1] != batch or q_heads % kv_heads:
-        raise ValueError(
-            f"bad shapes q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
-        )
+    if cache.ndim != 6 or cache.shape[3] != 2 or cache.shape[1] != batch:
+        raise ValueError(f"bad shapes q {q.shape}, cache {cache.shape} (want [L, B, S, 2, Hkv, D])")
+    kv_heads, num_slots = cache.shape[4], cache.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"bad shapes q {q.shape}, cache {cache.shape}: q heads % kv heads")
     if not supported(head_dim, num_slots, block_k):
         raise ValueError(
             f"filled_cache_attention needs a power-of-two head dim >= 16 and at "
-            f"least {block_k} slots; got {k_cache.shape}"
+            f"least {block_k} slots; got {cache.shape}"
         )
     group = q_heads // kv_heads
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
     # Free reshape; the kernel pads the G heads to `rows` as it loads them.
-    grouped = q.reshape(batch, kv_heads, group, head_dim).astype(k_cache.dtype)
+    grouped = q.reshape(batch, kv_heads, group, head_dim).astype(cache.dtype)
     split_blocks = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
     splits = grid(batch, kv_heads, num_slots, block_k, min_programs)[2]
     # Blocks of `rows` query heads over arrays of G: Pallas masks the rows past G off every load
@@ -215,7 +215,7 @@ def filled_cache_attention(
             group=group,
         ),
         grid=(batch, kv_heads, splits),
-        in_specs=[whole(layer), whole(lengths), tile, whole(k_cache), whole(v_cache)],
+        in_specs=[whole(layer), whole(lengths), tile, whole(cache)],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -227,7 +227,7 @@ def filled_cache_attention(
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name=KERNEL_NAME,
-    )(layer, lengths, grouped, k_cache, v_cache)
+    )(layer, lengths, grouped, cache)
     # The combine: one program per row, kv head and query head, all its splits in one load,
     # with warps enough to hold them (64 floats a thread; 4 warps at the recipe's 38 splits).
     padded = pl.next_power_of_2(splits)

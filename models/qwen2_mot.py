@@ -306,10 +306,11 @@ class DecoderLayer(nnx.Module):
     def decode(self, h, positions, cache, layer_index, write_slots, kv_lengths):
         """One new token per row against this layer's slice of the stacked KV cache.
 
-        h: [B, 1, D]; cache: (k, v) each [L, B, S, Hkv, Dh]. The new key/value is written at
-        `write_slots[b]` of layer `layer_index` in place (a slot >= S drops the write, for rows
-        that are done), then the query attends the first `kv_lengths[b]` slots of that layer
-        (attention.cache_attention: on a GPU a kernel that reads only those slots, in place).
+        h: [B, 1, D]; cache: [L, B, S, 2, Hkv, Dh] (keys at 0, values at 1 of axis 3). The new
+        key and value are written together (one scatter) at `write_slots[b]` of layer
+        `layer_index` in place (a slot >= S drops the write, for rows that are done), then the
+        query attends the first `kv_lengths[b]` slots of that layer (attention.cache_attention:
+        on a GPU a kernel that reads only those slots, in place).
         """
         q, k, v = self._qkv(h, positions, None, bias_apart=True)
 
@@ -317,20 +318,15 @@ class DecoderLayer(nnx.Module):
         # the SPMD partitioner keeps on each device's own rows; indexed by a row-id array instead,
         # it all-gathers every row's new key and value to every device.
         @functools.partial(jax.vmap, in_axes=(1, 0, 0), out_axes=1)
-        def write(cache_rows, slot, new):  # [L, S, Hkv, Dh], [], [Hkv, Dh]
+        def write(cache_rows, slot, new):  # [L, S, 2, Hkv, Dh], [], [2, Hkv, Dh]
             return cache_rows.at[layer_index, slot].set(new.astype(cache_rows.dtype), mode="drop")
 
-        cache_k, cache_v = (write(c, write_slots, x[:, 0]) for c, x in zip(cache, (k, v)))
+        cache = write(cache, write_slots, jnp.stack([k[:, 0], v[:, 0]], axis=1))
         out = attention_lib.cache_attention(
-            q[:, 0],
-            cache_k,
-            cache_v,
-            layer_index,
-            kv_lengths,
-            backend=self.config.attention_backend,
+            q[:, 0], cache, layer_index, kv_lengths, backend=self.config.attention_backend
         )
         h = self._finish(h, out[:, None].astype(h.dtype), None)
-        return h, (cache_k, cache_v)
+        return h, cache
 
 
 class Qwen2MoT(nnx.Module):
@@ -395,7 +391,7 @@ class Qwen2MoT(nnx.Module):
     def decode_step(self, embeddings, positions, cache, write_slots, kv_lengths):
         """One token per row through every layer with the KV cache (understanding tokens only).
 
-        embeddings [B, 1, D], positions [B, 1]; cache (k, v) each [L, B, S, Hkv, Dh], updated in
+        embeddings [B, 1, D], positions [B, 1]; cache [L, B, S, 2, Hkv, Dh], updated in
         place at `write_slots` (slot >= S = no write); attention covers slots < kv_lengths.
         Returns the final-normed hidden states [B, 1, D] and the cache.
         """

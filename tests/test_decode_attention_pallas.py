@@ -20,11 +20,12 @@ from opsd_jax.parallel import mesh as mesh_lib
 
 
 def cache_case(rng, layers, rows, slots, kv_heads, group, dim, dtype):
+    """(q, k, v, the sampler's cache of k and v: [L, B, S, 2, Hkv, D])."""
     q = jnp.asarray(rng.normal(size=(rows, kv_heads * group, dim)), dtype)
     k, v = (
         jnp.asarray(rng.normal(size=(layers, rows, slots, kv_heads, dim)), dtype) for _ in range(2)
     )
-    return q, k, v
+    return q, k, v, jnp.stack([k, v], axis=3)
 
 
 @pytest.mark.parametrize(
@@ -42,14 +43,14 @@ def test_kernel_matches_the_xla_decode_attention(dtype, tol, min_programs, slots
     default: 5 rows x 2 kv heads ask for more splits than the blocks, so one block a split,
     a power of two of them or not) and unsplit."""
     rng = np.random.default_rng(0)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=3, rows=5, slots=slots, kv_heads=2, group=7, dim=32, dtype=dtype
     )
     assert dap.grid(5, 2, slots, min_programs=min_programs)[2] == splits
     lengths = jnp.array([0, 1, 64, 150, slots], jnp.int32)
     for layer in range(3):
         got = dap.filled_cache_attention(
-            q, k, v, jnp.int32(layer), lengths, min_programs=min_programs, interpret=True
+            q, cache, jnp.int32(layer), lengths, min_programs=min_programs, interpret=True
         )
         want = attention.decode_attention(q, k[layer], v[layer], lengths)
         assert got.dtype == q.dtype and got.shape == q.shape
@@ -63,20 +64,20 @@ def test_slots_past_a_rows_length_do_not_matter():
     """NaN in every slot at and past each row's length (in its last key block, in the splits
     past it and beyond) leaves the output exactly as it was."""
     rng = np.random.default_rng(1)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=2, rows=4, slots=640, kv_heads=1, group=4, dim=16, dtype=jnp.float32
     )
     lengths = jnp.array([0, 3, 250, 640], jnp.int32)
-    past = jnp.arange(640)[None, :, None, None] >= lengths[:, None, None, None]
-    poisoned = [jnp.where(past[None], jnp.nan, x) for x in (k, v)]
+    past = jnp.arange(640)[None, :, None, None, None] >= lengths[:, None, None, None, None]
+    poisoned = jnp.where(past[None], jnp.nan, cache)  # keys and values
     want = attention.decode_attention(q, k[1], v[1], lengths)
     # 10 blocks: 3 splits of 3 blocks and one of 1 (4 rows x 3 splits >= 12 programs).
     assert dap.grid(4, 1, 640, min_programs=12) == (4, 1, 4)
     for min_programs in (12, 1):
-        run = lambda *a, m=min_programs: dap.filled_cache_attention(  # noqa: E731
-            q, *a, jnp.int32(1), lengths, min_programs=m, interpret=True
+        run = lambda c, m=min_programs: dap.filled_cache_attention(  # noqa: E731
+            q, c, jnp.int32(1), lengths, min_programs=m, interpret=True
         )
-        clean, got = run(k, v), run(*poisoned)
+        clean, got = run(cache), run(poisoned)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(clean))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
@@ -97,11 +98,11 @@ def test_a_cache_of_any_length_from_one_block_up():
     """7170 slots (the recipe's) or 100: the last key block starts early and masks the slots
     the block before it covered; each row's result is the XLA one."""
     rng = np.random.default_rng(5)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=2, rows=5, slots=100, kv_heads=2, group=3, dim=16, dtype=jnp.float32
     )
     lengths = jnp.array([1, 36, 64, 65, 100], jnp.int32)
-    got = dap.filled_cache_attention(q, k, v, jnp.int32(1), lengths, interpret=True)
+    got = dap.filled_cache_attention(q, cache, jnp.int32(1), lengths, interpret=True)
     want = attention.decode_attention(q, k[1], v[1], lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
@@ -110,14 +111,14 @@ def test_shapes_it_does_not_take_are_refused_and_routed_to_xla():
     assert dap.supported(128, 7170) and dap.supported(128, 64)
     assert not dap.supported(72, 7170) and not dap.supported(128, 63)
     rng = np.random.default_rng(2)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=1, rows=2, slots=40, kv_heads=1, group=2, dim=16, dtype=jnp.float32
     )
     with pytest.raises(ValueError, match="at least 64 slots"):
-        dap.filled_cache_attention(q, k, v, 0, jnp.array([5, 9]), interpret=True)
+        dap.filled_cache_attention(q, cache, 0, jnp.array([5, 9]), interpret=True)
     lengths = jnp.array([5, 9], jnp.int32)
     np.testing.assert_array_equal(  # cache_attention falls back to the XLA path
-        np.asarray(attention.cache_attention(q, k, v, 0, lengths, backend="pallas")),
+        np.asarray(attention.cache_attention(q, cache, 0, lengths, backend="pallas")),
         np.asarray(attention.decode_attention(q, k[0], v[0], lengths)),
     )
 
@@ -127,7 +128,7 @@ def test_per_device_dispatch_on_a_decode_mesh_matches_one_device(layout, tensor)
     """cache_attention under the sampler's decode mesh and rules: rows over 'data', kv heads
     (and their query heads) over 'tensor', each device running the kernel on its own part."""
     rng = np.random.default_rng(3)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=2, rows=4, slots=128, kv_heads=2, group=3, dim=16, dtype=jnp.float32
     )
     lengths = jnp.array([1, 60, 65, 128], jnp.int32)
@@ -135,16 +136,16 @@ def test_per_device_dispatch_on_a_decode_mesh_matches_one_device(layout, tensor)
     view = mesh_lib.decode_mesh(mesh_lib.make_mesh(), layout, tensor)
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         run = jax.jit(lambda *a: attention.cache_attention(*a, backend="pallas", interpret=True))
-        got = run(q, k, v, jnp.int32(1), lengths)
+        got = run(q, cache, jnp.int32(1), lengths)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=2e-6)
 
 
 def test_kernel_lowers_to_triton_for_an_h100():
     rng = np.random.default_rng(4)
-    q, k, v = cache_case(
+    q, k, v, cache = cache_case(
         rng, layers=2, rows=2, slots=128, kv_heads=1, group=7, dim=128, dtype=jnp.bfloat16
     )
     text = lower_for_gpu(
-        dap.filled_cache_attention, q, k, v, jnp.int32(1), jnp.array([3, 128], jnp.int32)
+        dap.filled_cache_attention, q, cache, jnp.int32(1), jnp.array([3, 128], jnp.int32)
     )
     assert "__gpu$xla.gpu.triton" in text and dap.KERNEL_NAME in text

@@ -137,7 +137,9 @@ def test_a_deviceless_compile_needs_the_cub_flag():
 def abstract_state(view, llm, rows, slots, new_tokens):
     """The decode round's abstract state on `view`, laid out as the sampler lays it out."""
     return sampler.abstract_decode_state(
-        (llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim),
+        sampler.cache_shape_for(
+            llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
+        ),
         new_tokens,
         lambda shape, names: jax.sharding.NamedSharding(
             view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
@@ -196,7 +198,7 @@ def h100_sampler() -> SamplerPrograms:
         )
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
     decode_state = abstract_state(view, llm, rows, slots, new_tokens)
-    cache = decode_state.cache[0]
+    cache = decode_state.cache
     key = jax.eval_shape(lambda: jax.random.key(0))
     key = jax.ShapeDtypeStruct(
         key.shape,
@@ -238,7 +240,7 @@ def h100_sampler() -> SamplerPrograms:
         lowered,
         layer_shapes,
         inputs,
-        int(np.prod(local_cache[1:])),
+        int(np.prod(local_cache[1:])) // 2,  # a layer's keys and values side by side
         llm.num_hidden_layers,
     )
 
@@ -332,13 +334,14 @@ def test_decode_loop_reads_the_weights_in_place(h100_sampler):
 
 def layer_cache_copies(compiled_text: str, layer_cache_elements: int) -> list:
     """Kernels of the decode loop that write a buffer the size of one layer's K or V cache (up
-    to 2x, for padding): a copy of the layer's slice of the stacked cache, made every token."""
+    to 2x: both, or one padded): a copy of the layer's slice of the stacked cache, made every
+    token."""
     found = []
     for kernel in hbm_traffic.loop_traffic(compiled_text):
         if kernel.opcode == "custom-call":
             continue  # reads its operands; a library call's results are small here
         shapes = hlo_stats.shapes_in(kernel.result)
-        if shapes and layer_cache_elements <= np.prod(shapes[0].dims) < 2 * layer_cache_elements:
+        if shapes and layer_cache_elements <= np.prod(shapes[0].dims) <= 2 * layer_cache_elements:
             found.append(kernel)
     return found
 
@@ -413,6 +416,17 @@ def test_decode_attention_is_two_kernels_a_layer(h100_tensor_decode):
     for i in at:
         assert names[i + 1] == combine, names[i - 2 : i + 3]
         assert "pad" not in names[i - 1], names[i - 2 : i + 3]
+
+
+def test_a_decode_layer_writes_its_key_and_value_in_one_scatter(h100_tensor_decode):
+    """The cache holds a slot's key and value side by side ([L, B, S, 2, Hkv, Dh]), so a layer
+    writes the new token's pair with one scatter (two with separate K and V caches); the round's
+    other two write each row's sampled token and its log-prob."""
+    program = h100_tensor_decode[0]
+    loop, _ = thunk_launches.main_loop(thunk_launches.parse(program.thunk_sequence))
+    names = [t.kernel_name for t in loop.children if t.kind == "kCustomKernel"]
+    layers = BagelConfig.tiny().llm.num_hidden_layers
+    assert sum("scatter" in name for name in names) == layers + 2, names
 
 
 def test_no_jax_plugin_at_all_means_no_cuda_plugin(monkeypatch):

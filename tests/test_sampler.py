@@ -215,17 +215,15 @@ class ScriptedModel(nnx.Module):
         return None, (kv.astype(jnp.float32), kv.astype(jnp.float32))
 
     def decode_step(self, tokens, positions, cache, write_slots, kv_lengths):
-        k, v = cache
         rows = jnp.arange(tokens.shape[0])
-        fed = tokens.astype(jnp.float32)[:, None, None]
-        k = k.at[0, rows, write_slots].set(fed, mode="drop")
-        v = v.at[0, rows, write_slots].set(fed, mode="drop")
-        ids = v[0, :, :, 0, 0].astype(jnp.int32)  # [B, S]
+        fed = tokens.astype(jnp.float32)[:, None, None, None]  # as key and value
+        cache = cache.at[0, rows, write_slots].set(fed, mode="drop")  # [1, B, S, 2, 1, 1]
+        ids = cache[0, :, :, 1, 0, 0].astype(jnp.int32)  # [B, S], the values
         slots = jnp.arange(ids.shape[1])[None]
         counted = (slots >= self.PROMPT_SLOTS) & (slots < kv_lengths[:, None])
         position = jnp.sum(counted & (ids != SPECIAL.im_start), axis=1)
         next_token = self.table[...][ids[:, 1], position]
-        return jax.nn.one_hot(next_token, self.vocab) * 30.0, (k, v)
+        return jax.nn.one_hot(next_token, self.vocab) * 30.0, cache
 
 
 def scripted_pack(num_rows):

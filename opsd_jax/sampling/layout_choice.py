@@ -51,8 +51,8 @@ def head_counts(model_config) -> tuple[int, ...]:
 
 
 def cache_nbytes(model_config, rows: int, slots: int, dtype) -> int:
-    """The sampler's K and V cache (sampler.prefill_rows: [layers, rows, slots, kv heads, head dim]
-    each) of `rows` rows at `slots` capacity."""
+    """The sampler's K and V cache (sampler.prefill_rows: [layers, rows, slots, 2, kv heads,
+    head dim]) of `rows` rows at `slots` capacity."""
     llm = model_config.llm
     return (
         2

@@ -4,8 +4,8 @@
 with images) and returns each row's completion ids and the log-prob of every sampled token under
 the sampling distribution.
 
-1. Prefill: one packed forward over the prompts fills the cache ([L, B, S, Hkv, Dh] per k and
-   v; keys after k-norm and RoPE). Per row we track the cache length and the next RoPE id
+1. Prefill: one packed forward over the prompts fills the cache ([L, B, S, 2, Hkv, Dh]: keys,
+   after k-norm and RoPE, and values side by side, so a token's pair is one write). Per row we track the cache length and the next RoPE id
    separately: they diverge after an image block, whose tokens share one RoPE id.
 2. Decode: one jitted `lax.while_loop` per round. It feeds `<|im_start|>` first (BAGEL's
    generate does), then each step writes the fed token's K/V in place, samples the next token
@@ -71,7 +71,7 @@ class Completions:
 
 @flax.struct.dataclass
 class DecodeState:
-    cache: tuple[jax.Array, jax.Array]  # k, v: [L, B, S, Hkv, Dh]
+    cache: jax.Array  # [L, B, S, 2, Hkv, Dh]: keys at 0, values at 1 of axis 3
     kv_length: jax.Array  # [B] filled cache slots
     rope: jax.Array  # [B] RoPE id of the next fed token
     tokens: jax.Array  # [B, N] completion ids over all rounds
@@ -83,12 +83,17 @@ class DecodeState:
 
 
 # Logical names of the decode state's axes: rows over the batch axes, kv heads as the rules say.
-CACHE_NAMES = (None, "act_batch", None, "act_kv_heads", None)  # [L, B, S, Hkv, Dh]
+CACHE_NAMES = (None, "act_batch", None, None, "act_kv_heads", None)  # [L, B, S, 2, Hkv, Dh]
+
+
+def cache_shape_for(layers: int, rows: int, slots: int, kv_heads: int, head_dim: int) -> tuple:
+    """The decode state's cache shape: [L, B, S, 2, Hkv, Dh] (keys, then values)."""
+    return (layers, rows, slots, 2, kv_heads, head_dim)
 
 
 def abstract_decode_state(cache_shape, new_tokens: int, sharding_for, cache_dtype=jnp.bfloat16):
     """A DecodeState of abstract arrays, for compiling decode_round ahead of time (bench/
-    scale.py, tests/test_gpu_compile.py). cache_shape: [L, B, S, Hkv, Dh];
+    scale.py, tests/test_gpu_compile.py). cache_shape: [L, B, S, 2, Hkv, Dh] (cache_shape_for);
     `sharding_for(shape, logical axis names)` lays each array out (e.g. logical_spec on the
     decode mesh under DECODE_RULES): rows over 'act_batch', the cache by CACHE_NAMES."""
 
@@ -98,9 +103,8 @@ def abstract_decode_state(cache_shape, new_tokens: int, sharding_for, cache_dtyp
     def per_row(dtype, *tail):
         return array((cache_shape[1],) + tail, dtype, ("act_batch",) + (None,) * len(tail))
 
-    cache = array(cache_shape, cache_dtype, CACHE_NAMES)
     return DecodeState(
-        cache=(cache, cache),
+        cache=array(cache_shape, cache_dtype, CACHE_NAMES),
         kv_length=per_row(jnp.int32),
         rope=per_row(jnp.int32),
         tokens=per_row(jnp.int32, new_tokens),
@@ -117,7 +121,7 @@ def _pinned(state: DecodeState) -> DecodeState:
     gather each step's tokens) or let the cache follow the weights' layout."""
     rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return DecodeState(
-        cache=tuple(constrain(x, CACHE_NAMES) for x in state.cache),
+        cache=constrain(state.cache, CACHE_NAMES),
         **{
             f.name: rows(getattr(state, f.name))
             for f in dataclasses.fields(state)
@@ -217,10 +221,9 @@ def prefill_rows(
     model = nnx.merge(graphdef, params)
     _, (k, v) = model.prefill(pack)  # [L, B, T, Hkv, Dh]
     layers, batch, length, kv_heads, head_dim = k.shape
-    shape = (layers, batch, cache_slots, kv_heads, head_dim)
-    cache = tuple(
-        jnp.zeros(shape, cache_dtype).at[:, :, :length].set(x.astype(cache_dtype)) for x in (k, v)
-    )
+    shape = cache_shape_for(layers, batch, cache_slots, kv_heads, head_dim)
+    filled = jnp.stack([k, v], axis=3).astype(cache_dtype)
+    cache = jnp.zeros(shape, cache_dtype).at[:, :, :length].set(filled)
     real = pack.segment_ids > 0
     return _pinned(
         DecodeState(
@@ -239,7 +242,7 @@ def prefill_rows(
 
 def feed_tokens(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
     """Write `tokens` (one per row, rows where `write`) into the cache; logits after them."""
-    num_slots = state.cache[0].shape[2]
+    num_slots = state.cache.shape[2]
     slots = jnp.where(write, state.kv_length, num_slots)  # out of range: no write
     kv_length = state.kv_length + write
     logits, cache = model.decode_step(tokens, state.rope, state.cache, slots, kv_length)
