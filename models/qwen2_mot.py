@@ -114,6 +114,18 @@ class Expert(nnx.Module):
         # each, their weights laid out in t shards (`fuse_projections`, the decode copy).
         self.fused_shards = 0
 
+    def _fused_sizes(self) -> tuple[int, int, int]:
+        """(query heads, kv heads, MLP columns): what the fused layouts split into shards."""
+        return (
+            self.q_proj.kernel.shape[-2],
+            self.k_proj.kernel.shape[-2],
+            self.gate_proj.kernel.shape[-1],
+        )
+
+    def can_fuse(self, shards: int) -> bool:
+        """Whether `shards` divides the heads and MLP columns (`fuse_projections` needs it)."""
+        return all(n % shards == 0 for n in self._fused_sizes())
+
     def fuse_projections(self, shards: int) -> None:
         """Replace q/k/v with one projection and gate/up with another, built from their weights
         (stacked layers or one). Why: a decode step feeds one token per row, so each projection
@@ -126,9 +138,8 @@ class Expert(nnx.Module):
         gate and up) again is local. Head h of q is (h // (Hq/t), h % (Hq/t)), as the
         separate projection's heads split over t devices."""
         q, k, v = self.q_proj, self.k_proj, self.v_proj
-        heads, kv_heads = q.kernel.shape[-2], k.kernel.shape[-2]
-        width = self.gate_proj.kernel.shape[-1]
-        if heads % shards or kv_heads % shards or width % shards:
+        heads, kv_heads, width = self._fused_sizes()
+        if not self.can_fuse(shards):
             raise ValueError(
                 f"fuse_projections: {shards} shards do not divide {heads} / {kv_heads} heads "
                 f"and {width} MLP columns"
@@ -203,13 +214,7 @@ def fuse_projections(model: nnx.Module, tensor_size: int) -> int:
     experts = [module for _, module in nnx.iter_modules(model) if isinstance(module, Expert)]
     if not experts:
         return 0
-    first = experts[0]
-    sizes = (
-        first.q_proj.kernel.shape[-2],
-        first.k_proj.kernel.shape[-2],
-        first.gate_proj.kernel.shape[-1],
-    )
-    shards = tensor_size if all(n % tensor_size == 0 for n in sizes) else 1
+    shards = tensor_size if experts[0].can_fuse(tensor_size) else 1
     for expert in experts:
         expert.fuse_projections(shards)
     return shards

@@ -240,7 +240,7 @@ def _copy_patches(copies: list[tuple[np.ndarray, np.ndarray]]) -> None:
             destination[...] = source
         return
     if _copy_pool is None:
-        workers = min(8, len(os.sched_getaffinity(0)))
+        workers = min(8, os.cpu_count() or 1)
         _copy_pool = concurrent.futures.ThreadPoolExecutor(workers, "patch-copy")
     list(_copy_pool.map(lambda pair: np.copyto(*pair), copies))  # waits; re-raises an error
 

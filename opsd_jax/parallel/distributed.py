@@ -181,8 +181,12 @@ def put_micro_batches(packs: list[Pack], mesh, *, sample_offset: int = 0) -> Pac
     array stacked [micro-batch, rows, ...]; `loss_sample` shifted as in `put_rows`. The shapes
     are fixed by the config, so processes need not agree on them first. Any pytree of row-major
     arrays goes the same way (the offline cache's dict of per-entry arrays)."""
-    stacked = jax.tree.map(lambda *xs: np.stack(xs), *packs)
-    return put_stacked_micro_batches(stacked, mesh, sample_offset=sample_offset)
+    return put_stacked_micro_batches(stack_micro_batches(packs), mesh, sample_offset=sample_offset)
+
+
+def stack_micro_batches(packs: list):
+    """Micro-batch pytrees of one shape -> one pytree, every array stacked [micro-batch, ...]."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *packs)
 
 
 def put_stacked_micro_batches(stacked, mesh, *, sample_offset: int = 0):

@@ -19,9 +19,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import jax
-import numpy as np
-
 from opsd_jax.data import sft_packs
 from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
 from opsd_jax.parallel import distributed
@@ -93,7 +90,7 @@ class StepBatches:
         stacked = [
             memory.stack(i, list(parts))
             if memory is not None
-            else jax.tree.map(lambda *xs: np.stack(xs), *parts)
+            else distributed.stack_micro_batches(list(parts))
             for i, parts in enumerate(zip(*packed))
         ]
         return bucket, stacked, sums, tokens
