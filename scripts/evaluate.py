@@ -21,12 +21,13 @@ The paper's benchmarks (Visual-OPSD Table 2), from VLMEvalKit's TSV files in one
 
     python scripts/evaluate.py --checkpoint results/run --benchmarks all --data_dir ~/LMUData \
         [--limit N] [--seeds 0,1,2] [--harness_sampling] [--batch_size 16]
-        [--system_prompt_file F] [--image_transform harness|run]
+        [--system_prompt_file F] [--image_transform harness|run] [--chartqa_parse harness|loose]
 
 greedy with 1024 new tokens (the paper's protocol; `--harness_sampling`: the harness's
-temperature 0.3 and 4096 tokens), scored without a judge (opsd_jax/evaluation/benchmarks);
-writes `<out>/benchmarks/benchmark_records.jsonl`, `benchmark_summary.json` and
-`benchmark_table.md`.
+temperature 0.3 and 4096 tokens), scored without a judge (opsd_jax/evaluation/benchmarks;
+ChartQA's tagged answers parsed as the harness parses them, `--chartqa_parse loose`: units,
+currency and thousands commas stripped; the table names the parse); writes
+`<out>/benchmarks/benchmark_records.jsonl`, `benchmark_summary.json` and `benchmark_table.md`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from opsd_jax import run_config
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.benchmarks import registry as benchmark_registry
 from opsd_jax.evaluation.benchmarks import run as benchmark_run
+from opsd_jax.evaluation.benchmarks import scoring
 from opsd_jax.evaluation.cli import (
     add_model_and_data_flags,
     add_sampling_flags,
@@ -89,6 +91,14 @@ def main(argv=None) -> None:
         help="harness (default): the images resized as the ThinkMorph harness resizes them (VAE "
         "1024/512/16, then ViT 980/224/14); run: the run's data transform (--image_size: one "
         "transform of those bounds)",
+    )
+    bench.add_argument(
+        "--chartqa_parse",
+        choices=scoring.CHARTQA_PARSES,
+        default="harness",
+        help="harness (default): ChartQA's <answer> text read as the harness's relaxed accuracy "
+        "reads it (a plain number, 5%% of the prediction); loose: currency, thousands commas "
+        "and a unit word stripped, 5%% of the gold (can score above the harness's rule)",
     )
     args = parser.parse_args(argv)
     check_sampling_flags(args)
@@ -185,6 +195,7 @@ def run_benchmarks(args) -> None:
             image_transform=None if transform is None else image_transform_from(transform),
             seeds=seeds,
             limit=args.limit,
+            chartqa_parse=args.chartqa_parse,
             mesh=mesh,
             sampler_layout=config.sampler_layout,
             cache_dtype=run_config.cache_dtype_for(args.compute_dtype),

@@ -3,6 +3,8 @@ written here, read back, prompted, decoded by the toy model and scored; the judg
 the answers that trip rule-based scorers."""
 
 import dataclasses
+import json
+import re
 
 import numpy as np
 import pytest
@@ -38,7 +40,12 @@ OPTIONS = {"A": "a cat", "B": "a dog", "C": "a bird"}
         ("Z", "Z"),
         ("Cannot determine the answer", "Z"),
         ("", "Z"),
+        # multiple_choice.py `extract_answer_from_item` reads the first boxed text when the
+        # tag pair is missing (even with a lone <answer>), and not when the tag is there
         ("<think>...</think> \\boxed{C}", "C"),
+        ("A or B? <answer> \\boxed{C}", "C"),
+        ("A or B? <answer> C </answer> \\boxed{A}", "C"),
+        ("A or B? <answer></answer> \\boxed{C}", "Z"),  # an empty cut is not read
     ],
 )
 def test_choice_of(prediction, choice):
@@ -55,33 +62,105 @@ def test_circular_groups_need_every_rotation():
     assert scoring.pair_accuracy([True, True, True, False]) == 0.5
 
 
-# ---------------------------------------------------------------- free-form numbers (ChartQA)
+# ---------------------------------------------------------------- ChartQA: tag and relaxed accuracy
+
+# The harness's ChartQA rule (hychaochao/VLMEvalKit_Thinkmorph, vlmeval/dataset/utils/refocus.py):
+# `process_line` strips the tagged answer and hands it to `relaxed_correctness` as the reference
+# with each gold answer as the value tested, and that function turns a text into a number only
+# through Python's float() (after dividing off a trailing %), else compares lower-cased texts.
+# So '$1,200' or '12 million' is text there, and the 5% is a share of the prediction. The loose
+# parse strips currency, thousands commas and a unit word and measures 5% of the gold.
 
 
 @pytest.mark.parametrize(
-    "gold, prediction, correct",
+    "gold, prediction, harness, loose",
     [
-        ("50", "52", True),  # within 5 %
-        ("50", "53", False),
-        ("12", "12 million", True),  # a unit word, as a judge would strip it
-        ("3.5", "$3.5", True),
-        ("1200", "1,200", True),
-        ("12", "12%", False),  # a percent is a fraction: 0.12
-        ("0.12", "12%", True),
-        ("Yes", "yes", True),
-        ("0", "0.01", False),  # a gold 0 compares as text
-        ("Germany", "France", False),
+        ("50", "52", True, True),  # within 5 %
+        ("50", "53", False, False),
+        ("1200", "$1,200", False, True),  # currency and thousands commas: text to the harness
+        ("1200", "1,200", False, True),
+        ("12", "12 million", False, True),  # a unit word: text to the harness
+        ("3.5", "$3.5", False, True),
+        ("0.45", "45%", True, True),  # a percent is a fraction: 0.45
+        ("45", "45%", False, False),
+        ("100", "95.2", False, True),  # 4.8 is 4.8 % of the gold, 5.04 % of the prediction
+        ("100", "105.2", True, False),  # 5.2 is 5.2 % of the gold, 4.94 % of the prediction
+        ("1000", "1e3", True, False),  # float() reads exponents; the loose parse does not
+        ("Yes", "yes", True, True),
+        ("Yes", " yes ", True, True),  # the harness strips the prediction
+        ("0", "0.01", False, False),  # 0.01 off is all of the prediction; a gold 0 is text
+        ("0", "0", True, True),  # a prediction 0 compares as text
+        ("Germany", "France", False, False),
     ],
 )
-def test_relaxed_correct(gold, prediction, correct):
-    assert scoring.relaxed_correct(gold, prediction) is correct
+def test_relaxed_correct_as_the_harness_parses_and_loosely(gold, prediction, harness, loose):
+    assert scoring.relaxed_correct(gold, prediction) is harness  # the harness's is the default
+    assert scoring.relaxed_correct(gold, prediction, parse="harness") is harness
+    assert scoring.relaxed_correct(gold, prediction, parse="loose") is loose
 
 
-def test_free_form_answer_and_gold_lists():
-    assert scoring.free_form_answer("<think>x</think><answer> 42 </answer>") == "42"
-    assert scoring.free_form_answer("thinking\n\n 17 ") == "17"
+def test_an_unknown_chartqa_parse_is_named():
+    with pytest.raises(ValueError, match=r"'lenient': one of harness, loose"):
+        scoring.relaxed_correct("1", "1", parse="lenient")
+    with pytest.raises(ValueError, match=r"'lenient': one of harness, loose"):
+        run.evaluate_benchmarks(None, None, [], "nowhere", options=None, chartqa_parse="lenient")
+
+
+def test_chartqa_reads_only_the_tag_and_gold_lists():
+    # refocus.py `Refocus_extract_answer`: the tag's text when both tags are there, else the
+    # judge; its `Round_k:` labels are blanked first.
+    assert scoring.chartqa_answer("<think>x</think><answer> 42 </answer>") == "42"
+    assert scoring.chartqa_answer("thinking\n\n 17 ") is None  # no last-line fallback
+    assert scoring.chartqa_answer("so \\boxed{17}") is None  # nor a boxed one
+    assert scoring.chartqa_answer("<answer>Round_1:\n17</answer>") == "17"
     assert scoring.gold_answers("['7', '8']") == ["7", "8"]
     assert scoring.gold_answers("7") == ["7"]
+
+
+# ---------------------------------------------------------------- the <answer> cut
+
+# The harness cuts the tag in two places the same way: `extract_answer_from_item` (multiple
+# choice, vlmeval/dataset/utils/multiple_choice.py) and `Refocus_extract_answer` (ChartQA): when
+# the prediction holds both '<answer>' and '</answer>', it splits on '<answer>', keeps the piece
+# after the first one, and keeps that piece's text before its first '</answer>'. The old regex
+# search below is what this project used before.
+OLD_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+@pytest.mark.parametrize(
+    "prediction, cut, old",
+    [
+        ("<answer> B </answer>", " B ", " B "),  # unstripped
+        # The thinking names the tag: the cut stops at the real tag, the regex spans to its end.
+        (
+            "<think>Put it in <answer> tags.</think><answer> B </answer>",
+            " tags.</think>",
+            " tags.</think><answer> B ",
+        ),
+        ("<answer>A <answer>B</answer>", "A ", "A <answer>B"),  # a second <answer> ends it
+        ("The closing tag is </answer>. <answer> B", " B", None),  # to the end
+        ("<answer> B", None, None),  # no </answer>: no tag
+        ("<ANSWER>B</ANSWER>", None, None),  # case-sensitive, both
+        ("<answer></answer>", "", ""),
+    ],
+)
+def test_the_tag_is_cut_as_the_harness_cuts_it(prediction, cut, old):
+    assert scoring.tagged_answer(prediction) == cut
+    found = OLD_TAG.search(prediction)
+    assert (found.group(1) if found else None) == old
+
+
+def test_a_thought_naming_the_tag_is_no_rule_answer():
+    """The whole text names B and C (ambiguous), and the harness's cut holds no letter, so its
+    judge would read this; the old regex read the real tag's B."""
+    prediction = (
+        "<think>Is it C or not? The letter goes in <answer> tags.</think><answer> B </answer>"
+    )
+    assert scoring.rule_choice(prediction, OPTIONS) is None
+    assert scoring.infer_choice(OLD_TAG.search(prediction).group(1), OPTIONS) == "B"
+    # The cut runs to the end when the only </answer> comes first; the regex found nothing.
+    late = "A or C? The closing tag is </answer>. <answer> B"
+    assert scoring.rule_choice(late, OPTIONS) == "B" and not OLD_TAG.search(late)
 
 
 # ---------------------------------------------------------------- VSP mazes
@@ -102,6 +181,14 @@ def test_free_form_answer_and_gold_lists():
 )
 def test_maze_path_solves(prediction, solves):
     assert scoring.maze_path_solves(prediction, "['SF', 'HG']") is solves
+
+
+def test_the_maze_path_is_the_last_boxed_move_list_tag_or_not():
+    # frozen_lake.py `extract_path_from_response`: the harness's rule for VSP is this regex on
+    # the whole prediction (its judge call is commented out), so a boxed path needs no tag.
+    assert scoring.maze_path("<answer>no</answer> \\boxed{R , D}") == "R,D"
+    assert scoring.maze_path("\\boxed{R,D} <answer>\\boxed{L}</answer>") == "L"
+    assert scoring.maze_path("<answer>R,D</answer>") is None
 
 
 # ---------------------------------------------------------------- the TSV layout
@@ -234,9 +321,16 @@ def test_the_model_input_is_images_first_then_one_text_with_placeholders():
         ("MMVP", "The answer is A.", False, True),
         ("MMVP", "I am not sure about this one", False, False),  # the harness's judge reads it
         ("MMVP", "Z", False, True),
+        ("MMVP", "<think>A or C</think> \\boxed{B}", True, True),  # boxed: a rule answer
         ("ChartQA_h_bar", "<answer>12</answer>", True, True),
+        ("ChartQA_h_bar", "<answer>$12</answer>", False, True),  # read, but '$12' is no number
         ("ChartQA_h_bar", "It is about 12", False, False),  # no tag: the judge, a miss here
+        ("ChartQA_h_bar", "It is\n12", False, False),  # not even as the last line
+        # refocus.py reads only the tag: a boxed-only answer goes to the judge (the old rule
+        # read it as the answer)
+        ("ChartQA_h_bar", "<think>about 12</think> \\boxed{12}", False, False),
         ("VSP_maze_task_main_original", "no path", False, True),  # mazes have no judge
+        ("VSP_maze_task_main_original", "\\boxed{R}", True, True),  # boxed, untagged: a rule
     ],
 )
 def test_answers_the_rules_cannot_read_are_counted(dataset, prediction, hit, ruled):
@@ -246,6 +340,37 @@ def test_answers_the_rules_cannot_read_are_counted(dataset, prediction, hit, rul
         row = dataclasses.replace(row, options={}, answer="12")
     score = run.score_row(row, d, prediction)
     assert (score.hit, score.ruled) == (hit, ruled)
+
+
+def test_the_runner_scores_chartqa_with_the_parse_it_is_given():
+    d = registry.BENCHMARKS["chartqa"].datasets[0]
+    row = tsv.BenchmarkRow(1, ("x",), "q", {}, "['1200', '1.2k']", None, {})
+    tagged = "<think>about 1,200</think><answer> $1,200 </answer>"
+    assert run.score_row(row, d, tagged) == run.Score(False, "$1,200", True)
+    assert run.score_row(row, d, tagged, "loose") == run.Score(True, "$1,200", True)
+    untagged = "about 1200"  # the judge's, in either parse: a miss here
+    assert run.score_row(row, d, untagged, "loose") == run.Score(False, "", False)
+
+
+def table_summary(parse, names=("chartqa",)):
+    entry = dict(
+        title="ChartQA",
+        judge_free_where_paper_judged=True,
+        score=50.0,
+        mean_output_tokens=10.0,
+        seconds_per_sample=0.1,
+        judge_fallback_percent=25.0,
+    )
+    table = {name: dict(entry, title=name) for name in names}
+    return dict(benchmarks=table, average=50.0, complete=False, chartqa_parse=parse)
+
+
+def test_the_table_names_the_chartqa_parse():
+    harness = run.markdown_table(table_summary("harness"))
+    loose = run.markdown_table(table_summary("loose"))
+    assert "ChartQA parse: harness (" in harness and "loose" not in harness
+    assert "ChartQA parse: loose (" in loose and "harness (" not in loose
+    assert "ChartQA parse" not in run.markdown_table(table_summary("loose", names=("mmvp",)))
 
 
 def test_images_larger_than_the_vit_grid_are_refused_before_decoding():
@@ -389,6 +514,7 @@ def test_every_benchmark_reads_prompts_decodes_and_scores(toy, tmp_path):
     paths = run.save(result, str(tmp_path))
     table = open(paths["table"]).read()
     assert table.startswith("| | VSP | VisPuzzle* | ChartQA* | V** |") and "| Avg |" in table
+    assert summary["chartqa_parse"] == "harness" and "ChartQA parse: harness (" in table
     assert open(paths["records"]).read().count("\n") == len(records)
 
 
@@ -461,6 +587,17 @@ def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
         script_args(model_dir, root / "data", own, "mmvp", "--system_prompt_file", str(prompt))
     )
     assert len((own / "benchmarks" / "benchmark_records.jsonl").read_text().splitlines()) == 1
+    loose = tmp_path / "loose"
+    evaluate_cli.main(
+        script_args(model_dir, root / "data", loose, "chartqa", "--chartqa_parse", "loose")
+    )
+    assert "ChartQA parse: loose (" in capsys.readouterr().out
+    summary = json.loads((loose / "benchmarks" / "benchmark_summary.json").read_text())
+    assert summary["chartqa_parse"] == "loose"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        evaluate_cli.main(
+            script_args(model_dir, root / "data", loose, "chartqa", "--chartqa_parse", "x")
+        )
     with pytest.raises(SystemExit, match="unknown 'mmvpp'"):
         evaluate_cli.main(script_args(model_dir, root / "data", tmp_path, "mmvpp"))
     with pytest.raises(SystemExit, match="BLINK.tsv"):

@@ -9,8 +9,10 @@ options and hint; CV-Bench's own `prompt` column); SAT is multiple choice with e
 options rotated (circular: all rotations must be right); ChartQA is free-form (relaxed
 accuracy). The paper's protocol names an LLM judge for ChartQA, VisPuzzle and V*: our scores
 there are judge-free (see scoring.py) and marked so. The harness also falls back to its judge
-on every multiple-choice set for an answer its rules cannot read (and on ChartQA for one
-without an `<answer>` tag); those answers are misses here, and the table counts them.
+on every multiple-choice set for an answer its rules cannot read (they read the `<answer>` tag,
+else a `\\boxed{}`), and on ChartQA for an answer without the `<answer>` tag pair (a `\\boxed{}`
+is not read there); those answers are misses here, and the table counts them. VSP's boxed path
+is read by rule, tagged or not.
 """
 
 from __future__ import annotations
