@@ -94,7 +94,10 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     refresh().delete()  # compile
     refresh_s = timed(lambda: refresh().state, repeats)
     copy = refresh()
-    params = copy.state
+    # The copy has its own module structure (fused projections): its state decodes only with its
+    # own graphdef; the fp32 params with the training model's.
+    decode_model = (copy.graphdef, copy.state)
+    fp32_model = (graphdef, fp32_params)
     lm_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.language_model, nnx.Param)))
     vocab = config.llm.vocab_size
     special = SpecialTokens(*range(vocab - 4, vocab))
@@ -128,18 +131,14 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
         slots = sampler.cache_slots_for(pack.row_length, new_tokens)
         row_ids = jnp.arange(batch, dtype=jnp.int32)
 
-        def prefill(params=params):
-            return sampler.prefill_rows(
-                graphdef, params, pack, new_tokens, slots, jnp.bfloat16, rules
-            )
+        def prefill(model=decode_model):
+            return sampler.prefill_rows(*model, pack, new_tokens, slots, jnp.bfloat16, rules)
 
-        def decode(params=params):
-            state = prefill(params)
+        def decode(model=decode_model):
+            state = prefill(model)
             jax.block_until_ready(state)
             start = time.perf_counter()
-            state = sampler.decode_round(
-                graphdef, params, state, jax.random.key(1), row_ids, settings, rules
-            )
+            state = sampler.decode_round(*model, state, jax.random.key(1), row_ids, settings, rules)
             jax.block_until_ready(state)
             return time.perf_counter() - start, int(state.length.sum())
 
@@ -149,8 +148,8 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
             decode()  # compile
             runs = [decode() for _ in range(repeats)]
             # Before the decode copy: the same sampler on the fp32 params (cast at every use).
-            decode(fp32_params)  # compile
-            fp32_runs = [decode(fp32_params) for _ in range(repeats)]
+            decode(fp32_model)  # compile
+            fp32_runs = [decode(fp32_model) for _ in range(repeats)]
         decode_s = float(np.median([r[0] for r in runs]))
         fp32_decode_s = float(np.median([r[0] for r in fp32_runs]))
         generated = runs[0][1]
@@ -158,7 +157,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
 
         state = prefill()
         lowered = sampler.decode_round.lower(
-            graphdef, params, state, jax.random.key(1), row_ids, settings, rules
+            *decode_model, state, jax.random.key(1), row_ids, settings, rules
         )
         round_temp = lowered.compile().memory_analysis().temp_size_in_bytes
         cache_bytes = state.cache.size * state.cache.dtype.itemsize
@@ -169,7 +168,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
             fresh = prefill()
             jax.block_until_ready(fresh)
             start = time.perf_counter()
-            jax.block_until_ready(bare_decode_steps(graphdef, params, fresh, bare_steps))
+            jax.block_until_ready(bare_decode_steps(*decode_model, fresh, bare_steps))
             return time.perf_counter() - start
 
         bare()  # compile

@@ -380,26 +380,29 @@ def main():
         )
     )
     # Weights are gathered over the fsdp axis only (replicas hold the same shards).
-    bf16_param_bytes = num_params * 2 / args.num_tensor
-    expected_gather = 3 * bf16_param_bytes / f * (f - 1)
-    gathered = grad_table["all-gather"]["bytes"]
-    print(
-        f"  all-gather per micro-batch {gathered / GIB:.3f} GiB vs (student fwd + student bwd "
-        f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / GIB:.3f} GiB "
-        f"(ratio {gathered / expected_gather:.3f})"
-    )
-    scattered = grad_table["reduce-scatter"]["bytes"] + grad_table["all-reduce"]["bytes"]
-    print(
-        f"  gradient reduction per micro-batch {scattered / GIB:.3f} GiB = "
-        f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
-        f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
-        + (
-            "; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
-            "(counted as an all-reduce: an upper bound)"
-            if args.num_replicate > 1
-            else ""
+    if f == 1:  # no fsdp axis: every device holds whole weights, nothing to gather
+        print("  no weight gathers or gradient reduce-scatters: the fsdp axis has 1 device")
+    else:
+        bf16_param_bytes = num_params * 2 / args.num_tensor
+        expected_gather = 3 * bf16_param_bytes / f * (f - 1)
+        gathered = grad_table["all-gather"]["bytes"]
+        print(
+            f"  all-gather per micro-batch {gathered / GIB:.3f} GiB vs (student fwd + student bwd "
+            f"re-gather + teacher fwd) x bf16 params / {f} x {f - 1} = {expected_gather / GIB:.3f} GiB "
+            f"(ratio {gathered / expected_gather:.3f})"
         )
-    )
+        scattered = grad_table["reduce-scatter"]["bytes"] + grad_table["all-reduce"]["bytes"]
+        print(
+            f"  gradient reduction per micro-batch {scattered / GIB:.3f} GiB = "
+            f"{scattered / (bf16_param_bytes / f * (f - 1)):.3f} x (one bf16 copy of the params x "
+            f"{f - 1}/{f}): reduce-scatter in bf16, summed into the fp32 accumulator on each shard"
+            + (
+                "; with replicas XLA partitions it as one all-reduce over data x fsdp and a slice "
+                "(counted as an all-reduce: an upper bound)"
+                if args.num_replicate > 1
+                else ""
+            )
+        )
     if on_gpu:
         kernels = grad_compiled.as_text().count('"__gpu$xla.gpu.triton"')
         print(f"  Pallas (Triton) attention kernels in the program: {kernels}")
