@@ -16,7 +16,9 @@ end is a `RunEnd`, its closing lines.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import sys
 import time
@@ -36,10 +38,15 @@ from opsd_jax.data.opsd_packs import (
 )
 from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
-from opsd_jax.evaluation.run_summary import RunSummary
+from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
 from opsd_jax.io import checkpoint as checkpoint_lib
-from opsd_jax.io import compile_cache, init_weights, run_lock
-from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, abstract_like
+from opsd_jax.io import compile_cache, disk_errors, init_weights, run_lock
+from opsd_jax.io.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWriteError,
+    abstract_like,
+)
 from opsd_jax.io.hf_layout import HFCheckpointError
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.io.safetensors_io import SafetensorsError
@@ -61,8 +68,9 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def main(argv):
+def main(argv, opened: OpenedCheckpoints | None = None):
     del argv
+    opened = OpenedCheckpoints() if opened is None else opened
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
     config = run_config.config_flag_value()
 
@@ -116,9 +124,12 @@ def main(argv):
     say(f"compilation cache: {cache_dir or 'off (compilation_cache_dir)'}")
 
     # ---- checkpoints: is this a resume? (then the state comes from there, not the HF files) ---
+    # A save the disk refuses ends the run with one line (run()), not orbax's hundred.
+    disk_errors.quiet_abandoned_saves()
     checkpointer = Checkpointer(
         checkpoint_dir, save_every=config.save_every, max_to_keep=config.max_checkpoints
     )
+    opened.checkpointer, opened.auto_resume = checkpointer, config.auto_resume
     resumed = None
     if config.auto_resume and checkpointer.latest_step() is not None:
         resumed = checkpoint_dir
@@ -372,6 +383,10 @@ def main(argv):
     # ---- held-out evaluation (every eval_every steps, greedy, on the live student) ------------
     eval_samples, eval_contexts = [], [c for c in config.eval_contexts.split(",") if c]
     summary = RunSummary()  # every evaluation and logged loss, for the end-of-run summary
+    if resumed == checkpoint_dir and distributed.is_main():
+        # This run's own earlier launches, from the files they left: the summary is the whole
+        # run's, from step 0 (what they logged past start_step is trained and logged again).
+        summary.add_history(config.results_dir, up_to_step=start_step)
     if config.eval_every:
         eval_samples = evaluation.load_eval_samples(
             data_config, "eval", max_per_dataset=config.eval_samples_per_dataset
@@ -414,9 +429,9 @@ def main(argv):
                 + ")",
             )
             if distributed.is_main():
-                evaluation.save_results(
-                    result, os.path.join(config.results_dir, "eval"), name=f"step{step}_{context}"
-                )
+                eval_dir = os.path.join(config.results_dir, EVAL_DIR)
+                with disk_errors.naming(eval_dir):
+                    evaluation.save_results(result, eval_dir, name=eval_name(step, context))
         return scalars
 
     # ---- sampler: a decode copy of the student per step, prompts in fixed shapes ---------------
@@ -613,9 +628,11 @@ def main(argv):
         say(line)
     if distributed.is_main() and (summary.evals or summary.losses):
         png = os.path.join(config.results_dir, "summary.png")
+        recorded_from = summary.first_step()  # a resumed run's: its earlier launches' first
+        first = end.first_step if recorded_from is None else min(end.first_step, recorded_from)
         summary.plot(
             png,
-            title=f"{config.results_dir}: {config.mode}, steps {end.first_step}..{end.last_step}",
+            title=f"{config.results_dir}: {config.mode}, steps {first}..{end.last_step}",
             chance=chance_of(config),
         )
         say(f"accuracy and loss over the steps: {png}")
@@ -695,6 +712,15 @@ def next_commands(config, checkpoint_dir: str) -> str:
     return "next:\n  " + "\n  ".join(lines)
 
 
+@dataclasses.dataclass
+class OpenedCheckpoints:
+    """The run's checkpointer, once main has opened it: the line a disk error ends the run with
+    names its last complete step (and how to resume from it)."""
+
+    checkpointer: Checkpointer | None = None
+    auto_resume: bool = True  # the same command resumes (else resume_from is needed)
+
+
 # Errors in what the user gave (files, directories, checkpoints): one line, no traceback. A
 # traceback is kept for anything else, which is a bug to report.
 USER_ERRORS = (
@@ -710,11 +736,53 @@ USER_ERRORS = (
 )
 
 
+def one_line_error(error: Exception, opened: OpenedCheckpoints) -> str | None:
+    """The line `error` ends the run with, or None for a bug (its traceback is kept): an error
+    in what the user gave, in the project's words; an error the OS reported (a full disk, a
+    read-only or vanished mount), however orbax wrapped it, as `disk_error_line`."""
+    if isinstance(error, USER_ERRORS) and getattr(error, "errno", None) is None:
+        return str(error)
+    disk_error = disk_errors.os_error_in(error)
+    return None if disk_error is None else disk_error_line(disk_error, opened)
+
+
+def disk_error_line(error: OSError, opened: OpenedCheckpoints) -> str:
+    """`<file>: <reason>`, the checkpoint step it was saving if it was one, and the last
+    complete checkpoint to resume from, read from the disk once the save in flight (if any)
+    has finished or failed. A half-written step is never restored, so nothing saved is lost."""
+    line = f"{error.filename or 'a file of the run'}: {error.strerror or error}"
+    if isinstance(error, CheckpointWriteError) and error.step is not None:
+        line += f", saving checkpoint step {error.step} (left incomplete: never restored)"
+    checkpointer = opened.checkpointer
+    if checkpointer is None:  # before the run opened its checkpoints: nothing to resume
+        return line
+    with contextlib.suppress(OSError):  # that save failed too: the disk says what is complete
+        checkpointer.wait_until_finished()
+    steps = checkpointer.all_steps()
+    fix = "free space" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "fix that"
+    if not steps:
+        return (
+            f"{line}. No complete checkpoint in {checkpointer.directory} yet; {fix} and run the "
+            f"same command to start again"
+        )
+    last = checkpointer.directory / str(steps[-1])
+    resume = (
+        "run the same command to resume from it"
+        if opened.auto_resume
+        else f"resume from it with --config.resume_from={last}"
+    )
+    return f"{line}. Last complete checkpoint: step {steps[-1]}, {last}; {fix} and {resume}"
+
+
 def run(argv) -> None:
+    opened = OpenedCheckpoints()
     try:
-        main(argv)
-    except USER_ERRORS as e:
-        print(f"train.py: error: {e}", file=sys.stderr)
+        main(argv, opened)
+    except Exception as e:
+        line = one_line_error(e, opened)
+        if line is None:
+            raise  # a bug: its traceback, to report
+        print(f"train.py: error: {line}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # Ctrl-C before the loop (a compile), or a second one in it
         print(

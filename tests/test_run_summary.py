@@ -1,6 +1,10 @@
 """The end-of-run summary: the accuracy table, the change of the no-VT accuracy, the plot."""
 
-from opsd_jax.evaluation.run_summary import RunSummary
+import json
+
+from opsd_jax.evaluation.evaluate import EvalResult, save_results, summarize
+from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
+from opsd_jax.training.metrics import METRICS_FILE
 
 
 def summary_of(accuracies: dict[int, tuple[float, float | None]]) -> RunSummary:
@@ -54,3 +58,61 @@ def test_the_loss_equal_to_one_term_is_drawn_once(tmp_path):
     path = tmp_path / "summary.png"
     summary.plot(str(path), "a run", chance=0.25)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def write_eval(results_dir, step, accuracy, answer="", context="student"):
+    """One evaluation's files, as train.py writes them (evaluate.save_results)."""
+    records = [
+        {
+            "dataset": "toy",
+            "reference": "red",
+            "generation": answer or f"at {step}",
+            "correct": i < accuracy * 4,
+            "completion_length": 3,
+            "finished": True,
+            "has_answer_tag": True,
+        }
+        for i in range(4)
+    ]
+    result = EvalResult(records=records, summary=summarize(records))
+    save_results(result, results_dir / EVAL_DIR, name=eval_name(step, context))
+
+
+def test_a_resumed_run_summary_starts_at_the_run_first_evaluation(tmp_path):
+    """The files of the launches before a resume at step 4: evaluations at 0, 2 and 6 (6 by
+    the interrupted launch, past its last checkpoint: the resumed run trains and evaluates it
+    again), losses logged at 2, 4 and 6, step 4 twice (an earlier launch, then the one that
+    saved step 4: the later counts), the last line cut short by the kill."""
+    write_eval(tmp_path, 0, 0.25)
+    write_eval(tmp_path, 0, 1.0, context="teacher")
+    write_eval(tmp_path, 2, 0.5, answer="the newest")
+    write_eval(tmp_path, 6, 1.0)
+    logged = [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 2, "loss": 0.3},
+        {"step": 4, "loss": 0.9},
+        {"step": 4, "loss": 0.2},
+        {"step": 6, "loss": 0.1},
+    ]
+    lines = [json.dumps(record) for record in logged] + ['{"step": 8, "lo']
+    (tmp_path / METRICS_FILE).write_text("\n".join(lines))
+
+    summary = RunSummary()
+    summary.add_history(str(tmp_path), up_to_step=4)
+    assert summary.evals == {
+        0: {"student": (0.25, 4), "teacher": (1.0, 4)},
+        2: {"student": (0.5, 4)},
+    }
+    assert summary.losses == {"loss": [(2, 0.3), (4, 0.2)]}
+    assert summary.example_step == 2 and summary.example["generation"] == "the newest"
+    assert summary.first_step() == 0
+    # The resumed run's own evaluation at 6 follows the history.
+    records = [{"correct": True, "reference": "red", "generation": "now"}]
+    summary.add_eval(6, "student", {"overall": {"accuracy": 0.75, "num_samples": 4}}, records)
+    assert [line.split("|")[0].strip() for line in summary.lines()[2:5]] == ["0", "2", "6"]
+    assert "  no VT: 25.0% at step 0 -> 75.0% at step 6 (+50.0 points; best 75.0% at step 6)" in (
+        summary.lines()
+    )
+    fresh = RunSummary()
+    fresh.add_history(str(tmp_path / "nothing here"), up_to_step=4)
+    assert fresh.evals == {} and fresh.losses == {} and fresh.first_step() is None

@@ -5,15 +5,39 @@ train.py records every held-out evaluation (the starting weights at step 0, then
 writes `plot()` to `<results_dir>/summary.png`. Both contexts are the student's weights: without
 the visual thought (student context, what distillation should raise) and with it (teacher
 context, what the teacher sees).
+
+A resumed run starts with what the run did before it (`add_history`), read back from the files
+every evaluation and logged step left in the results directory, up to the step it resumed at:
+its summary is the whole run's, from step 0. Evaluations and losses the interrupted run logged
+after its last complete checkpoint are left out: the resumed run trains those steps again and
+logs its own (a file written twice holds the later one, the one of the training that goes on).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import os
+import re
 from typing import Any
+
+from opsd_jax.io import disk_errors
+from opsd_jax.training.metrics import METRICS_FILE
 
 CONTEXT_NAMES = {"student": "no VT (student)", "teacher": "with VT (teacher context)"}
 LOSS_KEYS = ("loss", "jsd", "ce", "kd")  # drawn when logged; 'loss' alone where it equals one
+EVAL_DIR = "eval"  # under results_dir: each evaluation's files (evaluate.save_results)
+
+log = logging.getLogger(__name__)
+
+
+def eval_name(step: int, context: str) -> str:
+    """The name of one evaluation's files in EVAL_DIR (`<name>_summary.json`, ...)."""
+    return f"step{step}_{context}"
+
+
+_EVAL_SUMMARY = re.compile(r"step(\d+)_([a-z]+)_summary\.json")
 
 
 @dataclasses.dataclass
@@ -41,6 +65,42 @@ class RunSummary:
         for key in LOSS_KEYS:
             if key in record:
                 self.losses.setdefault(key, []).append((step, float(record[key])))
+
+    def add_history(self, results_dir: str, up_to_step: int) -> None:
+        """What the run logged in `results_dir` at steps <= `up_to_step` (the step a resumed run
+        starts from): its evaluations (EVAL_DIR) and logged losses (METRICS_FILE); a step
+        logged twice counts once, as logged last. Call it before this run adds its own."""
+        evals = {}  # step -> context -> its summary file
+        eval_dir = os.path.join(results_dir, EVAL_DIR)
+        for name in sorted(os.listdir(eval_dir)) if os.path.isdir(eval_dir) else []:
+            match = _EVAL_SUMMARY.fullmatch(name)
+            if match and int(match.group(1)) <= up_to_step and match.group(2) in CONTEXT_NAMES:
+                evals.setdefault(int(match.group(1)), {})[match.group(2)] = os.path.join(
+                    eval_dir, name
+                )
+        newest_student = max((s for s in evals if "student" in evals[s]), default=None)
+        for step in sorted(evals):
+            for context, path in evals[step].items():
+                summary = _eval_summary(path)
+                if summary is None:
+                    continue
+                records = []  # the newest no-VT answers: the example, until this run has its own
+                if context == "student" and step == newest_student:
+                    generations = path.removesuffix("_summary.json") + "_generations.jsonl"
+                    records = [r for r in _read_jsonl(generations) if "correct" in r]
+                self.add_eval(step, context, summary, records)
+        logged = {}  # step -> its record, the last one logged
+        for record in _read_jsonl(os.path.join(results_dir, METRICS_FILE)):
+            step = record.get("step")
+            if isinstance(step, int) and step <= up_to_step:
+                logged[step] = record
+        for step in sorted(logged):
+            self.add_logged(step, logged[step])
+
+    def first_step(self) -> int | None:
+        """The first step with an evaluation or a logged loss (None: nothing recorded)."""
+        steps = list(self.evals) + [s for points in self.losses.values() for s, _ in points]
+        return min(steps, default=None)
 
     def contexts(self) -> list[str]:
         seen = {c for by_context in self.evals.values() for c in by_context}
@@ -119,7 +179,8 @@ class RunSummary:
             right.legend(fontsize="small")
         figure.suptitle(title)
         figure.tight_layout()
-        figure.savefig(path, dpi=100)
+        with disk_errors.naming(path):
+            figure.savefig(path, dpi=100)
         plt.close(figure)
 
     def loss_lines(self) -> dict[str, list[tuple[int, float]]]:
@@ -133,3 +194,33 @@ class RunSummary:
                 lines.pop("loss", None)
                 break
         return lines
+
+
+def _eval_summary(path: str) -> dict | None:
+    """An evaluation's summary file (evaluate.save_results), or None with a warning when it
+    cannot be read: the closing summary is not worth stopping a run for."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+        float(summary["overall"]["accuracy"]), int(summary["overall"]["num_samples"])  # add_eval's
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("%s: not read for the run's summary (%s)", path, e)
+        return None
+    return summary
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSON-lines file ([] if there is none); a line that does not parse
+    (the last one, cut short by a kill) is left out."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+    return records

@@ -3,14 +3,20 @@
 
 What is on disk, and why, is checkpoint_format.py's docstring: one orbax CheckpointManager over
 `<directory>/<step>/` with the items params, ema_params, opt_state, meta, data and config, each
-step complete only once orbax's commit-file protocol has committed it.
+step complete only once orbax's commit-file protocol has committed it. A save the disk refuses
+(full, read-only) raises `CheckpointWriteError` naming the file, the reason and the step, from
+`save` (of the save before it, still being written), `wait_until_finished` or `close`: that
+step is incomplete, never restored, and the steps saved before it are untouched (orbax prunes
+old steps only once a new one is committed).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Self
 
 import jax
@@ -18,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from opsd_jax.io import disk_errors
 from opsd_jax.io.checkpoint_format import (
     ATOMICITY,
     COMMIT_MARKER,
@@ -65,6 +72,7 @@ __all__ = [
     "PARAMS",
     "TMP_MARKER",
     "CheckpointError",
+    "CheckpointWriteError",
     "Checkpointer",
     "abstract_like",
     "restore_model_params",
@@ -76,6 +84,26 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------- the checkpointer
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint save the disk refused (full, read-only, gone): `step` was not saved (its
+    directory is incomplete: never restored, removed at the next start); the OS error's errno
+    and message, and the file it was writing (else the step's directory)."""
+
+    def __init__(self, step: int | None, error: OSError, directory: epath.Path):
+        where = error.filename or os.fspath(directory if step is None else directory / str(step))
+        super().__init__(error.errno, error.strerror, where)
+        self.step = step
+
+
+def _step_of(path: str | None, root: epath.Path) -> int | None:
+    """The step whose directory under `root` holds `path` (None if it is not in one)."""
+    if not path:
+        return None
+    relative = os.path.relpath(os.path.abspath(path), os.fspath(root))
+    first = relative.split(os.sep)[0]
+    return int(first) if first.isdigit() else None
 
 
 class Checkpointer:
@@ -114,6 +142,8 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._unconfirmed = None  # the step saved last, until a wait confirms it is written
+        self._refused = None  # the CheckpointWriteError of a save the disk refused, once raised
 
     def should_save(self, step: int) -> bool:
         """Whether `step` is a periodic save step (save_every <= 0: never)."""
@@ -132,6 +162,8 @@ class Checkpointer:
         step, or this step is already saved or being saved, e.g. a final save just after a
         periodic one)."""
         step = int(step)
+        if self._refused is not None:  # orbax saves no more after a failed save
+            raise self._refused
         if not (force or self.should_save(step)):
             return False
         if step in self._manager.all_steps():
@@ -163,7 +195,13 @@ class Checkpointer:
             states = gather_json(jsonable(data_state, "data_state", strict=True))
             items[DATA] = ocp.args.JsonSave({"process_count": len(states), "states": states})
         # force=True: the save decision is ours (should_save), not orbax's interval policy.
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        # orbax first waits for the save before this one: its failure is raised here.
+        saved = False
+        with self._refusals_named(self._unconfirmed or step):
+            saved = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        if saved:
+            self._unconfirmed = step
+        return saved
 
     def latest_step(self) -> int | None:
         """The newest complete step on disk (in-flight and half-written saves do not count)."""
@@ -253,11 +291,41 @@ class Checkpointer:
 
     def wait_until_finished(self) -> None:
         """Block until the in-flight async save (if any) is fully written and committed."""
-        self._manager.wait_until_finished()
+        with self._refusals_named(self._unconfirmed):
+            self._manager.wait_until_finished()
+        self._unconfirmed = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait_until_finished()
+        finally:
+            with self._refusals_named(self._unconfirmed):
+                self._manager.close()
+
+    @contextlib.contextmanager
+    def _refusals_named(self, step: int | None) -> Iterator[None]:
+        """A disk error of orbax's (a tensorstore or OSError, perhaps wrapped) raised from the
+        block as a CheckpointWriteError of the step it was writing: the step of the failed
+        file's directory, else `step`. orbax holds a report of the failure from each of its
+        threads that met it and raises one per call: once one is raised, the others are
+        dropped. Any other error is raised as it is."""
+        try:
+            yield
+        except Exception as e:
+            error = disk_errors.os_error_in(e)
+            if error is None:
+                raise
+            if self._refused is not None:
+                return  # another report of the failed save, raised already
+            self._unconfirmed = None
+            # orbax abandoned the failed save's write coroutines: collected now they close
+            # quietly; left to the interpreter's exit, each prints a traceback.
+            gc.collect()
+            failed = _step_of(error.filename, self.directory)
+            self._refused = CheckpointWriteError(
+                step if failed is None else failed, error, self.directory
+            )
+            raise self._refused from e
 
     def __enter__(self) -> Self:
         return self

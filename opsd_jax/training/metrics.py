@@ -15,9 +15,13 @@ Why it is shaped this way:
   Converting one to a float blocks until the step finishes, which would serialise the host
   against the device on every step. So raw values are only stored per step, and converted with
   a single `jax.device_get` when a line is due.
-* TensorFlow is not a dependency. Events are written by tensorboardX's `SummaryWriter` (scalars
+* TensorFlow is not a dependency. Events are tensorboardX's protos and record format (scalars
   as `simple_value`s, text for the text dashboard under `<tag>/text_summary`), which
-  `EventAccumulator` and the TensorBoard UI read like any other event file.
+  `EventAccumulator` and the TensorBoard UI read like any other event file. They are written on
+  the caller's thread (`EventFile`), not by `SummaryWriter`'s background thread: a write the
+  disk refuses is then an OSError naming the file, raised here (the run ends on it with one
+  line), not a traceback from a dead thread whose full queue blocks the next writes, nor a
+  second one from its exit hook after the run has ended. Every file's write errors name it.
 * Only the main process (`jax.process_index() == 0` by default) logs anything, so multi-host
   runs do not write N copies. Values passed in must then be readable from the main process
   (host numbers or fully replicated/addressable arrays, as a jitted step's scalar outputs are).
@@ -40,6 +44,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -48,10 +53,15 @@ from typing import Any, Self
 import jax
 import numpy as np
 
+from opsd_jax.io import disk_errors
 from opsd_jax.parallel import distributed
 
 # Interval clock; a module attribute so tests can substitute a deterministic one.
 _now = time.perf_counter
+
+# The logged records, one JSON object a line, under the log directory (read back by
+# evaluation/run_summary.py for a resumed run's summary, and by scripts/plot_run.py).
+METRICS_FILE = "metrics.jsonl"
 
 
 # C0 controls, DEL and C1 controls (Unicode category Cc): they act on a terminal, not print.
@@ -155,6 +165,46 @@ def wandb_run_id(configured: str, saved_config: Mapping | None) -> str:
     return "".join(f"{int(w):08x}" for w in words)
 
 
+class EventFile:
+    """A TensorBoard event file in `logdir`, named as TensorBoard's writers name theirs, written
+    and flushed on the calling thread (why: the module docstring)."""
+
+    def __init__(self, logdir: str):
+        # Imported here so that importing this module stays cheap and TB-free.
+        from tensorboardX import summary
+        from tensorboardX.proto import event_pb2
+        from tensorboardX.record_writer import RecordWriter
+
+        self._summary, self._event = summary, event_pb2.Event
+        self.path = os.path.join(
+            logdir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
+        )
+        with disk_errors.naming(self.path):
+            self._records = RecordWriter(self.path)
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def add_scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
+        self._add(self._summary.scalar(tag, value), step, wall_time)
+
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        self._add(self._summary.text(tag, text), step, time.time())
+
+    def _add(self, summary, step: int, wall_time: float) -> None:
+        self._write(self._event(summary=summary, step=int(step), wall_time=wall_time))
+
+    def _write(self, event) -> None:
+        with disk_errors.naming(self.path):
+            self._records.write(event.SerializeToString())
+
+    def flush(self) -> None:
+        with disk_errors.naming(self.path):
+            self._records.flush()
+
+    def close(self) -> None:
+        with disk_errors.naming(self.path):
+            self._records.close()
+
+
 class MetricsLogger:
     """Accumulates per-step scalars and phase timings; writes averaged records every `log_every`
     steps (see the module docstring). All methods are no-ops on non-main processes."""
@@ -188,14 +238,11 @@ class MetricsLogger:
             return
 
         if logdir is not None:
-            # Imported here so that importing this module stays cheap and TB-free.
-            from tensorboardX import SummaryWriter
-
             os.makedirs(logdir, exist_ok=True)
-            self._writer = SummaryWriter(logdir)
+            self._writer = EventFile(logdir)
             # Append: a resumed run continues the same files instead of truncating history.
             self._jsonl = open(  # noqa: SIM115 - lives until close()
-                os.path.join(logdir, "metrics.jsonl"), "a", encoding="utf-8"
+                os.path.join(logdir, METRICS_FILE), "a", encoding="utf-8"
             )
         if progress_bar and _is_terminal(sys.stdout) and _is_terminal(sys.stderr):
             from tqdm.auto import tqdm
@@ -316,8 +363,9 @@ class MetricsLogger:
                 path = os.path.join(self.logdir, "text.jsonl")
                 self._text_jsonl = open(path, "a", encoding="utf-8")  # noqa: SIM115
             record = {"step": int(step), "time": time.time(), "tag": tag, "text": text}
-            self._text_jsonl.write(json_line(record))
-            self._text_jsonl.flush()
+            with disk_errors.naming(self._text_jsonl.name):
+                self._text_jsonl.write(json_line(record))
+                self._text_jsonl.flush()
         if self._wandb_run is not None:
             self._wandb_run.log({tag: escape_controls(text, keep="\n\t")}, step=int(step))
 
@@ -330,7 +378,8 @@ class MetricsLogger:
             self._writer.close()
         for f in (self._jsonl, self._text_jsonl):
             if f is not None:
-                f.close()
+                with disk_errors.naming(f.name):
+                    f.close()
         if self._bar is not None:
             self._bar.close()
         if self._wandb_run is not None:
@@ -423,8 +472,9 @@ class MetricsLogger:
         self._write_scalars(step, record)
         if self._jsonl is not None:
             line = {"step": step, "time": time.time(), **record}
-            self._jsonl.write(json.dumps(line) + "\n")
-            self._jsonl.flush()
+            with disk_errors.naming(self._jsonl.name):
+                self._jsonl.write(json.dumps(line) + "\n")
+                self._jsonl.flush()
         if self._wandb_run is not None:
             self._wandb_run.log(record, step=step)
 
@@ -433,6 +483,6 @@ class MetricsLogger:
             return
         wall_time = time.time()
         for key, value in record.items():
-            self._writer.add_scalar(key, value, step, walltime=wall_time)
+            self._writer.add_scalar(key, value, step, wall_time)
         # Flushing once per logged line is cheap and keeps TensorBoard live during training.
         self._writer.flush()
