@@ -41,7 +41,7 @@ Head dims are padded to a power of two (>= 16), as Triton tiles must be: free fo
 
 Sharding: a pallas_call is an opaque custom call to XLA's SPMD partitioner, which cannot split
 it by rows; under jit with row-sharded activations it must run inside a shard_map over the row
-axes (each device on its own rows, as DESIGN.md's "attention runs per device" asks), or XLA
+axes (each device on its own rows: attention runs per device), or XLA
 gathers its operands. That wrapper belongs to the caller's sharding layer, not to this kernel.
 
 Without a GPU, `interpret=True` runs the very same kernels in the Pallas interpreter (slow; for

@@ -1,7 +1,10 @@
 """Make the stage-1 toy checkpoint the tiny default starts from (opsd_jax/toy/stage1/).
 
     python scripts/make_toy_stage1.py [--seed 0] [--work results/toy_stage1]
-        [--out opsd_jax/toy/stage1]
+        [--out opsd_jax/toy/stage1] [--steps N] [--eval_samples N]
+
+`--steps` and `--eval_samples` (default: configs/toy_sft.py's total_steps and 128) make a
+smaller model for a quick check of the script itself; the shipped model uses the defaults.
 
 Visual-OPSD needs a model that already answers better with the visual thought (VT) than
 without: a random model has nothing to distil. This is that model for the toy task
@@ -15,7 +18,7 @@ without: a random model has nothing to distil. This is that model for the toy ta
 3. `MANIFEST.json` next to it: this command, the commit it ran on, the sha256 of every file,
    and the stage-1 held-out accuracies (the fp32 checkpoint before the bf16 export).
 
-configs/tiny.py loads the result as its `model_path`; tests/test_toy_stage1.py checks the files
+configs/tiny.py loads the result as its `model_path`; tests/test_tiny_demo.py checks the files
 against the manifest, so a changed checkpoint without a new manifest fails.
 """
 
@@ -83,7 +86,17 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--out", default=DEFAULT_OUT, help="the HF directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="SFT steps (default: configs/toy_sft.py's)"
+    )
+    parser.add_argument(
+        "--eval_samples", type=int, default=EVAL_SAMPLES, help="held-out samples per context"
+    )
     args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if args.eval_samples < 1:
+        raise SystemExit(f"--eval_samples must be >= 1, got {args.eval_samples}")
     out, work = os.path.abspath(args.out), os.path.abspath(args.work)
     if os.path.exists(out) and not args.overwrite:
         raise SystemExit(f"{out} exists; pass --overwrite to replace it")
@@ -94,7 +107,8 @@ def main(argv=None) -> None:
     # ---- 1. stage 1: SFT, then the held-out evaluation of its last step ----------------------
     from configs import toy_sft
 
-    steps = toy_sft.get_config().total_steps
+    default_steps = toy_sft.get_config().total_steps
+    steps = args.steps or default_steps
     command = [
         sys.executable,
         os.path.join(ROOT, "train.py"),
@@ -102,10 +116,11 @@ def main(argv=None) -> None:
         os.path.join(ROOT, "configs", "toy_sft.py"),
         f"--config.results_dir={work}",
         f"--config.global_seed={args.seed}",
+        f"--config.total_steps={steps}",
         f"--config.eval_every={steps}",
         "--config.eval_at_start=False",
         "--config.eval_contexts=student,teacher",
-        f"--config.eval_samples_per_dataset={EVAL_SAMPLES}",
+        f"--config.eval_samples_per_dataset={args.eval_samples}",
     ]
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").split()  # one CPU device, as a user's laptop
@@ -133,7 +148,9 @@ def main(argv=None) -> None:
     # ---- 3. the manifest: how it was made and what it holds ------------------------------------
     manifest = {
         "what": "stage-1 toy BAGEL for configs/tiny.py: SFT on toy_majority from random init",
-        "command": f"python scripts/make_toy_stage1.py --seed {args.seed}",
+        "command": f"python scripts/make_toy_stage1.py --seed {args.seed}"
+        + (f" --steps {steps}" if steps != default_steps else "")
+        + (f" --eval_samples {args.eval_samples}" if args.eval_samples != EVAL_SAMPLES else ""),
         "commit": git_commit(),
         "sft_config": "configs/toy_sft.py",
         "seed": args.seed,

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
@@ -71,3 +72,18 @@ def assert_trees_close_to_scale(actual, expected, rel: float) -> None:
     scale = max(float(np.abs(x).max()) for x in expected_leaves if x.size)
     for i, (a, e) in enumerate(zip(actual_leaves, expected_leaves)):
         assert_close_to_scale(a, e, rel, scale=scale, err_msg=f"leaf {i} of {len(expected_leaves)}")
+
+
+# Tests whose cases share nothing (no module fixture worth keeping): pytest-xdist may hand each
+# case to whichever worker is free, so their minutes even out the two workers' loads.
+INDEPENDENT_CASES = ("test_entry_points.py",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """With `--dist loadgroup` (pyproject.toml), every other file's tests are one group: one
+    worker runs a file whole, so its module-scoped fixtures (compiled programs) are built once.
+    Before xdist reads the groups (tryfirst)."""
+    for item in items:
+        if item.path.name not in INDEPENDENT_CASES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -101,7 +101,7 @@ def pack_samples(
     `loss_sample` holds the sample's index in `samples`. `one_sample_per_row` gives every
     sample its own row (sampler prompts); `rows_of` fixes every sample's row instead (so two
     packs of the same samples can share one layout). `out`: arrays to write the pack into
-    instead of new ones (opsd_jax/data/pack_memory.py), each of the pack's shape and dtype and
+    instead of new ones (opsd_jax/training/pack_memory.py), each of the pack's shape and dtype and
     holding an empty pack (zeros, `vit_slots` -1); the returned Pack holds them.
     """
     lengths = [sample_length(s) for s in samples]

@@ -3,7 +3,7 @@
 The writing and reading is checkpoint.py's; this module says what is on disk and how it maps
 to the caller's pytrees.
 
-Layout (DESIGN.md, Checkpoints): one orbax `CheckpointManager` over `<directory>/<step>/`, each
+Layout: one orbax `CheckpointManager` over `<directory>/<step>/`, each
 step holding these items:
 
 * `params`     — the student parameters, as a nested dict of arrays (the layout

@@ -1,0 +1,159 @@
+"""Every entry point in bench/ and scripts/ runs, with its smallest settings, as a user runs it.
+
+Why: bench/sampler.py crashed on main for weeks (it decoded the decode copy's state with the
+training model's graphdef) and nothing noticed, because no test ran it. Here each entry point
+that no other test runs through its `main` is started as its own process (one CPU device, the
+test session's compile flags) and must exit 0 and print the line that says it got to its end;
+the rest name the test that runs them, and a script added to bench/ or scripts/ without a
+smoke run fails `test_every_entry_point_has_a_smoke_run`.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Entry points another test already runs through their main (in-process or as a process): that
+# test is their smoke run. The test file must name the script's main or its path.
+RUN_ELSEWHERE = {
+    "scripts/collect_traces.py": "tests/test_offline.py",
+    "scripts/convert_hf.py": "tests/test_hf.py",
+    "scripts/evaluate.py": "tests/test_evaluation.py",
+    "scripts/generate.py": "tests/test_train_cli.py",
+    "scripts/make_toy_data.py": "tests/test_data.py",
+    "scripts/make_toy_model.py": "tests/test_tokenizer.py",
+    "scripts/plot_run.py": "tests/test_plot_run.py",
+    "scripts/toy_experiment.py": "tests/test_toy_experiment.py",
+}
+
+# The rest: (arguments, a line its output must hold at the end of its work). `{tmp}` is the
+# test's own folder, `{toy_data}` a small toy data set (the toy task's held-out split).
+SMOKE_RUNS = {
+    "bench/attention.py": (
+        ["--seq-lens", "256", "--backends", "chunked", "--repeats", "1"],
+        r"\n +256 +chunked +\d",
+    ),
+    "bench/benchmarks.py": (
+        ["--rows", "2", "--new-tokens", "4", "--batch-sizes", "1"],
+        r"batch +1: +[\d.]+ samples/s",
+    ),
+    "bench/grad_step.py": (["--steps", "1", "--rows", "2"], r"grad step, 1 device\(s\)"),
+    "bench/host_work.py": (["--repeats", "1"], r"host work per step .*total [\d.]+ s"),
+    "bench/losses.py": (
+        ["--rows", "64", "--vocab", "512", "--top-k", "8", "--skip-full-run"],
+        r"top-k temp memory = ",
+    ),
+    "bench/offline.py": (
+        [
+            "--steps=1",
+            "--warmup=0",
+            "--max_new_tokens=8",
+            "--tokens_7b=16",
+            "--results-dir={tmp}/offline",
+        ],
+        r"cache, 7B shape: 16 target tokens",
+    ),
+    "bench/sampler.py": (
+        ["--configs", "tiny", "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1"],
+        r"decode tok/s.*\n-+\n +2 +[\d.]+",
+    ),
+    "bench/scale.py": (
+        ["--model", "tiny", "--target", "h100", "--devices", "1", "--skip-host-work", "--skip-fit"],
+        r"memory per device on h100 .*\n +fits",
+    ),
+    "bench/train_step.py": (
+        ["--steps", "1", "--warmup", "1", "--results-dir", "{tmp}/train_step"],
+        r"new compilations after the 1-step warm-up: 0",
+    ),
+    "bench/vs_pytorch.py": (["--steps", "1", "--rounds", "1"], r"ours \(best round\): "),
+    "bench/gpu_check.py": (["--dry-run", "--repeats", "1"], r"rows in \d+ s: .*nothing failed"),
+    "scripts/crash_drill.py": (
+        ["--kills", "1", "--steps", "2", "--out", "{tmp}/drill"],
+        r"final params bit-identical to the uninterrupted run: True",
+    ),
+    "scripts/kl_diagnostic.py": (
+        [
+            "--model_dir",
+            "opsd_jax/toy/stage1",
+            "--config",
+            "configs/tiny.py",
+            "--data",
+            "toy_majority={toy_data}/toy_majority",
+            "--num_samples",
+            "4",
+            "--batch_size",
+            "4",
+            "--out",
+            "{tmp}/kl",
+        ],
+        r"verdict: (GO|NO-GO)",
+    ),
+    "scripts/make_toy_stage1.py": (
+        [
+            "--steps",
+            "2",
+            "--eval_samples",
+            "8",
+            "--work",
+            "{tmp}/work",
+            "--out",
+            "{tmp}/stage1",
+        ],
+        r"wrote .*stage1 in \d+ s: held-out accuracy",
+    ),
+}
+
+
+def entry_points() -> set[str]:
+    """The files of bench/ and scripts/ that run as a program."""
+    return {
+        str(path.relative_to(ROOT))
+        for folder in ("bench", "scripts")
+        for path in (ROOT / folder).glob("*.py")
+        if 'if __name__ == "__main__":' in path.read_text()
+    }
+
+
+def test_every_entry_point_has_a_smoke_run():
+    assert not set(SMOKE_RUNS) & set(RUN_ELSEWHERE)
+    assert entry_points() == set(SMOKE_RUNS) | set(RUN_ELSEWHERE)
+    for script, test_file in RUN_ELSEWHERE.items():
+        module = Path(script).stem
+        text = (ROOT / test_file).read_text()
+        runs_it = re.search(rf"\b{module}(_cli)?\.main\(|[\"']{re.escape(script)}[\"']", text)
+        assert runs_it, f"{test_file} no longer runs {script}"
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    from opsd_jax.toy import data as toy_data_lib
+
+    path = tmp_path_factory.mktemp("toy_data")
+    toy_data_lib.write_toy_data(
+        str(path), seed=0, num_train=16, num_test=16, tasks=["toy_majority"]
+    )
+    return path
+
+
+@pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
+def test_entry_point_runs(script, tmp_path, toy_data):
+    args, expected = SMOKE_RUNS[script]
+    args = [a.format(tmp=tmp_path, toy_data=toy_data) for a in args]
+    result = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"{script} exited {result.returncode}:\n{output[-4000:]}"
+    assert re.search(expected, result.stdout), f"{script} printed:\n{result.stdout[-3000:]}"
