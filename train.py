@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from absl import app, logging
+from absl import app, flags, logging
 from flax import nnx
 
 from models import pack as pack_lib
@@ -52,6 +52,7 @@ from opsd_jax.io.hf_load import load_hf
 from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.run_config import preflight
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.toy import tasks as toy_tasks
@@ -60,6 +61,14 @@ from opsd_jax.training.metrics import MetricsLogger, wandb_run_id
 from opsd_jax.training.offline import cache as offline_cache
 from opsd_jax.training.step_batches import step_batches_for
 from opsd_jax.training.stop_request import StopRequest
+
+_COMPILE_ONLY = flags.DEFINE_string(
+    "compile_only",
+    None,
+    "TARGET:DEVICES (e.g. h100:8): compile every program of the run for that many compile-only "
+    "GPUs, print each one's peak memory per device and exit 0 if all leave 15% free, else 1; "
+    "no GPU, weights or data are needed (opsd_jax/run_config/preflight.py)",
+)
 
 
 def say(*args) -> None:
@@ -77,9 +86,17 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     # ---- config check: every bad value named before anything compiles ------------------------
     run_config.resolve_paths(config)
     try:
-        run_config.validate(config)  # values only: no device may be touched before the init
+        # Values only: no device may be touched before the init (a preflight reads no file).
+        run_config.validate(config, check_files=not _COMPILE_ONLY.value)
     except run_config.ConfigError as e:
         run_config.config_error(e)
+
+    # ---- or only ask the compiler: does the run fit that GPU? (nothing runs, nothing is read) --
+    if _COMPILE_ONLY.value:
+        try:
+            sys.exit(preflight.run(config, _COMPILE_ONLY.value))
+        except (preflight.PreflightError, run_config.ConfigError) as e:
+            run_config.config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
     distributed.initialize(config)

@@ -9,7 +9,9 @@ configs/common.py holds every key with its only default; configs/<name>.py chang
   few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
   `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
   `cache_dtype_for`,
-  `train_step_for`.
+  `train_step_for`;
+- preflight.py: `train.py --compile_only=TARGET:DEVICES`, every program of the run compiled for
+  compile-only GPUs and its peak memory per device against the device's.
 
 train.py, the scripts, the benches and the evaluation all build through these, so a key means
 the same thing everywhere.

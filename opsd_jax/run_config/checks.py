@@ -99,9 +99,16 @@ class ConfigError(ValueError):
 
 
 def validate(
-    config, num_devices: int | None = None, num_processes: int = 1, *, need_cache: bool = True
+    config,
+    num_devices: int | None = None,
+    num_processes: int = 1,
+    *,
+    need_cache: bool = True,
+    check_files: bool = True,
 ) -> None:
-    """`need_cache=False`: for scripts/collect_traces.py, which makes the offline cache."""
+    """`need_cache=False`: for scripts/collect_traces.py, which makes the offline cache;
+    `check_files=False`: the values only, no path checked (train.py --compile_only reads no
+    file: a config for another machine's paths is checked here)."""
     problems = []
     for key, allowed in _CHOICES.items():
         if config[key] not in allowed:
@@ -131,7 +138,7 @@ def validate(
                 "offline_cache_dir is empty: give the teacher cache's directory "
                 "(made by scripts/collect_traces.py)"
             )
-        elif need_cache and not os.path.isfile(manifest):
+        elif need_cache and check_files and not os.path.isfile(manifest):
             problems.append(
                 f"offline_cache_dir={config.offline_cache_dir!r}: no "
                 f"{offline_cache.MANIFEST}; make the cache first: python scripts/"
@@ -164,18 +171,18 @@ def validate(
         )
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
-    if config.resume_from and not os.path.exists(config.resume_from):
+    if check_files and config.resume_from and not os.path.exists(config.resume_from):
         problems.append(f"resume_from={config.resume_from!r}: no such file or directory")
-    if config.model_path and not os.path.isdir(config.model_path):
+    if check_files and config.model_path and not os.path.isdir(config.model_path):
         problems.append(f"model_path={config.model_path!r}: not a directory")
-    if not config.model_path and not config.toy_data:
+    if check_files and not config.model_path and not config.toy_data:
         problems.append("model_path is empty: give a BAGEL / ThinkMorph HF directory")
     if not config.toy_data:
         if not config.data.datasets:
             problems.append("data.datasets is empty: list dict(name, path, weight, num_used_data)")
         for i, spec in enumerate(config.data.datasets):
             path = dict(spec).get("path", "")
-            if not path or not os.path.exists(path):
+            if check_files and (not path or not os.path.exists(path)):
                 problems.append(
                     f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
                     f"path {path!r} does not exist"

@@ -1,0 +1,414 @@
+"""Will this run fit and compile on that GPU? Asked of the compiler, before renting the GPU.
+
+    python train.py --config configs/<name>.py --compile_only=h100:1
+
+compiles every program train.py would compile for the run, for `count` compile-only devices
+of a GPU target that opsd_jax/parallel/gpu_target.py knows (h100, h200, h800), on any machine,
+with no GPU: the train step (one per length bucket: grad accumulation, the update, the EMA), and
+for an OPSD run the sampler's programs at the largest prompt the config allows (the decode-copy
+refresh, prefill and one decode round), and for a run that evaluates, the evaluation's prefill
+and decode round at its batch size. No weight, data or checkpoint file is read: the model's
+shapes come from `model_path`'s llm_config.json and vit_config.json when they are there, else
+from the toy model (a toy config) or BAGEL-7B (any other).
+
+Each program's peak memory per device is what XLA:GPU assigned it (arguments + outputs -
+donated + temp) plus what stays on the device while it runs and is not its argument: the train
+state (params, optimizer moments, teacher) while the sampler's programs run. It passes when it
+leaves PREFLIGHT_HEADROOM (15%) of the device's memory free (allocator fragmentation, NCCL
+buffers, cuDNN workspaces). MaxText's train_compile.py is the model for this check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from models.pack import Pack
+from models.sharding import logical_spec
+from opsd_jax.data import pack_shapes
+from opsd_jax.data.opsd_packs import bucket_in
+from opsd_jax.data.packing import SpecialTokens
+from opsd_jax.io.hf_layout import LLM_CONFIG, VIT_CONFIG
+from opsd_jax.io.hf_load import read_config
+from opsd_jax.parallel import gpu_target
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.run_config import builds, checks
+from opsd_jax.sampling import decode_copy, layout_choice, sampler
+from opsd_jax.training import train_step
+from opsd_jax.training.step_batches import step_batches_for
+
+PREFLIGHT_HEADROOM = 0.15  # the share of device memory a program must leave free
+GIB = 2**30
+# Structural ids for shapes only: no tokenizer is read (the ids are never looked at).
+SHAPE_SPECIAL = SpecialTokens(im_start=1, im_end=2, vision_start=3, vision_end=4)
+
+
+class PreflightError(ValueError):
+    """A `--compile_only` value that names no target or device count."""
+
+
+def parse_target(spec: str) -> tuple[str, int]:
+    """'h100:1' -> ('h100', 1); 'h200' is one device. The error names the known targets."""
+    name, _, count = spec.strip().lower().partition(":")
+    if name not in gpu_target.TARGETS:
+        raise PreflightError(
+            f"--compile_only={spec}: unknown GPU target {name!r}; known targets: "
+            f"{', '.join(gpu_target.TARGETS)} (as TARGET:DEVICES, e.g. h100:8)"
+        )
+    try:
+        devices = int(count) if count else 1
+    except ValueError:
+        devices = 0
+    if devices < 1:
+        raise PreflightError(f"--compile_only={spec}: the device count must be a whole number >= 1")
+    return name, devices
+
+
+def device_memory(target: str) -> int:
+    """The memory of one `target` GPU in bytes (its target config's device_memory_size)."""
+    return int(_target_field(target, "device_memory_size"))
+
+
+def _target_field(target: str, field: str) -> str:
+    for line in gpu_target.target_config(target).splitlines():
+        key, _, value = line.strip().partition(":")
+        if key == field:
+            return value.strip()
+    raise ValueError(f"GPU target {target}: no {field} in its target config")
+
+
+@dataclasses.dataclass
+class ProgramMemory:
+    """One compiled program's memory per device (bytes)."""
+
+    name: str
+    program: int  # arguments + outputs - donated + temp, as XLA:GPU assigned them
+    resident: int  # what else stays on the device while it runs (the train state)
+    seconds: float
+
+    @property
+    def peak(self) -> int:
+        return self.program + self.resident
+
+
+def program_bytes(compiled) -> int:
+    """A compiled program's own peak per device: its arguments, its outputs less those that
+    reuse donated arguments, and its temp buffers."""
+    memory = compiled.memory_analysis()
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+
+
+def shard_bytes(tree) -> int:
+    """The bytes per device of a tree of sharded abstract arrays."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def model_config_for(config, runtime: dict) -> tuple[BagelConfig, str]:
+    """(the run's model config with `runtime`, where its shapes come from), reading only the
+    model directory's two config files."""
+    directory = builds.model_dir(config)
+    if directory and all(
+        os.path.isfile(os.path.join(directory, f)) for f in (LLM_CONFIG, VIT_CONFIG)
+    ):
+        return read_config(directory, llm=runtime), f"{directory}'s {LLM_CONFIG} / {VIT_CONFIG}"
+    if config.toy_data and not config.model_path:
+        return BagelConfig.tiny(llm=runtime), "the toy model a toy run writes (BagelConfig.tiny)"
+    where = (
+        f"model_path {config.model_path!r} holds no {LLM_CONFIG}"
+        if config.model_path
+        else "model_path is empty"
+    )
+    return BagelConfig.bagel_7b(llm=runtime), f"BAGEL-7B ({where})"
+
+
+def run(config, spec: str, say: Callable[[str], None] = print) -> int:
+    """Compile the run of `config` for `spec` ('h100:8'); print each program's memory; 0 when
+    every program leaves PREFLIGHT_HEADROOM of the device free, else 1 (the line says which
+    did not). Raises PreflightError for a bad `spec`, ConfigError for a config the devices
+    cannot take."""
+    target, count = parse_target(spec)
+    jax.config.update("jax_platforms", "cpu")  # compile-only devices: no GPU is started
+    config = builds.complete(config)
+    checks.validate(config, count, 1, check_files=False)
+    capacity = device_memory(target)
+    limit = int(capacity * (1 - PREFLIGHT_HEADROOM))
+
+    runtime = builds.model_runtime(config)
+    if config.attention_backend == "auto":  # what 'auto' picks on the target: the GPU kernel
+        runtime["attention_backend"] = "pallas"
+    model_config, source = model_config_for(config, runtime)
+    data_size, fsdp_size, tensor_size = builds.mesh_shape(config, count)
+    mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)
+    say(
+        f"preflight: {config.mode} run compiled for {count} compile-only {target.upper()} "
+        f"device(s) ({capacity / GIB:.1f} GiB each, keep {PREFLIGHT_HEADROOM:.0%} free: "
+        f"{limit / GIB:.1f} GiB), mesh {dict(mesh.shape)}; model shapes from {source}"
+    )
+
+    def make_model():
+        return Bagel(model_config, rngs=nnx.Rngs(0))
+
+    graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
+    abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
+    rest = gpu_target.host_rest(make_model)  # the sin-cos table the train step closes over
+    optimizer = train_step.make_optimizer(config)
+    frozen = train_step.frozen_groups(config, abstract_params)
+    state = train_step.abstract_state(
+        abstract_params,
+        optimizer,
+        config.teacher_mode,
+        jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype,
+        frozen=frozen,
+    )
+    resident = shard_bytes(state)
+    say(
+        f"train state per device: {resident / GIB:.2f} GiB "
+        f"({sum(x.size for x in jax.tree.leaves(abstract_params)):,} parameters)"
+    )
+    reports = []
+
+    def compile_and_report(name, lowered, on_mesh, resident_bytes):
+        t0 = time.perf_counter()
+        compiled = gpu_target.compile(lowered, on_mesh)
+        report = ProgramMemory(
+            name, program_bytes(compiled), resident_bytes, time.perf_counter() - t0
+        )
+        reports.append(report)
+        say(
+            f"  {name}: peak {report.peak / GIB:.2f} GiB per device "
+            f"({report.peak / capacity:.0%} of {capacity / GIB:.1f} GiB; compiled in "
+            f"{report.seconds:.0f} s)"
+        )
+
+    # ---- the train step, every length bucket ------------------------------------------------
+    settings = builds.loss_settings(config, vocab_limit=model_config.llm.vocab_size)
+    loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, config.teacher_mode)
+    step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen)
+    shapes = pack_shapes.pack_shapes(config)
+    batches = step_batches_for(
+        config.mode,
+        config,
+        shapes,
+        None,  # encode: shapes only
+        None,  # prompt options: shapes only
+        SHAPE_SPECIAL,
+        mesh,
+        cache_reader=_ShapeOnlyCache(config.offline_top_k) if config.mode == "offline" else None,
+        local_samples=config.samples_per_micro_batch,
+        local_rows=config.rows_per_micro_batch,
+        sample_offset=0,
+    )
+    for bucket in range(config.pack_length_buckets):
+        with mesh_lib.use_mesh(mesh):
+            lowered = step_fn.lower(state, batches.abstract_batch(bucket))
+        compile_and_report(
+            f"train step ({batches.describe(bucket)})", lowered, mesh, 0
+        )  # its arguments are the state
+
+    # ---- the sampler (OPSD rollouts) and the evaluation ---------------------------------------
+    rollouts = []  # (name, rows, max new tokens, prompt patches)
+    image = pack_shapes.image_patches(config.data.image_transform)
+    largest = max(config.sample_prompt_buckets)
+    if config.mode == "opsd":
+        rows = config.samples_per_micro_batch * config.gradient_accumulation_steps
+        rollouts.append(("rollout", rows, config.sample_max_new_tokens, image))
+    if config.eval_every:
+        contexts = [c for c in config.eval_contexts.split(",") if c]
+        images = image * (1 + config.max_reference_rounds) if "teacher" in contexts else image
+        new_tokens = config.eval_max_new_tokens or config.sample_max_new_tokens
+        rollouts.append(("evaluation", config.eval_batch_size, new_tokens, images))
+    if rollouts:
+        layout = _decode_layout(
+            config, model_config, abstract_params, mesh, shapes, capacity - resident
+        )
+        heads = layout_choice.head_counts(model_config)
+        # 'tensor' splits over one host's devices; here one host holds all `count` of them
+        # (jax's local device count is this machine's CPU, not the target's).
+        tensor = mesh_lib.tensor_size_for(heads, count) if layout == "tensor" else None
+        view = mesh_lib.decode_mesh(mesh, layout, tensor)
+        model_state = nnx.merge_state(state.params, abstract_rest)
+        copy_graphdef, copy = decode_copy.abstract_decode_copy(
+            graphdef, model_state, view, config.compute_dtype
+        )
+        refresh = decode_copy.cast_function(graphdef, model_state, view, config.compute_dtype)
+        # The train state is live throughout; its params are the refresh's argument.
+        compile_and_report(
+            f"decode-copy refresh ('{layout}' on {dict(view.shape)})",
+            refresh.lower(model_state),
+            view,
+            resident - shard_bytes(state.params),
+        )
+        cache_dtype = jnp.dtype(builds.cache_dtype_for(config.compute_dtype))
+        for name, rows, new_tokens, patches in rollouts:
+            prompt_patches = bucket_in(min(patches, largest), config.sample_prompt_buckets)
+            _compile_rollout(
+                compile_and_report,
+                f"{name}, {rows} rows of {largest} tokens / {prompt_patches} patches, "
+                f"{new_tokens} new tokens",
+                model_config,
+                view,
+                copy_graphdef,
+                copy,
+                rows,
+                largest,
+                prompt_patches,
+                new_tokens,
+                config.sample_max_image_skips,
+                cache_dtype,
+                resident,
+            )
+
+    code, lines = verdict(reports, target, capacity)
+    for line in lines:
+        say(line)
+    return code
+
+
+def verdict(reports: list[ProgramMemory], target: str, capacity: int) -> tuple[int, list[str]]:
+    """(0, a line naming the largest program) when every program's peak leaves
+    PREFLIGHT_HEADROOM of `capacity` free; else (1, a line per program that does not)."""
+    limit = int(capacity * (1 - PREFLIGHT_HEADROOM))
+    share = f"{1 - PREFLIGHT_HEADROOM:.0%} of a {target.upper()}'s {capacity / GIB:.1f} GiB"
+    over = [r for r in reports if r.peak > limit]
+    if over:
+        return 1, [
+            f"does not fit: {r.name} needs {r.peak / GIB:.2f} GiB per device, more than "
+            f"{limit / GIB:.1f} GiB ({share})"
+            for r in over
+        ]
+    worst = max(reports, key=lambda r: r.peak)
+    return 0, [
+        f"fits: every program leaves {PREFLIGHT_HEADROOM:.0%} of a {target.upper()} free "
+        f"(largest: {worst.name}, {worst.peak / GIB:.2f} GiB of {limit / GIB:.1f} GiB)"
+    ]
+
+
+@dataclasses.dataclass
+class _ShapeOnlyCache:
+    """What an offline step's shapes need of the teacher cache: its top-k."""
+
+    top_k: int
+
+
+def _decode_layout(config, model_config, params, mesh, shapes, free_memory: int) -> str:
+    """The sampler's layout as train.py resolves it ('auto': the least rollout time that fits
+    in `free_memory`, what the train state leaves of a device; layout_choice.choose)."""
+    if config.sampler_layout != "auto":
+        return config.sampler_layout
+    per_micro = config.samples_per_micro_batch
+    slots = (
+        shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
+        if "student" in shapes
+        else config.max_forward_tokens
+    )
+    cache_bytes = layout_choice.cache_nbytes(
+        model_config,
+        config.gradient_accumulation_steps * per_micro,
+        slots,
+        builds.cache_dtype_for(config.compute_dtype),
+    )
+    device = mesh.devices.flat[0]
+    choice = layout_choice.choose(
+        copy_bytes=decode_copy.copy_nbytes(params, config.compute_dtype),
+        cache_bytes=cache_bytes,
+        heads=layout_choice.head_counts(model_config),
+        num_layers=model_config.llm.num_hidden_layers,
+        num_devices=mesh.devices.size,
+        devices_per_host=mesh.devices.size,  # one host holds them (gpu_target.devices)
+        platform="gpu",
+        device_kind=getattr(device, "device_kind", ""),
+        free_memory=free_memory,
+    )
+    return choice.layout
+
+
+def _compile_rollout(
+    compile_and_report,
+    name,
+    model_config,
+    view,
+    copy_graphdef,
+    copy,
+    rows,
+    prompt_length,
+    patches,
+    new_tokens,
+    image_skips,
+    cache_dtype,
+    resident,
+) -> None:
+    """Prefill and one decode round of `rows` prompts on the decode copy, as sampler.sample
+    runs them (under the decode mesh and rules); the train state stays resident."""
+    rules = mesh_lib.DECODE_RULES
+
+    def on_view(shape, dtype, names):
+        spec = logical_spec(shape, names, view, rules)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(view, spec))
+
+    def per_row(dtype, *tail):
+        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+    prompt = Pack(
+        tokens=per_row(jnp.int32, prompt_length),
+        positions=per_row(jnp.int32, prompt_length),
+        segment_ids=per_row(jnp.int32, prompt_length),
+        k_start=per_row(jnp.int32, prompt_length),
+        k_end=per_row(jnp.int32, prompt_length),
+        vit_patches=per_row(jnp.float32, patches, model_config.vit.patch_dim),
+        vit_pos_ids=per_row(jnp.int32, patches),
+        vit_slots=per_row(jnp.int32, patches),
+        vit_image_ids=per_row(jnp.int32, patches),
+    )
+    slots = sampler.cache_slots_for(prompt_length, new_tokens, image_skips)
+    llm = model_config.llm
+    with mesh_lib.use_mesh(view, rules):
+        lowered = sampler.prefill_rows.lower(
+            copy_graphdef, copy, prompt, new_tokens, slots, cache_dtype, rules
+        )
+    compile_and_report(f"{name}: prefill", lowered, view, resident)
+    decode_state = sampler.abstract_decode_state(
+        sampler.cache_shape_for(
+            llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
+        ),
+        new_tokens,
+        lambda shape, names: jax.sharding.NamedSharding(
+            view, logical_spec(shape, names, view, rules)
+        ),
+        cache_dtype,
+    )
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(
+        key.shape,
+        key.dtype,
+        sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
+    )
+    settings = sampler.RoundSettings(
+        temperature=1.0,
+        do_sample=True,
+        bos_id=SHAPE_SPECIAL.im_start,
+        eos_id=SHAPE_SPECIAL.im_end,
+        vocab_limit=llm.vocab_size,
+        max_steps=new_tokens + 1,
+    )
+    with mesh_lib.use_mesh(view, rules):
+        lowered = sampler.decode_round.lower(
+            copy_graphdef, copy, decode_state, key, per_row(jnp.int32), settings, rules
+        )
+    compile_and_report(f"{name}: decode round", lowered, view, resident)

@@ -1,0 +1,92 @@
+"""train.py --compile_only=TARGET:DEVICES: every program of the run compiled for compile-only
+GPUs, each one's peak memory per device against the device's, exit 0 / 1, and nothing read or
+written but the config (opsd_jax/run_config/preflight.py)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import subprocess_env
+
+from opsd_jax.run_config import preflight
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def train(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        env=subprocess_env(1),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(
+        "--config", "configs/tiny.py", f"--config.results_dir={run_dir}", "--compile_only=h100:1"
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert "1 compile-only H100 device(s) (79.1 GiB each, keep 15% free: 67.2 GiB)" in out
+    # Every program train.py compiles for the tiny run: its one length bucket's step, the
+    # rollout's refresh, prefill and decode round, the evaluation's prefill and decode round.
+    names = re.findall(r"^  (.*): peak ([\d.]+) GiB per device", out, re.M)
+    assert [n.split(" (")[0].split(",")[0] for n, _ in names] == [
+        "train step",
+        "decode-copy refresh",
+        "rollout",
+        "rollout",
+        "evaluation",
+        "evaluation",
+    ], out
+    assert all(0 < float(peak) < 67.2 for _, peak in names), names
+    assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M)
+    assert not run_dir.exists()  # no toy data, model, checkpoint or log was written
+
+
+def test_an_unknown_target_is_one_line_before_any_compute():
+    result = train("--config", "configs/tiny.py", "--compile_only=a100:1", timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "train.py: --compile_only=a100:1: unknown GPU target 'a100'; known targets: h100, "
+        "h200, h800 (as TARGET:DEVICES, e.g. h100:8)"
+    )
+
+
+@pytest.mark.parametrize(
+    "spec, expected",
+    [("h100:8", ("h100", 8)), ("H200:1", ("h200", 1)), ("h800", ("h800", 1))],
+)
+def test_target_specs(spec, expected):
+    assert preflight.parse_target(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["h100:0", "h100:-1", "h100:x", "tpu:4", ""])
+def test_bad_target_specs_are_named(spec):
+    with pytest.raises(preflight.PreflightError, match=re.escape(f"--compile_only={spec}")):
+        preflight.parse_target(spec)
+
+
+def test_the_verdict_names_every_program_over_85_percent():
+    capacity = preflight.device_memory("h100")
+    assert capacity == 84942979072  # the target config's device_memory_size
+    limit = capacity * (1 - preflight.PREFLIGHT_HEADROOM)
+    fits = preflight.ProgramMemory("train step", int(limit) - 10, 0, 1.0)
+    sampler = preflight.ProgramMemory("rollout: prefill", int(limit) // 4, int(limit) // 4, 1.0)
+    code, lines = preflight.verdict([fits, sampler], "h100", capacity)
+    assert code == 0 and lines[0].startswith("fits:") and "train step" in lines[0]
+    # The resident train state counts: this prefill is small, but not with the state beside it.
+    over = preflight.ProgramMemory("rollout: prefill", int(limit) // 2, int(limit) // 2 + 11, 1.0)
+    code, lines = preflight.verdict([fits, over], "h100", capacity)
+    assert code == 1
+    assert lines == [
+        f"does not fit: rollout: prefill needs {over.peak / GIB:.2f} GiB per device, more than "
+        f"{limit / GIB:.1f} GiB (85% of a H100's 79.1 GiB)"
+    ]
