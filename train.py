@@ -214,17 +214,8 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     encode = tokenizer.encode
 
     # ---- train state ----------------------------------------------------------------------------
-    optimizer = train_step.make_optimizer(config)
-    frozen = train_step.frozen_groups(config, params)
     abstract_params = abstract_like(params)
-    abstract_state = train_step.abstract_state(
-        abstract_params,
-        optimizer,
-        config.teacher_mode,
-        jax.random.key(config.global_seed),
-        fixed_teacher_dtype=config.fixed_teacher_dtype,
-        frozen=frozen,
-    )
+    optimizer, frozen, abstract_state = run_config.abstract_train_state(config, abstract_params)
     if not resumed:
         # Jitted into exactly the layout the step is compiled for (the params are donated, so
         # not copied; the optimizer state and scalars are made in place on every process).

@@ -170,16 +170,6 @@ def peak_bytes():
     return stats.get("peak_bytes_in_use")
 
 
-def program_peak(compiled) -> int:
-    m = compiled.memory_analysis()
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def target_name(args) -> str:
     if args.target:
         return args.target
@@ -203,6 +193,7 @@ def predicted_peak(lower_for, args, decode: bool = False) -> int:
     or, for the sampler, the decode rules."""
     from opsd_jax.parallel import gpu_target
     from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.parallel.device_memory import program_peak
 
     mesh = gpu_target.make_mesh(target_name(args), 1)
     rules = mesh_lib.DECODE_RULES if decode else mesh_lib.LOGICAL_RULES
@@ -443,6 +434,7 @@ def section_grad_step(args):
     from opsd_jax import run_config
     from opsd_jax.parallel import hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.parallel.device_memory import program_peak
     from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
@@ -555,6 +547,7 @@ def section_decode(args):
     from models.configs import BagelConfig
     from models.sharding import logical_spec
     from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.parallel.device_memory import program_peak
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
 
     config = (BagelConfig.tiny if args.dry_run else BagelConfig.bagel_7b)(

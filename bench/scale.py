@@ -186,7 +186,7 @@ def main():
     from models.pack import Pack
     from models.sharding import logical_spec
     from opsd_jax import run_config
-    from opsd_jax.parallel import gpu_target, hbm_traffic, hlo_stats, thunk_launches
+    from opsd_jax.parallel import device_memory, gpu_target, hbm_traffic, hlo_stats, thunk_launches
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
     from opsd_jax.training import train_step
@@ -262,18 +262,12 @@ def main():
     rest = gpu_target.host_rest(make_model)
     optimizer = train_step.make_optimizer(recipe)
 
-    def shard_bytes(tree):
-        return sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for x in jax.tree.leaves(tree)
-        )
-
     # The state train.py compiles its step for: optimizer moments and the EMA laid out like
     # their params, counters replicated.
     abstract_state = train_step.abstract_state(abstract_params, optimizer, "ema", jax.random.key(0))
-    params_bytes = shard_bytes(abstract_state.params)
-    opt_bytes = shard_bytes(abstract_state.opt_state)
-    teacher_bytes = shard_bytes(abstract_state.teacher_params)
+    params_bytes = device_memory.bytes_per_device(abstract_state.params)
+    opt_bytes = device_memory.bytes_per_device(abstract_state.opt_state)
+    teacher_bytes = device_memory.bytes_per_device(abstract_state.teacher_params)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     lm_matmul = sum(
         x.size
@@ -317,12 +311,7 @@ def main():
 
     def report(name, compiled, text, seconds):
         memory = compiled.memory_analysis()
-        peak = (
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes
-        )
+        peak = device_memory.program_peak(compiled)
         found = hlo_stats.collectives(text)
         table = hlo_stats.summarize(found)
         flops, floor = hlo_stats.dot_flops(text)
@@ -444,7 +433,6 @@ def main():
         max_steps=new_tokens + 1,
     )
     model_state = nnx.merge_state(abstract_state.params, abstract_rest)
-    key = jax.eval_shape(lambda: jax.random.key(0))
     layouts = {}
     heads = layout_choice.head_counts(model_config)
     for layout in ("replicated", "tensor"):  # 'auto' picks one of them (below)
@@ -506,17 +494,12 @@ def main():
             ),
         )
         view_cache = view_state.cache
-        view_key = jax.ShapeDtypeStruct(
-            key.shape,
-            key.dtype,
-            sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
-        )
         with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
             lowered = sampler.decode_round.lower(
                 copy_graphdef,
                 copy,
                 view_state,
-                view_key,
+                sampler.abstract_key(view),
                 rows_of(jnp.int32),
                 settings,
                 mesh_lib.DECODE_RULES,
@@ -572,8 +555,8 @@ def main():
                 else " (the stop test: any row still active)"
             )
         )
-        copy_bytes = shard_bytes(copy)
-        cache_bytes = shard_bytes(view_cache)  # k and v, at capacity
+        copy_bytes = device_memory.bytes_per_device(copy)
+        cache_bytes = device_memory.bytes_per_device(view_cache)  # k and v, at capacity
         # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
         # embedding table only the rows fed) read once, and each row's cache up to its length.
         vit_bytes = sum(

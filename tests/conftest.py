@@ -7,7 +7,10 @@ imported anywhere; conftest.py is loaded by pytest before any test module.
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,6 +42,22 @@ def subprocess_env(devices: int = 1) -> dict:
         flags.append(f"{DEVICES_FLAG}={devices}")
     env["XLA_FLAGS"] = " ".join(flags)
     return env
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(*argv, devices: int = 1, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python *argv` from the repo root, as a user runs a script (`devices` CPU devices, the
+    test session's compile flags and cache), its stdout and stderr captured as text."""
+    return subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=subprocess_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def assert_close_to_scale(

@@ -11,14 +11,10 @@ smoke run fails `test_every_entry_point_has_a_smoke_run`.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, run_python
 
 # Entry points another test already runs through their main (in-process or as a process): that
 # test is their smoke run. The test file must name the script's main or its path.
@@ -146,14 +142,7 @@ def toy_data(tmp_path_factory):
 def test_entry_point_runs(script, tmp_path, toy_data):
     args, expected = SMOKE_RUNS[script]
     args = [a.format(tmp=tmp_path, toy_data=toy_data) for a in args]
-    result = subprocess.run(
-        [sys.executable, script, *args],
-        cwd=ROOT,
-        env=subprocess_env(1),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_python(script, *args)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{script} exited {result.returncode}:\n{output[-4000:]}"
     assert re.search(expected, result.stdout), f"{script} printed:\n{result.stdout[-3000:]}"

@@ -199,12 +199,7 @@ def h100_sampler() -> SamplerPrograms:
         _, prefill_text = hlo_stats.compile_and_read(lowered, options)
     decode_state = abstract_state(view, llm, rows, slots, new_tokens)
     cache = decode_state.cache
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(
-        key.shape,
-        key.dtype,
-        sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
-    )
+    key = sampler.abstract_key(view)
     settings = sampler.RoundSettings(
         1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
     )
@@ -494,8 +489,7 @@ def h100_tensor_decode():
         return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
 
     state = abstract_state(view, llm, rows, slots, new_tokens)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=jax.sharding.NamedSharding(view, P()))
+    key = sampler.abstract_key(view)
     settings = sampler.RoundSettings(
         1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
     )

@@ -3,28 +3,18 @@ GPUs, each one's peak memory per device against the device's, exit 0 / 1, and no
 written but the config (opsd_jax/run_config/preflight.py)."""
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import run_python
 
+from opsd_jax.parallel import gpu_target
 from opsd_jax.run_config import preflight
 
-ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 
 
 def train(*args, timeout=600):
-    return subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=ROOT,
-        env=subprocess_env(1),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python("train.py", *args, timeout=timeout)
 
 
 def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
@@ -75,7 +65,7 @@ def test_bad_target_specs_are_named(spec):
 
 
 def test_the_verdict_names_every_program_over_85_percent():
-    capacity = preflight.device_memory("h100")
+    capacity = gpu_target.memory_bytes("h100")
     assert capacity == 84942979072  # the target config's device_memory_size
     limit = capacity * (1 - preflight.PREFLIGHT_HEADROOM)
     fits = preflight.ProgramMemory("train step", int(limit) - 10, 0, 1.0)

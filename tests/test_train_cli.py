@@ -13,7 +13,7 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
-from conftest import subprocess_env
+from conftest import run_python, subprocess_env
 
 from configs import smoke
 from opsd_jax import run_config
@@ -462,14 +462,7 @@ def test_unknown_config_keys_are_one_message_with_the_nearest_names(tmp_path):
 
 def test_no_config_is_one_message_and_help_still_prints():
     def train(*args):
-        return subprocess.run(
-            [sys.executable, "train.py", *args],
-            cwd=ROOT,
-            env=subprocess_env(1),
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        return run_python("train.py", *args, timeout=300)
 
     missing = train()
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

@@ -57,6 +57,11 @@ def target_config(target: str) -> str:
         return f.read()
 
 
+def memory_bytes(target: str) -> int:
+    """The memory of one `target` GPU in bytes (its target config's device_memory_size)."""
+    return int(re.search(r"device_memory_size:\s*(\d+)", target_config(target)).group(1))
+
+
 def sm_count(target: str) -> int:
     """The streaming multiprocessors of `target` (its target config's core_count)."""
     return int(re.search(r"core_count:\s*(\d+)", target_config(target)).group(1))

@@ -9,7 +9,7 @@ configs/common.py holds every key with its only default; configs/<name>.py chang
   few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
   `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
   `cache_dtype_for`,
-  `train_step_for`;
+  `abstract_train_state`, `train_step_for`;
 - preflight.py: `train.py --compile_only=TARGET:DEVICES`, every program of the run compiled for
   compile-only GPUs and its peak memory per device against the device's.
 
@@ -18,6 +18,7 @@ the same thing everywhere.
 """
 
 from opsd_jax.run_config.builds import (
+    abstract_train_state,
     cache_dtype_for,
     complete,
     data_config,
@@ -44,6 +45,7 @@ from opsd_jax.run_config.command_line import (
 __all__ = [
     "MODES",
     "ConfigError",
+    "abstract_train_state",
     "cache_dtype_for",
     "complete",
     "config_error",

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import ml_collections
 
 from configs import common
@@ -197,6 +198,22 @@ def data_fields(config) -> dict:
 def _data_fields_on_top(config) -> dict:
     # VT images per sample (also the teacher prompt's) and the seed of the data order.
     return dict(max_reference_rounds=config.max_reference_rounds, seed=config.global_seed)
+
+
+def abstract_train_state(config, abstract_params) -> tuple:
+    """(the optimizer, the frozen parameter groups, the TrainState as abstract arrays laid out
+    like `abstract_params`) as the config sets them up: what the train step compiles for."""
+    optimizer = train_step.make_optimizer(config)
+    frozen = train_step.frozen_groups(config, abstract_params)
+    state = train_step.abstract_state(
+        abstract_params,
+        optimizer,
+        config.teacher_mode,
+        jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype,
+        frozen=frozen,
+    )
+    return optimizer, frozen, state
 
 
 def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str, ...] = ()):

@@ -21,7 +21,6 @@ buffers, cuDNN workspaces). MaxText's train_compile.py is the model for this che
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ from opsd_jax.data.opsd_packs import bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.io.hf_layout import LLM_CONFIG, VIT_CONFIG
 from opsd_jax.io.hf_load import read_config
-from opsd_jax.parallel import gpu_target
+from opsd_jax.parallel import device_memory, gpu_target
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.run_config import builds, checks
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
@@ -73,19 +72,6 @@ def parse_target(spec: str) -> tuple[str, int]:
     return name, devices
 
 
-def device_memory(target: str) -> int:
-    """The memory of one `target` GPU in bytes (its target config's device_memory_size)."""
-    return int(_target_field(target, "device_memory_size"))
-
-
-def _target_field(target: str, field: str) -> str:
-    for line in gpu_target.target_config(target).splitlines():
-        key, _, value = line.strip().partition(":")
-        if key == field:
-            return value.strip()
-    raise ValueError(f"GPU target {target}: no {field} in its target config")
-
-
 @dataclasses.dataclass
 class ProgramMemory:
     """One compiled program's memory per device (bytes)."""
@@ -98,25 +84,6 @@ class ProgramMemory:
     @property
     def peak(self) -> int:
         return self.program + self.resident
-
-
-def program_bytes(compiled) -> int:
-    """A compiled program's own peak per device: its arguments, its outputs less those that
-    reuse donated arguments, and its temp buffers."""
-    memory = compiled.memory_analysis()
-    return (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
-
-
-def shard_bytes(tree) -> int:
-    """The bytes per device of a tree of sharded abstract arrays."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-    )
 
 
 def model_config_for(config, runtime: dict) -> tuple[BagelConfig, str]:
@@ -146,7 +113,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     jax.config.update("jax_platforms", "cpu")  # compile-only devices: no GPU is started
     config = builds.complete(config)
     checks.validate(config, count, 1, check_files=False)
-    capacity = device_memory(target)
+    capacity = gpu_target.memory_bytes(target)
     limit = int(capacity * (1 - PREFLIGHT_HEADROOM))
 
     runtime = builds.model_runtime(config)
@@ -167,17 +134,8 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     rest = gpu_target.host_rest(make_model)  # the sin-cos table the train step closes over
-    optimizer = train_step.make_optimizer(config)
-    frozen = train_step.frozen_groups(config, abstract_params)
-    state = train_step.abstract_state(
-        abstract_params,
-        optimizer,
-        config.teacher_mode,
-        jax.random.key(config.global_seed),
-        fixed_teacher_dtype=config.fixed_teacher_dtype,
-        frozen=frozen,
-    )
-    resident = shard_bytes(state)
+    optimizer, frozen, state = builds.abstract_train_state(config, abstract_params)
+    resident = device_memory.bytes_per_device(state)
     say(
         f"train state per device: {resident / GIB:.2f} GiB "
         f"({sum(x.size for x in jax.tree.leaves(abstract_params)):,} parameters)"
@@ -188,7 +146,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         t0 = time.perf_counter()
         compiled = gpu_target.compile(lowered, on_mesh)
         report = ProgramMemory(
-            name, program_bytes(compiled), resident_bytes, time.perf_counter() - t0
+            name, device_memory.program_peak(compiled), resident_bytes, time.perf_counter() - t0
         )
         reports.append(report)
         say(
@@ -253,7 +211,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
             f"decode-copy refresh ('{layout}' on {dict(view.shape)})",
             refresh.lower(model_state),
             view,
-            resident - shard_bytes(state.params),
+            resident - device_memory.bytes_per_device(state.params),
         )
         cache_dtype = jnp.dtype(builds.cache_dtype_for(config.compute_dtype))
         for name, rows, new_tokens, patches in rollouts:
@@ -393,12 +351,6 @@ def _compile_rollout(
         ),
         cache_dtype,
     )
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    key = jax.ShapeDtypeStruct(
-        key.shape,
-        key.dtype,
-        sharding=jax.sharding.NamedSharding(view, jax.sharding.PartitionSpec()),
-    )
     settings = sampler.RoundSettings(
         temperature=1.0,
         do_sample=True,
@@ -409,6 +361,12 @@ def _compile_rollout(
     )
     with mesh_lib.use_mesh(view, rules):
         lowered = sampler.decode_round.lower(
-            copy_graphdef, copy, decode_state, key, per_row(jnp.int32), settings, rules
+            copy_graphdef,
+            copy,
+            decode_state,
+            sampler.abstract_key(view),
+            per_row(jnp.int32),
+            settings,
+            rules,
         )
     compile_and_report(f"{name}: decode round", lowered, view, resident)

@@ -116,6 +116,14 @@ def abstract_decode_state(cache_shape, new_tokens: int, sharding_for, cache_dtyp
     )
 
 
+def abstract_key(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
+    """decode_round's random key as an abstract value, replicated on `mesh` (to compile ahead
+    of time, as abstract_decode_state does for the state)."""
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+
+
 def _pinned(state: DecodeState) -> DecodeState:
     """`state` with its layout pinned: without it XLA may replicate the per-row state (and then
     gather each step's tokens) or let the cache follow the weights' layout."""
