@@ -88,6 +88,13 @@ weight_einsum.defvjp(_weight_einsum_fwd, _weight_einsum_bwd)
 class Projection(nnx.Module):
     """A linear map written as an einsum; the kernel is stored [in..., out...] (PyTorch W^T)."""
 
+    # A LoRA adapter, when models/lora.py attaches one: an nnx.LoRA over the flattened input and
+    # output features, its scale alpha / rank, and how many kernel axes the einsum contracts.
+    # Class defaults, so that a projection without one has the graph it always had.
+    lora = None
+    lora_scale = 0.0
+    lora_in_dims = 0
+
     def __init__(
         self,
         rngs: nnx.Rngs | None,
@@ -118,6 +125,10 @@ class Projection(nnx.Module):
         layer per token. The result is what this code says: the product rounded to x's dtype,
         then the bias added (cuBLAS adds it before rounding: within one rounding of x's dtype)."""
         y = weight_einsum(self.equation, x, compute_weight(self.kernel, self.kernel_names, x.dtype))
+        if self.lora is not None:  # + (alpha / rank) (x A) B, x flattened to [..., in]
+            batch = x.shape[: x.ndim - self.lora_in_dims]
+            update = self.lora(x.reshape(batch + (-1,))) * self.lora_scale
+            y = y + update.reshape(y.shape).astype(y.dtype)
         if self.bias is not None:
             y = (jax.lax.optimization_barrier(y) if bias_apart else y) + self.bias[...].astype(
                 x.dtype

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import qwen2_mot
+from models import lora, qwen2_mot
 from models.sharding import logical_spec
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import layout_choice
@@ -100,6 +100,9 @@ def decode_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules=mesh_lib.D
 def _copy_model(graphdef: nnx.GraphDef, state: nnx.State, view: jax.sharding.Mesh, dtype):
     """The model of `graphdef` and `state` cast to the copy's dtypes, its projections fused
     in shards of `view`'s tensor axis (traced: under jit or eval_shape)."""
+    # LoRA adapters are folded into their kernels first, in fp32 (models/lora.py): the copy
+    # holds plain weights, and fusing q/k/v of an unmerged model would drop their adapters.
+    graphdef, state = nnx.split(lora.merged(nnx.merge(graphdef, state)))
     model = nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(copy_dtype(x, dtype)), state))
     qwen2_mot.fuse_projections(model, view.shape["tensor"])
     return model
