@@ -164,9 +164,9 @@ def refusal(backend, args):
     """Why this backend cannot run here (None if it can)."""
     on_gpu = jax.default_backend() == "gpu"
     if backend == "pallas" and not args.interpret:
-        from models import attention_pallas
+        from models import gpu_support
 
-        reason = attention_pallas.unsupported_reason()
+        reason = gpu_support.unsupported_reason()
         if reason:
             return f"refused: {reason} (--interpret runs the Pallas interpreter, small T only)"
     if backend == "cudnn" and not on_gpu:

@@ -154,9 +154,9 @@ def resolve_backend(name: str) -> str:
     one, under a compile-only GPU mesh), else "chunked"."""
     if name != "auto":
         return name
-    from models import attention_pallas
+    from models import gpu_support  # not the kernels: a CPU never imports Pallas's Triton backend
 
-    return "pallas" if attention_pallas.unsupported_reason() is None else "chunked"
+    return "pallas" if gpu_support.unsupported_reason() is None else "chunked"
 
 
 def dense_mask(q_segment_ids, kv_segment_ids, k_start, k_end) -> jax.Array:

@@ -64,9 +64,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from models.gpu_support import unsupported_reason
+
 _F32 = jnp.float32
 _LOG2_E = math.log2(math.e)
-MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: Triton's bf16 tensor-core dots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,37 +86,6 @@ class BlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value!r}")
-
-
-def compiling_for_gpu_without_one() -> bool:
-    """Whether the trace in progress compiles for GPU devices this process cannot run on: the
-    active mesh is over compile-only GPU devices (opsd_jax/parallel/gpu_target.py) or an
-    abstract GPU mesh (`lower_for_gpu`), while jax itself runs on another backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
-    return device is not None and device.platform == "gpu" and jax.default_backend() != "gpu"
-
-
-def unsupported_reason() -> str | None:
-    """Why the compiled kernel cannot run on the default JAX device, or None when it can (or
-    when the program is compiled for a GPU target without one, where nothing runs: the target
-    files we ship are all sm90)."""
-    if compiling_for_gpu_without_one():
-        return None
-    if jax.default_backend() != "gpu":
-        return f"the default JAX backend is {jax.default_backend()!r}, not an NVIDIA GPU"
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", ""))
-    try:
-        major, minor = (int(x) for x in capability.split("."))
-    except ValueError:
-        return f"{device.device_kind} reports no NVIDIA compute capability ({capability!r})"
-    if (major, minor) < MIN_COMPUTE_CAPABILITY:
-        return (
-            f"{device.device_kind} is sm{major}{minor}; the kernel needs sm80 or newer "
-            "(A100, H100, H200, ...)"
-        )
-    return None
 
 
 def range_attention(

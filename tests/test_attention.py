@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import run_python
 
 from models import attention as attention_lib
 from models.attention import attention
@@ -374,3 +375,29 @@ def test_cudnn_backend_refuses_cpu():
     q, k, v = random_qkv(rng, 1, 8, 8, 2, 2, 8, jnp.bfloat16)
     with pytest.raises(ValueError, match="cudnn"):
         attention(q, k, v, **ids(seg, seg, k_start, k_end), backend="cudnn")
+
+
+def test_a_cpu_run_never_imports_the_gpu_kernels():
+    """'auto' on a CPU resolves without importing the Pallas kernels, and a forward with it
+    imports neither them nor Pallas's Triton backend (deprecated in jax 0.12: its removal must
+    not break CPU runs)."""
+    script = (
+        "import sys\n"
+        "import jax\n"
+        "import jax.numpy as jnp\n"
+        "from flax import nnx\n"
+        "from models import attention\n"
+        "from models.bagel import Bagel\n"
+        "from models.configs import BagelConfig\n"
+        "backend = attention.resolve_backend('auto')\n"
+        "model = Bagel(BagelConfig.tiny(llm=dict(attention_backend=backend)), rngs=nnx.Rngs(0))\n"
+        "from opsd_jax.data.packing import SpecialTokens, Text, pack_samples\n"
+        "special = SpecialTokens(1000, 1001, 1002, 1003)\n"
+        "pack = pack_samples([[Text([5, 6, 7]), Text([8, 9], loss=True)]], 16, special=special)\n"
+        "model(jax.tree.map(jnp.asarray, pack)).block_until_ready()\n"
+        "loaded = [m for m in sys.modules if 'attention_pallas' in m or 'pallas.triton' in m]\n"
+        "print(backend, loaded)\n"
+    )
+    result = run_python("-c", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "chunked []"

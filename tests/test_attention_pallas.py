@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from models import attention_pallas as ap
+from models import gpu_support
 from models.attention import attention, resolve_backend
 
 
@@ -209,7 +210,7 @@ def test_cpu_refuses_pallas_and_auto_is_chunked():
     assert jax.default_backend() == "cpu"
     assert resolve_backend("auto") == "chunked"
     assert resolve_backend("cudnn") == "cudnn"
-    assert "not an NVIDIA GPU" in ap.unsupported_reason()
+    assert "not an NVIDIA GPU" in gpu_support.unsupported_reason()
     rng = np.random.default_rng(4)
     seg, k_start, k_end = bagel_pack(rng, (24,), 32)
     q = normal(rng, (1, 32, 2, 16))
