@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import gc
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -782,6 +783,21 @@ def disk_error_line(error: OSError, opened: OpenedCheckpoints) -> str:
     return f"{line}. Last complete checkpoint: step {steps[-1]}, {last}; {fix} and {resume}"
 
 
+def exit_with_one_line(line: str, code: int) -> NoReturn:
+    """Print the run's last line on stderr and exit with `code`; nothing else reaches stderr
+    from here on. After a failed save, orbax's abandoned threads and write coroutines are torn
+    down when the process ends, and each repeats the error in a traceback or a warning (even a
+    garbage collection that an allocation here sets off can print one): stderr is sent to
+    /dev/null first, garbage collection stopped, and the line written to a copy of it."""
+    gc.disable()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    stderr = os.dup(2)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(stderr, (line + "\n").encode())
+    sys.exit(code)
+
+
 def run(argv) -> None:
     opened = OpenedCheckpoints()
     try:
@@ -790,8 +806,7 @@ def run(argv) -> None:
         line = one_line_error(e, opened)
         if line is None:
             raise  # a bug: its traceback, to report
-        print(f"train.py: error: {line}", file=sys.stderr)
-        sys.exit(1)
+        exit_with_one_line(f"train.py: error: {line}", 1)
     except KeyboardInterrupt:  # Ctrl-C before the loop (a compile), or a second one in it
         print(
             "train.py: interrupted; nothing more was saved (the same command resumes from the "

@@ -142,6 +142,10 @@ class Checkpointer:
             cleanup_tmp_directories=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        # orbax removes those steps on a thread of its own and waits for it only in its first
+        # save: a run that ends before that (a bad model file) could exit while it runs, and the
+        # interpreter's shutdown then stops it with a traceback. A directory scan: wait here.
+        self._manager._maybe_await_cleanup_tmp_directory()
         self._unconfirmed = None  # the step saved last, until a wait confirms it is written
         self._refused = None  # the CheckpointWriteError of a save the disk refused, once raised
 
