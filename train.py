@@ -367,23 +367,12 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     # ---- the sampler's decode layout ('auto': the least projected rollout time that fits) -----
     decode_layout = config.sampler_layout
     if decode_layout == "auto":
-        # The KV cache at capacity: every prompt row, each of a student row's share of tokens
-        # (prompt + completion; the row holds per_micro / rows samples).
-        slots = (
-            shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
-            if "student" in shapes
-            else config.max_forward_tokens
-        )
-        cache_dtype = run_config.cache_dtype_for(config.compute_dtype)
-        cache_bytes = layout_choice.cache_nbytes(
-            model_config, accum * per_micro, slots, cache_dtype
-        )
         choice = decode_copy.choose_layout(
             model_config,
             nnx.merge_state(abstract_params, rest),
             mesh,
             config.compute_dtype,
-            cache_bytes,
+            run_config.rollout_cache_bytes(config, model_config, shapes),
         )
         decode_layout = choice.layout
         if config.mode == "opsd" or config.eval_every:

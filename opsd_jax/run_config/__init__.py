@@ -9,7 +9,7 @@ configs/common.py holds every key with its only default; configs/<name>.py chang
   few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
   `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
   `cache_dtype_for`,
-  `abstract_train_state`, `train_step_for`;
+  `abstract_train_state`, `rollout_cache_bytes`, `train_step_for`;
 - preflight.py: `train.py --compile_only=TARGET:DEVICES`, every program of the run compiled for
   compile-only GPUs and its peak memory per device against the device's.
 
@@ -30,6 +30,7 @@ from opsd_jax.run_config.builds import (
     model_runtime,
     prompt_options,
     resolve_paths,
+    rollout_cache_bytes,
     train_step_for,
 )
 from opsd_jax.run_config.checks import MODES, ConfigError, validate
@@ -62,6 +63,7 @@ __all__ = [
     "parse_flags",
     "prompt_options",
     "resolve_paths",
+    "rollout_cache_bytes",
     "train_step_for",
     "unknown_keys",
     "validate",

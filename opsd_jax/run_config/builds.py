@@ -25,6 +25,7 @@ from opsd_jax.data.opsd_packs import (
     DEFAULT_TRANSITION_PROMPT,
     PromptOptions,
 )
+from opsd_jax.sampling import layout_choice
 from opsd_jax.toy.assets import toy_data_dir, toy_model_dir
 from opsd_jax.training import train_step
 
@@ -198,6 +199,24 @@ def data_fields(config) -> dict:
 def _data_fields_on_top(config) -> dict:
     # VT images per sample (also the teacher prompt's) and the seed of the data order.
     return dict(max_reference_rounds=config.max_reference_rounds, seed=config.global_seed)
+
+
+def rollout_cache_bytes(config, model_config, shapes: dict) -> int:
+    """The sampler's KV cache at capacity (what `sampler_layout='auto'` weighs): every prompt
+    row of a step, each with a student row's share of tokens (prompt + completion; a row holds
+    samples_per_micro_batch / rows_per_micro_batch samples). `shapes`: pack_shapes(config)."""
+    per_micro = config.samples_per_micro_batch
+    slots = (
+        shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
+        if "student" in shapes
+        else config.max_forward_tokens
+    )
+    return layout_choice.cache_nbytes(
+        model_config,
+        config.gradient_accumulation_steps * per_micro,
+        slots,
+        cache_dtype_for(config.compute_dtype),
+    )
 
 
 def abstract_train_state(config, abstract_params) -> tuple:

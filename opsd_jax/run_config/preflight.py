@@ -270,22 +270,10 @@ def _decode_layout(config, model_config, params, mesh, shapes, free_memory: int)
     in `free_memory`, what the train state leaves of a device; layout_choice.choose)."""
     if config.sampler_layout != "auto":
         return config.sampler_layout
-    per_micro = config.samples_per_micro_batch
-    slots = (
-        shapes["student"][-1].row_length * config.rows_per_micro_batch // per_micro
-        if "student" in shapes
-        else config.max_forward_tokens
-    )
-    cache_bytes = layout_choice.cache_nbytes(
-        model_config,
-        config.gradient_accumulation_steps * per_micro,
-        slots,
-        builds.cache_dtype_for(config.compute_dtype),
-    )
     device = mesh.devices.flat[0]
     choice = layout_choice.choose(
         copy_bytes=decode_copy.copy_nbytes(params, config.compute_dtype),
-        cache_bytes=cache_bytes,
+        cache_bytes=builds.rollout_cache_bytes(config, model_config, shapes),
         heads=layout_choice.head_counts(model_config),
         num_layers=model_config.llm.num_hidden_layers,
         num_devices=mesh.devices.size,
