@@ -41,7 +41,7 @@ from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
 from opsd_jax.io import checkpoint as checkpoint_lib
-from opsd_jax.io import compile_cache, disk_errors, init_weights, run_lock
+from opsd_jax.io import compile_cache, disk_errors, init_weights, run_lock, weights_digest
 from opsd_jax.io.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -49,7 +49,7 @@ from opsd_jax.io.checkpoint import (
     abstract_like,
 )
 from opsd_jax.io.hf_layout import HFCheckpointError
-from opsd_jax.io.hf_load import load_hf
+from opsd_jax.io.hf_load import load_hf, read_config
 from opsd_jax.io.safetensors_io import SafetensorsError
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
@@ -134,6 +134,11 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             sources.check_dataset(spec, require_vt=data_check.require_vt)
     except (sources.DataError, FileNotFoundError) as e:
         run_config.config_error(e)
+    if config.lora_rank:  # the adapters' targets against the model's projections (shapes only)
+        try:
+            run_config.lora_target_paths(config, read_config(config.model_path))
+        except ValueError as e:
+            run_config.config_error(e)
 
     # ---- mesh ----------------------------------------------------------------------------------
     data_size, fsdp_size, tensor_size = run_config.mesh_shape(config, jax.device_count())
@@ -163,6 +168,20 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         except resume_changes.ResumeConfigError as e:
             run_config.config_error(e)
         saved_teacher = checkpoint_lib.saved_teacher_mode(resumed)
+        if config.lora_rank:  # the adapters apply to the base they were trained on, only
+            saved_base = checkpoint_lib.saved_lora_base(resumed)
+            now_base = init_weights.base_identity(config, full_resume=True)
+            if saved_base is None or saved_base["digest"] != now_base["digest"]:
+                run_config.config_error(
+                    f"resume from {resumed}: its LoRA adapters were trained on "
+                    + (
+                        weights_digest.describe(saved_base)
+                        if saved_base
+                        else "no recorded base (a full fine-tuning checkpoint)"
+                    )
+                    + f", but model_path gives {weights_digest.describe(now_base)}; give the "
+                    "base they were trained on as model_path, or start a new run"
+                )
 
     # ---- model, tokenizer and starting weights (student, EMA / fixed teacher) ----------------
     t0 = time.perf_counter()
@@ -171,7 +190,8 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         f"attention backend {runtime['attention_backend']}"
         + (" (auto)" if config.attention_backend == "auto" else "")
     )
-    if resumed:
+    lora_base = None  # LoRA: the base weights' identity, recorded in every checkpoint
+    if resumed and not config.lora_rank:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.
         model, model_config, tokenizer = load_hf(
@@ -180,8 +200,10 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         del model
         teacher_source, description = None, None
-    else:
-        start = init_weights.load(config, mesh, config_changes={"llm": runtime})
+    else:  # (a LoRA resume reads its frozen base here: the checkpoint holds adapters only)
+        start = init_weights.load(
+            config, mesh, config_changes={"llm": runtime}, full_resume=bool(resumed)
+        )
         graphdef, params, rest, tokenizer = (
             start.graphdef,
             start.params,
@@ -193,14 +215,24 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             start.teacher_source,
             start.description,
         )
+        lora_base = start.base
         del start
     special = tokenizer.special_tokens()
     num_params = sum(x.size for x in jax.tree.leaves(params))
     say(
-        f"model {config.model_path}: {num_params:,} trainable parameters (LM, ViT, connector), "
+        f"model {config.model_path}: {num_params:,} parameters (LM, ViT, connector), "
         f"{tokenizer.vocab_length} tokenizer ids, loaded in {time.perf_counter() - t0:.1f}s"
-        + (" (weights not read: a checkpoint gives them)" if resumed else "")
+        + (" (weights not read: a checkpoint gives them)" if resumed and not lora_base else "")
     )
+    if config.lora_rank:  # adapters on the loaded weights, which become the frozen base
+        graphdef, params, rest = run_config.with_adapters(graphdef, params, rest, config, mesh)
+        adapters = nnx.split_state(params, nnx.LoRAParam, ...)[0]
+        say(
+            f"LoRA: {sum(x.size for x in jax.tree.leaves(adapters)):,} trainable adapter "
+            f"parameters (rank {config.lora_rank}, alpha {config.lora_alpha}) on "
+            f"{len(run_config.lora_target_paths(config, model_config))} projections matching "
+            f"{config.lora_targets!r}; the base frozen in {config.compute_dtype}"
+        )
     if description:
         say(f"starting weights: {description}")
 
@@ -221,20 +253,21 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         # Jitted into exactly the layout the step is compiled for (the params are donated, so
         # not copied; the optimizer state and scalars are made in place on every process).
         init = jax.jit(
-            lambda params, source: train_step.init_state(
-                params,
-                optimizer,
-                config.teacher_mode,
-                jax.random.key(config.global_seed),
-                fixed_teacher_dtype=config.fixed_teacher_dtype,
-                teacher_source=source,
-                frozen=frozen,
+            lambda params, source: run_config.init_train_state(
+                config, optimizer, frozen, params, source
             ),
             out_shardings=train_step.shardings_of(abstract_state),
             donate_argnums=(0,),
         )
         with mesh_lib.use_mesh(mesh):
             state = init(params, teacher_source)
+    elif config.lora_rank:  # the restore target holds the frozen base, read from model_path
+        take_base = jax.jit(
+            lambda params: run_config.split_for_training(params, config)[1],
+            out_shardings=train_step.shardings_of(abstract_state.base),
+        )
+        with mesh_lib.use_mesh(mesh):
+            abstract_state = abstract_state.replace(base=take_base(params))
     del params, teacher_source
 
     # ---- resume ----------------------------------------------------------------------------------
@@ -245,6 +278,8 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         no_saved_teacher = saved_teacher == "self" and abstract_state.teacher_params is not None
         target = abstract_state.replace(teacher_params=None) if no_saved_teacher else abstract_state
         state, data_state, saved_config = checkpointer.restore(target, directory=resumed)
+        if config.lora_rank:  # the base's arrays go to the step (donated): the target keeps shapes
+            abstract_state = abstract_state.replace(base=abstract_like(state.base))
         if no_saved_teacher:
             start_teacher = jax.jit(
                 lambda p: (
@@ -394,9 +429,9 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             f"samples, context(s) {', '.join(eval_contexts)}"
         )
 
-    def run_evaluation(step, params) -> dict:
+    def run_evaluation(step, state) -> dict:
         scalars = {}
-        student = nnx.merge(graphdef, params, rest)
+        student = nnx.merge(graphdef, train_step.model_params(state.params, state.base), rest)
         for context in eval_contexts:
             result = evaluation.evaluate(
                 student,
@@ -468,7 +503,12 @@ def main(argv, opened: OpenedCheckpoints | None = None):
 
     def save(done: DispatchedStep, state) -> None:
         checkpointer.save(
-            done.step, state, data_state=done.data_state, config=config.to_dict(), force=True
+            done.step,
+            state,
+            data_state=done.data_state,
+            config=config.to_dict(),
+            force=True,
+            lora_base=lora_base,
         )
 
     def finish(done: DispatchedStep, state) -> None:
@@ -509,7 +549,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
 
     if eval_samples and config.eval_at_start and start_step == 0:  # the baseline of every curve
         with logger.phase("eval"):
-            logger.log_scalars(0, run_evaluation(0, state.params))
+            logger.log_scalars(0, run_evaluation(0, state))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
@@ -546,7 +586,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
                 # and never two copies alive.
                 student = decode_copy.make_decode_copy(
                     graphdef,
-                    state.params,
+                    train_step.model_params(state.params, state.base),  # adapters merged there
                     rest,
                     layout=decode_layout,
                     mesh=mesh,
@@ -591,7 +631,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         pending = done
         if eval_samples and ((step + 1) % config.eval_every == 0 or step + 1 == config.total_steps):
             with logger.phase("eval"):  # logged with the step, when it is finished
-                done.eval_scalars.update(run_evaluation(step + 1, state.params))
+                done.eval_scalars.update(run_evaluation(step + 1, state))
         stopping = stop.requested()
         if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
             save(done, state)

@@ -160,6 +160,16 @@ def base_config() -> ml_collections.ConfigDict:
     # BAGEL's flag: understanding-token activations are detached; with understanding-only data
     # that leaves only lm_head training (opsd_jax/training/train_step.py frozen_groups).
     c.freeze_und = False
+    # LoRA (models/lora.py, flax's nnx.LoRA): lora_rank > 0 trains low-rank adapters on the
+    # projections whose path matches lora_targets (a regular expression matched in full, e.g.
+    # 'vit_model/layers/(q|k|v|out)_proj' or 'connector/fc(1|2)' too); the rest of the model is a
+    # frozen base held once in compute_dtype, shared by student, teacher and sampler. The
+    # optimizer, the EMA teacher and the checkpoints hold adapters only. 0 = full fine-tuning.
+    c.lora_rank = 0
+    c.lora_alpha = 32.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    # Every projection of the LM's understanding expert (the only one understanding-only
+    # training sends tokens through, so the gen expert's adapters would never learn).
+    c.lora_targets = "language_model/layers/und/(q|k|v|o|gate|up|down)_proj"
 
     # --- checkpoints, resume, logging -------------------------------------------------------------
     c.results_dir = "results/run"  # TensorBoard logs, metrics.jsonl, samples

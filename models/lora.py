@@ -54,6 +54,24 @@ def _contracted_dims(projection: Projection) -> int:
     return n_in
 
 
+def matching_paths(model: nnx.Module, targets: str) -> list[str]:
+    """The paths of `model`'s projections that `targets` matches in full, in model order (an
+    abstract model will do: nothing is read). A pattern that is no regular expression or matches
+    nothing is an error naming it and some of the paths."""
+    try:
+        pattern = re.compile(targets)
+    except re.error as e:
+        raise ValueError(f"lora_targets={targets!r}: not a regular expression ({e})") from None
+    paths = list(projection_paths(model))
+    chosen = [path for path in paths if pattern.fullmatch(path)]
+    if not chosen:
+        raise ValueError(
+            f"lora_targets={targets!r} matches no projection of the model (paths such as "
+            f"{', '.join(paths[:4])}, ...)"
+        )
+    return chosen
+
+
 def attach(
     model: nnx.Module,
     rank: int,
@@ -67,18 +85,8 @@ def attach(
     model order. A `targets` that matches nothing, or a rank below 1, is an error naming it."""
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ValueError(f"lora_rank={rank!r}: must be an integer >= 1 (0 is no LoRA)")
-    try:
-        pattern = re.compile(targets)
-    except re.error as e:
-        raise ValueError(f"lora_targets={targets!r}: not a regular expression ({e})") from None
     projections = projection_paths(model)
-    chosen = {path: p for path, p in projections.items() if pattern.fullmatch(path)}
-    if not chosen:
-        examples = ", ".join(list(projections)[:4])
-        raise ValueError(
-            f"lora_targets={targets!r} matches no projection of the model (paths such as "
-            f"{examples}, ...)"
-        )
+    chosen = {path: projections[path] for path in matching_paths(model, targets)}
     for path, projection in chosen.items():
         if projection.lora is not None:
             raise ValueError(f"{path}: has an adapter already")

@@ -78,6 +78,7 @@ __all__ = [
     "restore_model_params",
     "save_model_params",
     "saved_config",
+    "saved_lora_base",
     "saved_param_shapes",
     "saved_teacher_mode",
     "step_dir_of",
@@ -161,10 +162,12 @@ class Checkpointer:
         data_state: dict | None,
         config: Mapping | Any,
         force: bool = False,
+        lora_base: Mapping | None = None,
     ) -> bool:
         """Save at a periodic step, or any step with `force`; False if not saved (not a save
         step, or this step is already saved or being saved, e.g. a final save just after a
-        periodic one)."""
+        periodic one). A LoRA state's frozen `base` is not saved: `lora_base` names the weights
+        it is (weights_digest.identity), kept in the meta item for a resume to compare."""
         step = int(step)
         if self._refused is not None:  # orbax saves no more after a failed save
             raise self._refused
@@ -191,6 +194,7 @@ class Checkpointer:
             "step": int(to_host(state.step)),
             "rng": rng,
             "teacher_mode": teacher_mode,
+            "lora_base": None if lora_base is None else dict(lora_base),
             "items": sorted(items) + [META, CONFIG] + ([DATA] if data_state is not None else []),
         }
         items[META] = ocp.args.JsonSave(meta)
@@ -447,6 +451,13 @@ def _json_item(path: str | os.PathLike, item: str):
 def saved_config(path: str | os.PathLike) -> dict | None:
     """The training config saved with a checkpoint step (or a root's latest complete step)."""
     return _json_item(path, CONFIG)
+
+
+def saved_lora_base(path: str | os.PathLike) -> dict | None:
+    """The base weights a LoRA checkpoint's adapters apply to (weights_digest.identity, from
+    its meta item); None for a full fine-tuning checkpoint."""
+    meta = _json_item(path, META)
+    return meta.get("lora_base") if isinstance(meta, dict) else None
 
 
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:

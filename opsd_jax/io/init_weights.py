@@ -14,6 +14,11 @@ the same weights:
   the HF `model_path` weights (the launcher loads it from model_path whatever it resumes);
 * a full resume (auto-resume or `resume_from` without `resume_model_only`) restores everything
   from the checkpoint, so no second file is read here.
+
+With LoRA (`lora_rank > 0`) the student's file is the frozen base of every copy: the teachers
+are that base with adapters of their own (train_step.TrainState), so no teacher file is read.
+`base` then names the weights (weights_digest.identity) for the checkpoints to record. A full
+resume of a LoRA run reads the base here too (a checkpoint holds the adapters only).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from opsd_jax.io import hf_load
+from opsd_jax.io import hf_load, weights_digest
 from opsd_jax.io.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
 from opsd_jax.io.tokenizer import BagelTokenizer
 
@@ -38,6 +43,15 @@ class StartingWeights:
     tokenizer: BagelTokenizer
     teacher_source: Any  # nnx.State of Params the EMA / fixed teacher starts from; None: params
     description: str  # for the console: which file / item each copy starts from
+    base: dict | None = None  # LoRA: the base weights' identity (weights_digest.identity)
+
+
+def base_identity(config, *, full_resume: bool = False) -> dict:
+    """LoRA: the identity (weights_digest.identity) of the base `load` starts from: the
+    student's weights file of model_path."""
+    from_ema = config.finetune_from_ema and not full_resume
+    stem = hf_load.initial_weights(config.model_path, config.weights, finetune_from_ema=from_ema)
+    return weights_digest.identity(config.model_path, stem.student)
 
 
 def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> StartingWeights:
@@ -53,6 +67,17 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     described = {"student": f"{files.student}.safetensors"}
+    if config.lora_rank:
+        base = base_identity(config, full_resume=full_resume)
+        description = (
+            f"frozen base from {files.student}.safetensors (digest {base['digest'][:12]}), "
+            f"LoRA adapters of rank {config.lora_rank} from seed {config.global_seed}"
+        )
+        if config.teacher_mode != "self":
+            description += f"; the {config.teacher_mode} teacher: the base + its own adapters"
+        return StartingWeights(
+            graphdef, params, rest, model_config, tokenizer, None, description, base
+        )
 
     def hf_params(stem):
         if stem == files.student:

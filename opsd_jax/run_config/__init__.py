@@ -9,7 +9,8 @@ configs/common.py holds every key with its only default; configs/<name>.py chang
   few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
   `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
   `cache_dtype_for`,
-  `abstract_train_state`, `rollout_cache_bytes`, `train_step_for`;
+  `abstract_train_state`, `init_train_state`, `rollout_cache_bytes`, `train_step_for`, and
+  LoRA's `attach_adapters`, `with_adapters`, `lora_target_paths`, `split_for_training`;
 - preflight.py: `train.py --compile_only=TARGET:DEVICES`, every program of the run compiled for
   compile-only GPUs and its peak memory per device against the device's.
 
@@ -19,11 +20,14 @@ the same thing everywhere.
 
 from opsd_jax.run_config.builds import (
     abstract_train_state,
+    attach_adapters,
     cache_dtype_for,
     complete,
     data_config,
     data_fields,
     defaults,
+    init_train_state,
+    lora_target_paths,
     loss_settings,
     mesh_shape,
     model_dir,
@@ -31,7 +35,9 @@ from opsd_jax.run_config.builds import (
     prompt_options,
     resolve_paths,
     rollout_cache_bytes,
+    split_for_training,
     train_step_for,
+    with_adapters,
 )
 from opsd_jax.run_config.checks import MODES, ConfigError, validate
 from opsd_jax.run_config.command_line import (
@@ -47,6 +53,11 @@ __all__ = [
     "MODES",
     "ConfigError",
     "abstract_train_state",
+    "attach_adapters",
+    "init_train_state",
+    "lora_target_paths",
+    "split_for_training",
+    "with_adapters",
     "cache_dtype_for",
     "complete",
     "config_error",

@@ -11,6 +11,7 @@ command_line.py.)
 from __future__ import annotations
 
 import os
+import re
 
 from models import attention, configs
 from opsd_jax.data import pack_shapes
@@ -91,6 +92,12 @@ _RANGES = (
     ("num_replicate", lambda v: v >= 1, ">= 1"),
     ("num_shard", lambda v: v == -1 or v >= 1, ">= 1, or -1 for the devices left over"),
     ("num_tensor", lambda v: v >= 1, ">= 1"),
+    (
+        "lora_rank",
+        lambda v: isinstance(v, int) and v >= 0,
+        "an integer >= 0 (0 = full fine-tuning, no adapters)",
+    ),
+    ("lora_alpha", lambda v: v > 0, "> 0"),
 )
 
 
@@ -169,6 +176,7 @@ def validate(
             "freeze_und=True and freeze_llm=True: nothing left to train (freeze_und "
             "trains only lm_head, which freeze_llm freezes)"
         )
+    problems += _lora_problems(config)
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if check_files and config.resume_from and not os.path.exists(config.resume_from):
@@ -209,6 +217,31 @@ def validate(
             )
     if problems:
         raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
+
+
+def _lora_problems(config) -> list[str]:
+    """LoRA's keys among themselves and against the freeze flags. (Whether lora_targets
+    matches a projection of the model is asked of the model: builds.lora_paths.)"""
+    if not config.lora_rank:
+        return []
+    problems = []
+    try:
+        re.compile(config.lora_targets)
+    except re.error as e:
+        problems.append(f"lora_targets={config.lora_targets!r}: not a regular expression ({e})")
+    for flag in ("freeze_llm", "freeze_vit", "freeze_und"):
+        if config[flag]:
+            problems.append(
+                f"{flag}=True with lora_rank={config.lora_rank}: with LoRA the whole base "
+                "model is frozen and lora_targets chooses what trains; set it False"
+            )
+    if config.resume_model_only:
+        problems.append(
+            f"resume_model_only=True with lora_rank={config.lora_rank}: a LoRA run starts "
+            "from the HF weights of model_path (export a checkpoint with scripts/convert_hf.py "
+            "jax-to-hf and give that directory as model_path)"
+        )
+    return problems
 
 
 def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:

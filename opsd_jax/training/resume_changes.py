@@ -51,6 +51,19 @@ IMPOSSIBLE = {
     )
     for name in ("freeze_llm", "freeze_vit", "freeze_und")
 }
+# The saved state's params are LoRA adapters of that rank and on those projections (or the
+# whole model): another rank, target set or full fine-tuning has another layout.
+IMPOSSIBLE.update(
+    {
+        name: (
+            f"the checkpoint holds the params of its own {name} (adapters of that shape, or "
+            "the whole model without LoRA), which cannot be restored under another; start a "
+            "new run instead (a LoRA run's merged model: scripts/convert_hf.py jax-to-hf, then "
+            "that directory as model_path)"
+        )
+        for name in ("lora_rank", "lora_targets")
+    }
+)
 
 
 def _teacher_meaning(saved: str, now: str) -> str:
@@ -81,6 +94,10 @@ CONTRADICTS = {
     ),
     "teacher_mode": _teacher_meaning,
     "fixed_teacher_dtype": lambda saved, now: f"the saved fixed teacher is cast to {now}",
+    "lora_alpha": lambda saved, now: (
+        f"the saved adapters' update is scaled by {now} / rank instead of {saved} / rank: the "
+        "model the run resumes is not the one it saved"
+    ),
 }
 
 PLAIN = {

@@ -19,7 +19,10 @@ updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (
 params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory).
 
 Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
-config's compute dtype. Frozen groups (`freeze_vit`, `freeze_llm`, and with `freeze_und`
+config's compute dtype. With LoRA (`lora_rank > 0`, models/lora.py) `params` are the adapters
+only (nnx.LoRAParam, fp32) and `base` the frozen model (nnx.Param, compute dtype), held once:
+the student is base + adapters, the EMA / fixed teacher base + its own adapter copy, and the
+optimizer, the EMA and the checkpoints touch the adapters only (`model_params`). Frozen groups (`freeze_vit`, `freeze_llm`, and with `freeze_und`
 everything but lm_head, see `frozen_groups`) are split off the params before differentiation, so
 the backward computes no gradient for them, they get no optimizer state, and they stay
 bit-identical; `grad_norm` is over the trained parameters only.
@@ -76,15 +79,31 @@ class LossSettings:
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any  # nnx.State of every nnx.Param (fp32), frozen groups included
+    params: Any  # nnx.State of every nnx.Param (fp32), frozen groups included; LoRA: adapters
     opt_state: Any  # optax state of the trainable groups only
-    teacher_params: Any  # nnx.State for 'ema' / 'fixed'; None for 'self'
+    teacher_params: Any  # nnx.State for 'ema' / 'fixed' (LoRA: adapters); None for 'self'
     rng: jax.Array
     # Consecutive non-finite steps up to now. Past `max_bad_steps` the step changes nothing at
     # all (not even `step`): the host reads a step's metrics one step late, and the state it
     # then saves must still be that of the last good step. Not checkpointed (a restarted run
     # counts afresh).
     bad_steps: jax.Array
+    # LoRA: the frozen base model (every non-adapter nnx.Param, in the compute dtype), shared
+    # by student, teacher and sampler; not checkpointed (the checkpoint names the HF weights it
+    # came from). None in full fine-tuning.
+    base: Any = None
+
+
+def model_params(params, base):
+    """The model's whole nnx.Param state: `params` alone, or LoRA adapters over the frozen
+    `base` (what nnx.merge(graphdef, ..., rest) takes)."""
+    return params if base is None else nnx.merge_state(params, base)
+
+
+def _fresh(tree):
+    # Fresh Variable objects: nnx refuses to merge Variables made at an outer trace level
+    # inside value_and_grad's.
+    return None if tree is None else jax.tree.map(lambda x: x, tree)
 
 
 def learning_rate_schedule(config) -> optax.Schedule:
@@ -486,11 +505,12 @@ def make_train_step(
 
         def accumulate(grads, packs):
             def loss_of(trainable):
-                # Fresh Variable objects for the frozen params: nnx refuses to merge Variables
-                # made at the outer trace level inside value_and_grad's.
-                frozen_here = jax.tree.map(lambda x: x, frozen_params)
-                params = merge_params(trainable, frozen_here, state.params)
-                return loss_fn(params, state.teacher_params, packs)
+                params = merge_params(trainable, _fresh(frozen_params), state.params)
+                base = _fresh(state.base)
+                teacher = state.teacher_params
+                if teacher is not None:
+                    teacher = model_params(_fresh(teacher), base)
+                return loss_fn(model_params(params, base), teacher, packs)
 
             (_, metrics), micro_grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
             return jax.tree.map(jnp.add, grads, micro_grads), metrics
@@ -531,11 +551,12 @@ def init_state(
     fixed_teacher_dtype="float32",
     teacher_source=None,
     frozen: tuple[str, ...] = (),
+    base=None,
 ) -> TrainState:
     """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
     which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
     checkpoint's EMA with `finetune_from_ema`); the optimizer state covers the params outside
-    the `frozen` groups."""
+    the `frozen` groups. With LoRA `params` are the adapters and `base` the frozen model."""
     source = params if teacher_source is None else teacher_source
     if teacher_mode == "ema":
         teacher = jax.tree.map(jnp.copy, source)
@@ -552,6 +573,7 @@ def init_state(
         teacher_params=teacher,
         rng=rng,
         bad_steps=jnp.zeros((), jnp.int32),
+        base=base,
     )
 
 
@@ -563,11 +585,13 @@ def abstract_state(
     *,
     fixed_teacher_dtype="float32",
     frozen: tuple[str, ...] = (),
+    abstract_base=None,
 ) -> TrainState:
     """The TrainState `init_state` would make, as ShapeDtypeStructs carrying their shardings
     (no memory): the restore target of a resume and the AOT compile's argument. `abstract_params`
     carry NamedShardings (mesh.abstract_model); the optimizer moments and the teacher are laid
-    out like their params, scalars and the rng key replicated."""
+    out like their params, scalars and the rng key replicated. LoRA: `abstract_params` are the
+    adapters, `abstract_base` the frozen base (kept as given)."""
     shapes = jax.eval_shape(
         lambda p: init_state(p, optimizer, teacher_mode, rng, fixed_teacher_dtype, frozen=frozen),
         abstract_params,
@@ -593,6 +617,7 @@ def abstract_state(
         teacher_params=teacher,
         rng=like(shapes.rng),
         bad_steps=like(shapes.bad_steps),
+        base=abstract_base,
     )
 
 
