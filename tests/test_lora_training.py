@@ -1,0 +1,193 @@
+"""LoRA training (lora_rank > 0): the step trains the adapters alone over a frozen base held
+once, the teachers are base + their own adapters, checkpoints hold adapters and name their
+base, and train.py resumes a LoRA run bit-identically and refuses a changed base in one line."""
+
+import json
+
+import builders
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_python
+from flax import nnx
+from test_train_cli import assert_same_params
+from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
+
+from models import lora
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax import run_config
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import train_step
+
+RANK, ALPHA, DECAY = 4, 8.0, 0.5
+
+
+def lora_config(**changes):
+    values = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=".*", compute_dtype="float32")
+    return optim_config(**dict(values, **changes))
+
+
+def lora_state(config, mode):
+    """(graphdef, rest, optimizer, TrainState) of the tiny model with the config's adapters."""
+    model = Bagel(
+        BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")), rngs=nnx.Rngs(0)
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    graphdef, params, rest = run_config.with_adapters(graphdef, params, rest, config, mesh)
+    with config.unlocked():
+        config.teacher_mode = mode
+    optimizer = train_step.make_optimizer(config)
+    state = run_config.init_train_state(config, optimizer, (), params)
+    return graphdef, rest, optimizer, state
+
+
+def flat(tree) -> dict:
+    return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(tree)}
+
+
+@pytest.mark.parametrize("mode", ["ema", "fixed"])
+def test_a_lora_step_moves_the_adapters_alone_and_the_teacher_is_base_plus_its_own(mode):
+    config = lora_config()
+    graphdef, rest, optimizer, state = lora_state(config, mode)
+    adapters, base = flat(state.params), flat(state.base)
+    assert adapters and all("/lora/lora_" in path for path in adapters)
+    assert not any("lora" in path for path in base)
+    assert {path.split("/")[0] for path in adapters} == {"language_model", "vit_model", "connector"}
+    # Optimizer moments exist for the adapters only (two per adapter entry, plus counters).
+    moments = sum(x.size for x in jax.tree.leaves(state.opt_state))
+    assert 2 * sum(a.size for a in adapters.values()) <= moments
+    assert moments <= 2 * sum(a.size for a in adapters.values()) + 16
+
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, builders.loss_settings(num_samples=2), mode)
+    step = train_step.make_train_step(
+        loss_fn,
+        optimizer,
+        teacher_mode=mode,
+        ema_decay=DECAY,
+        schedule=train_step.learning_rate_schedule(config),
+    )
+    micro = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    # At the start (B = 0) the adapted student is the base model: the loss a model without
+    # adapters gives on the same packs.
+    plain = Bagel(
+        BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none")), rngs=nnx.Rngs(0)
+    )
+    plain_graphdef, plain_params, plain_rest = nnx.split(plain, nnx.Param, ...)
+    plain_loss = train_step.make_opsd_loss(
+        plain_graphdef, plain_rest, builders.loss_settings(num_samples=2), "self"
+    )
+    one = tuple(jax.tree.map(lambda x: x[0], p) for p in micro)
+    expected, _ = plain_loss(plain_params, None, one)
+    teacher_before = flat(state.teacher_params)
+    state, metrics = step(state, micro)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected), rtol=1e-5)
+    assert float(metrics["grad_norm"]) > 0 and float(metrics["nonfinite"]) == 0
+    for path, value in flat(state.base).items():  # frozen: bit-identical
+        np.testing.assert_array_equal(value, base[path], err_msg=path)
+    after = flat(state.params)
+    assert any(not np.array_equal(after[p], adapters[p]) for p in adapters if "lora_b" in p)
+    teacher = flat(state.teacher_params)
+    assert set(teacher) == set(adapters)  # the teacher keeps adapters, not a model copy
+    for path in adapters:
+        if mode == "ema":  # phi <- d * phi + (1 - d) * theta, on the adapters
+            want = DECAY * teacher_before[path] + (1 - DECAY) * after[path]
+            np.testing.assert_allclose(teacher[path], want, rtol=1e-6, atol=1e-7, err_msg=path)
+        else:  # fixed: the initial adapters, for good
+            np.testing.assert_array_equal(teacher[path], teacher_before[path], err_msg=path)
+
+
+def test_the_base_is_held_in_the_compute_dtype_and_the_model_is_the_merged_one():
+    """base in bf16 (held once, shared); model_params = adapters over it, and its forward is
+    the merged model's (W + (alpha / r) A B): what the decode copy and the export compute."""
+    config = lora_config(compute_dtype="bfloat16")
+    graphdef, rest, _, state = lora_state(config, "self")
+    assert {x.dtype for x in jax.tree.leaves(state.base)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+    model = nnx.merge(graphdef, train_step.model_params(state.params, state.base), rest)
+    assert lora.has_adapters(model) and not lora.has_adapters(lora.merged(model))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(lora_rank=-1), "lora_rank=-1: must be an integer >= 0"),
+        (dict(lora_alpha=0.0), "lora_alpha=0.0: must be > 0"),
+        (dict(lora_targets="(q|k"), "lora_targets='(q|k': not a regular expression"),
+        (dict(freeze_vit=True), "freeze_vit=True with lora_rank=4"),
+        (
+            dict(resume_from="/tmp", resume_model_only=True),
+            "resume_model_only=True with lora_rank=4",
+        ),
+    ],
+)
+def test_bad_lora_values_are_named(changes, message):
+    config = run_config.complete(dict(dict(lora_rank=4, toy_data=True), **changes))
+    with pytest.raises(run_config.ConfigError, match=message.replace("(", r"\(")):
+        run_config.validate(config, check_files=False)
+
+
+def test_targets_that_match_nothing_are_named_with_the_model_paths():
+    config = run_config.complete(dict(lora_rank=4, lora_targets="language_model/attn/.*"))
+    with pytest.raises(ValueError, match="matches no projection of the model"):
+        run_config.lora_target_paths(config, BagelConfig.tiny())
+    assert len(run_config.lora_target_paths(run_config.complete({}), BagelConfig.tiny())) == 7
+
+
+LORA_RUN = [
+    "configs/smoke.py",
+    "--config.progress_bar=False",
+    "--config.lora_rank=4",
+    "--config.lora_targets=.*",
+    "--config.save_every=2",
+    "--config.log_every=1",
+    "--config.lr_scheduler=constant",
+    "--config.warmup_steps=0",
+]
+
+
+def train(results_dir, *overrides):
+    result = run_python(
+        "train.py", "--config", *LORA_RUN, f"--config.results_dir={results_dir}", *overrides
+    )
+    return result
+
+
+def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
+    straight = train(tmp_path / "straight", "--config.total_steps=6")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert "LoRA: " in straight.stdout and "trainable adapter parameters" in straight.stdout
+
+    first = train(tmp_path / "resumed", "--config.total_steps=4")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    step_dir = tmp_path / "resumed" / "checkpoints" / "4"
+    # The checkpoint holds the adapters alone and names the base they apply to.
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    assert (
+        meta["lora_base"]["weights"] in ("ema", "model") and len(meta["lora_base"]["digest"]) == 64
+    )
+    params_meta = json.loads((step_dir / "params" / "_METADATA").read_text())
+    keys = list(params_meta["tree_metadata"])
+    assert keys and all("lora" in key for key in keys), keys[:5]
+
+    # Another base at the same path (one weight changed): refused in one line, nothing run.
+    weights = next((tmp_path / "resumed" / "toy" / "model").glob("*.safetensors"))
+    original = weights.read_bytes()
+    changed = bytearray(original)
+    changed[-3] ^= 0xFF  # the last tensor's bytes: the header stays valid
+    weights.write_bytes(bytes(changed))
+    refused = train(tmp_path / "resumed", "--config.total_steps=6")
+    weights.write_bytes(original)
+    assert refused.returncode == 2  # a config error's code
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its LoRA adapters were trained on" in lines[0], refused.stderr
+    assert "step 5/" not in refused.stdout
+
+    resumed = train(tmp_path / "resumed", "--config.total_steps=6")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+    assert_same_params(
+        tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 6
+    )
