@@ -2,6 +2,7 @@
 
     python scripts/convert_hf.py hf-to-jax --hf_dir D --out O [--gen_expert] [--weights ema]
     python scripts/convert_hf.py jax-to-hf --ckpt O --source D --out D2 [--item ema_params]
+        [--adapters_only]
 
 hf-to-jax loads D with `opsd_jax.io.hf_load.load_hf` on a mesh over every local device (each tensor
 goes straight into its shard) and saves the params as the orbax item `O/params`, plus
@@ -11,6 +12,11 @@ is the checkpoint directory) onto the same kind of mesh, and writes D2 with
 `opsd_jax.io.hf_export.save_hf`: the source's key names, shapes, dtypes and file layout, tensors we do
 not hold copied from the source unchanged, and the other files of D copied. Both directions
 check everything before writing, so a failed conversion leaves no partial output.
+
+A LoRA run's checkpoint (lora_rank > 0) holds adapters only: jax-to-hf loads its base from D
+(refused unless D holds the weights the adapters were trained on), folds the adapters in and
+writes the merged model the same way; `--adapters_only` writes the adapters alone, PEFT-named
+over BAGEL's HF modules (opsd_jax/io/lora_export.py).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load
+from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load, lora_export
 from opsd_jax.io.safetensors_io import SafetensorsError, WeightDirectory
 from opsd_jax.parallel.mesh import make_mesh
 
@@ -63,7 +69,25 @@ def hf_to_jax(args) -> None:
 
 def jax_to_hf(args) -> None:
     start = time.time()
-    params = hf_export.restore_for_export(args.ckpt, args.source, make_mesh(), which=args.item)
+    is_lora = lora_export.lora_checkpoint(args.ckpt) is not None
+    if args.adapters_only:
+        if not is_lora:
+            raise checkpoint.CheckpointError(
+                f"--adapters_only: {args.ckpt} is not a LoRA checkpoint (it holds the whole model)"
+            )
+        out = lora_export.save_adapters(
+            args.ckpt, args.source, args.out, make_mesh(), which=args.item
+        )
+        print(
+            f"wrote the {args.item} adapters of {args.ckpt} to {out} in {time.time() - start:.1f}s"
+        )
+        return
+    if is_lora:  # the base from --source, the adapters folded in
+        merged = lora_export.restore_merged(args.ckpt, args.source, make_mesh(), which=args.item)
+        params = hf_export.flat_params(merged)
+        print(f"{args.ckpt}: LoRA adapters ({args.item}) merged into the base of {args.source}")
+    else:
+        params = hf_export.restore_for_export(args.ckpt, args.source, make_mesh(), which=args.item)
     out = hf_export.save_hf(
         params, args.out, args.source, weights=args.weights, overwrite=args.overwrite, progress=True
     )
@@ -106,6 +130,11 @@ def main(argv=None) -> None:
     to_hf.add_argument("--item", default=checkpoint.PARAMS, help="orbax item: params or ema_params")
     to_hf.add_argument("--weights", default=None, help="source weights: ema or model")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    to_hf.add_argument(
+        "--adapters_only",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters alone (PEFT names), not the merged model",
+    )
     to_hf.set_defaults(run=jax_to_hf)
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")

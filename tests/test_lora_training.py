@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 from conftest import run_python
 from flax import nnx
 from test_train_cli import assert_same_params
@@ -18,8 +19,10 @@ from models import lora
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
+from opsd_jax.io.safetensors_io import WeightDirectory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
+from scripts import convert_hf
 
 RANK, ALPHA, DECAY = 4, 8.0, 0.5
 
@@ -191,3 +194,52 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     assert_same_params(
         tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 6
     )
+    # The export: the merged model in BAGEL's HF layout is base + (alpha / r) B A, computed
+    # here in numpy from the source's weights and the adapters written alone (PEFT names).
+    run = tmp_path / "resumed"
+    source = run / "toy" / "model"
+    convert_hf.main(
+        [
+            "jax-to-hf",
+            "--ckpt",
+            str(run / "checkpoints"),
+            "--source",
+            str(source),
+            "--out",
+            str(run / "hf"),
+        ]
+    )
+    convert_hf.main(
+        [
+            "jax-to-hf",
+            "--ckpt",
+            str(run / "checkpoints"),
+            "--source",
+            str(source),
+            "--out",
+            str(run / "adapters"),
+            "--adapters_only",
+        ]
+    )
+    config = json.loads((run / "adapters" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base"]["digest"] == meta["lora_base"]["digest"]
+    adapters = safetensors.numpy.load_file(str(run / "adapters" / "adapter_model.safetensors"))
+    base, merged = WeightDirectory(source), WeightDirectory(run / "hf")
+    assert sorted(merged.keys()) == sorted(base.keys())
+    scale = config["lora_alpha"] / config["r"]
+    checked = 0
+    for key in base.keys():
+        module = key.removesuffix(".weight")
+        a = adapters.get(f"base_model.model.{module}.lora_A.weight")
+        w, m = base.array(key).astype(np.float64), merged.array(key).astype(np.float64)
+        if a is None:
+            np.testing.assert_array_equal(m, w, err_msg=key)  # not adapted: unchanged
+            continue
+        b = adapters[f"base_model.model.{module}.lora_B.weight"].astype(np.float64)
+        want = w + scale * b @ a.astype(np.float64)
+        # Written in the source's dtype: to its rounding (bf16: 2^-8 relative).
+        rtol = 2.0**-8 if base.info(key).dtype == "BF16" else 1e-6
+        np.testing.assert_allclose(m, want, rtol=rtol, atol=1e-7, err_msg=key)
+        assert not np.allclose(m, w)  # trained adapters: the weight moved
+        checked += 1
+    assert checked == 2 * 7 + 2 * 6 + 1 + 2  # LM: 2 layers x 7; ViT: 2 x 6 + patch; connector

@@ -129,7 +129,10 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     )
 
     def make_model():
-        return Bagel(model_config, rngs=nnx.Rngs(0))
+        model = Bagel(model_config, rngs=nnx.Rngs(0))
+        if config.lora_rank:
+            builds.attach_adapters(model, config)
+        return model
 
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
@@ -201,7 +204,9 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         # (jax's local device count is this machine's CPU, not the target's).
         tensor = mesh_lib.tensor_size_for(heads, count) if layout == "tensor" else None
         view = mesh_lib.decode_mesh(mesh, layout, tensor)
-        model_state = nnx.merge_state(state.params, abstract_rest)
+        model_state = nnx.merge_state(
+            train_step.model_params(state.params, state.base), abstract_rest
+        )
         copy_graphdef, copy = decode_copy.abstract_decode_copy(
             graphdef, model_state, view, config.compute_dtype
         )
@@ -211,7 +216,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
             f"decode-copy refresh ('{layout}' on {dict(view.shape)})",
             refresh.lower(model_state),
             view,
-            resident - device_memory.bytes_per_device(state.params),
+            resident - device_memory.bytes_per_device((state.params, state.base)),
         )
         cache_dtype = jnp.dtype(builds.cache_dtype_for(config.compute_dtype))
         for name, rows, new_tokens, patches in rollouts:
