@@ -41,7 +41,7 @@ from opsd_jax.data.pipeline import make_iterator
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
 from opsd_jax.io import checkpoint as checkpoint_lib
-from opsd_jax.io import compile_cache, disk_errors, init_weights, run_lock, weights_digest
+from opsd_jax.io import compile_cache, disk_errors, hf_load, init_weights, run_lock, weights_digest
 from opsd_jax.io.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -51,7 +51,7 @@ from opsd_jax.io.checkpoint import (
 from opsd_jax.io.hf_layout import HFCheckpointError
 from opsd_jax.io.hf_load import load_hf, read_config
 from opsd_jax.io.safetensors_io import SafetensorsError
-from opsd_jax.parallel import distributed
+from opsd_jax.parallel import device_memory, distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.run_config import preflight
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
@@ -191,7 +191,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         + (" (auto)" if config.attention_backend == "auto" else "")
     )
     lora_base = None  # LoRA: the base weights' identity, recorded in every checkpoint
-    if resumed and not config.lora_rank:
+    if resumed and not config.lora_rank and config.weights != hf_load.RANDOM_WEIGHTS:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.
         model, model_config, tokenizer = load_hf(
@@ -662,6 +662,12 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     )
     if cache_dir:
         say(cache_counter.describe(cache_dir))
+    peak = device_memory.allocator_peak()
+    if peak is not None:  # a GPU's allocator (bench/gpu_check.py reads this line)
+        say(
+            f"device memory: peak {peak[0] / 2**30:.2f} GiB in use of {peak[1] / 2**30:.2f} GiB "
+            f"on {jax.local_devices()[0].device_kind}"
+        )
     for line in end.lines(config, checkpoint_dir, summary):
         say(line)
     if distributed.is_main() and (summary.evals or summary.losses):

@@ -22,6 +22,11 @@ program's peak memory is its own):
              once per step); in the B = 8 process, the decode attention kernel alone at the
              recipe's per-device share; with 4+ GPUs, the round at B = 8 on the 'tensor' decode
              layout over 4 of them (its own process);
+  train      train.py itself (bench/gpu_check_train.py): a 7B-width model of `--train-layers`
+             layers in the BAGEL HF layout, full and LoRA, a few steps with a save and a
+             resume, the step split into sample / step / pack; on an H200 the one-GPU LoRA
+             recipe at the real 28 layers (random weights in memory), its step time and peak
+             memory next to the preflight's;
 
 and for grad_step and decode the peak memory the allocator saw next to what the same program
 compiled for the `--target` GPU without one predicts (opsd_jax/parallel/gpu_target.py, the
@@ -32,6 +37,7 @@ What fails (the thresholds are the named constants below; a failing row says whi
   parity     an error above PARITY_MAX_ERROR (2e-2, the output's bf16 rounding with margin);
   attention  a case bench/attention.py could not run;
   grad_step  MFU below MIN_GRAD_STEP_MFU (0.5: the MFU bench/scale.py's projection assumes);
+  train      a train.py launch that fails, does not resume, or logs a non-finite loss;
   decode     at B = 8, tokens/s below MIN_DECODE_ROOFLINE (60%) of the HBM roofline, on one
              GPU and on the 'tensor' layout with 4 (per-device bytes: its weight shard and its
              cache share); the kernel alone below MIN_KERNEL_HBM (60%) of the HBM bandwidth.
@@ -68,7 +74,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RESULT = "RESULT "  # prefix of the lines a section's process prints
-SECTIONS = ("parity", "attention", "grad_step", "decode")
+SECTIONS = ("parity", "attention", "grad_step", "decode", "train")
 DECODE_BATCHES = (1, 8, 32)  # rows of the decode round, each in its own process
 
 # ---- thresholds: every figure a row is judged by ------------------------------------------------
@@ -109,6 +115,9 @@ def parse_args():
         "kind, h100 in a dry run)",
     )
     parser.add_argument("--layers", type=int, default=4, help="LM layers of the grad step")
+    parser.add_argument(
+        "--train-layers", type=int, default=2, help="LM layers of the train section's model"
+    )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--section", help=argparse.SUPPRESS)  # run one section, print RESULTs
@@ -202,6 +211,13 @@ def predicted_peak(lower_for, args, decode: bool = False) -> int:
 
 
 # ---- sections -----------------------------------------------------------------------------------
+
+
+def section_train(args):
+    """train.py itself: bench/gpu_check_train.py (beside this script)."""
+    import gpu_check_train
+
+    gpu_check_train.section_train(args, emit, target_name(args))
 
 
 def section_parity(args):
@@ -792,6 +808,8 @@ def run_section(name, args, *extra, env=None) -> list[dict]:
         str(args.layers),
         "--repeats",
         str(args.repeats),
+        "--train-layers",
+        str(args.train_layers),
         *extra,
     ]
     command += ["--dry-run"] if args.dry_run else []

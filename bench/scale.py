@@ -117,6 +117,19 @@ def parse_args():
     parser.add_argument("--num-tensor", type=int, default=1, help="mesh 'tensor' axis")
     parser.add_argument("--model", choices=("7b", "tiny"), default="7b")
     parser.add_argument(
+        "--config",
+        default="configs/thinkmorph_7b.py",
+        help="the recipe (micro-batches, sampling, LoRA, layout); default the paper's on 8 "
+        "GPUs, configs/thinkmorph_7b_1gpu.py for one",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=None,
+        help="LoRA adapters of this rank (alpha = rank) on the recipe's lora_targets; 0: full "
+        "fine-tuning; default: the recipe's lora_rank",
+    )
+    parser.add_argument(
         "--samples",
         type=int,
         default=None,
@@ -179,7 +192,6 @@ def main():
     import jax.numpy as jnp
     from flax import nnx
 
-    from configs import thinkmorph_7b
     from models import decode_attention_pallas
     from models.bagel import Bagel
     from models.configs import BagelConfig
@@ -191,7 +203,10 @@ def main():
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
     from opsd_jax.training import train_step
 
-    recipe = thinkmorph_7b.get_config()
+    recipe = run_config.load_config_file(args.config)
+    if args.lora_rank is not None:
+        with recipe.unlocked():
+            recipe.lora_rank, recipe.lora_alpha = args.lora_rank, float(max(args.lora_rank, 1))
     collective_latency = layout_choice.PLATFORMS["gpu"][1]
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
     accum = recipe.gradient_accumulation_steps
@@ -253,33 +268,43 @@ def main():
 
     # ---- abstract model and state (no memory) -----------------------------------------------
     def make_model():
-        return Bagel(model_config, rngs=nnx.Rngs(0))
+        model = Bagel(model_config, rngs=nnx.Rngs(0))
+        if recipe.lora_rank:
+            run_config.attach_adapters(model, recipe)
+        return model
 
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     # The non-parameter state (the fixed sin-cos table) is real where a program closes over it
     # (the train step does), made on the host; as an argument it is abstract like the params.
     rest = gpu_target.host_rest(make_model)
-    optimizer = train_step.make_optimizer(recipe)
 
     # The state train.py compiles its step for: optimizer moments and the EMA laid out like
-    # their params, counters replicated.
-    abstract_state = train_step.abstract_state(abstract_params, optimizer, "ema", jax.random.key(0))
+    # their params, counters replicated; with LoRA, of the adapters, and the frozen base.
+    optimizer, _, abstract_state = run_config.abstract_train_state(recipe, abstract_params)
     params_bytes = device_memory.bytes_per_device(abstract_state.params)
     opt_bytes = device_memory.bytes_per_device(abstract_state.opt_state)
     teacher_bytes = device_memory.bytes_per_device(abstract_state.teacher_params)
+    base_bytes = device_memory.bytes_per_device(abstract_state.base)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     lm_matmul = sum(
         x.size
         for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]
         if "layers" in jax.tree_util.keystr(p) and "language_model" in jax.tree_util.keystr(p)
     )
-    print(
-        f"\nper device: params {params_bytes / GIB:.2f} GiB (fp32 master, {num_params / 1e9:.2f}"
-        f"B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA teacher "
-        f"{teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB"
+    lora = (
+        f"LoRA rank {recipe.lora_rank} adapters on {recipe.lora_targets!r}: "
+        f"{sum(x.size for x in jax.tree.leaves(abstract_state.params)) / 1e6:.1f}M trained "
+        f"parameters, frozen {recipe.compute_dtype} base {base_bytes / GIB:.2f} GiB; "
+        if recipe.lora_rank
+        else ""
     )
-    resident = params_bytes + opt_bytes + teacher_bytes + params_bytes
+    print(
+        f"\nper device: {lora}params {params_bytes / GIB:.2f} GiB (fp32 master, "
+        f"{num_params / 1e9:.2f}B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA "
+        f"teacher {teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB"
+    )
+    resident = params_bytes + opt_bytes + teacher_bytes + params_bytes + base_bytes
 
     # ---- programs -----------------------------------------------------------------------------
 
@@ -339,7 +364,11 @@ def main():
         teacher = pack(samples, teacher_len, args.teacher_patches, args.loss_entries)
         with mesh_lib.use_mesh(mesh):
             lowered = grad_step.lower(
-                abstract_state.params, abstract_state.teacher_params, student, teacher
+                abstract_state.params,
+                abstract_state.teacher_params,
+                student,
+                teacher,
+                abstract_state.base,
             )
             return compile_program(lowered, mesh)
 
@@ -404,7 +433,10 @@ def main():
     # The update streams the fp32 params, gradients, moments and EMA through HBM once per step:
     # it reads every argument and writes every output at least once (what its kernels are
     # counted to move, where the GPU program shows more, is taken instead).
-    update_bytes = update_memory.argument_size_in_bytes + update_memory.output_size_in_bytes
+    # A LoRA state's frozen base passes through the update untouched (forwarded, not copied).
+    update_bytes = (
+        update_memory.argument_size_in_bytes + update_memory.output_size_in_bytes - 2 * base_bytes
+    )
     if on_gpu:
         counted = hbm_traffic.total_bytes(hbm_traffic.outside_loops(update_compiled.as_text()))
         update_bytes = max(update_bytes, counted)
@@ -432,7 +464,9 @@ def main():
         vocab_limit=llm.vocab_size,
         max_steps=new_tokens + 1,
     )
-    model_state = nnx.merge_state(abstract_state.params, abstract_rest)
+    model_state = nnx.merge_state(
+        train_step.model_params(abstract_state.params, abstract_state.base), abstract_rest
+    )
     layouts = {}
     heads = layout_choice.head_counts(model_config)
     for layout in ("replicated", "tensor"):  # 'auto' picks one of them (below)
@@ -632,8 +666,11 @@ def main():
     # ---- projection ----------------------------------------------------------------------------
     tokens_student = samples * args.student_len
     tokens_teacher = samples * args.teacher_len
+    # The student's forward and backward: 6·N·tokens, or 4·N·tokens with LoRA (a frozen base
+    # has no weight gradient; the adapters' matmuls are negligible).
+    train_factor = 4 if recipe.lora_rank else 6
     analytic = (
-        6 * lm_matmul * tokens_student
+        train_factor * lm_matmul * tokens_student
         + 2 * lm_matmul * tokens_student  # + remat
         + 2 * lm_matmul * tokens_teacher
     ) / n
@@ -665,7 +702,7 @@ def main():
         f"direction):"
     )
     print(
-        f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic 6·N·tokens + remat "
+        f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic {train_factor}·N·tokens + remat "
         f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
         f"layer params) + attention {attention:.4g} (causal rows with bidirectional image "
         f"blocks of {args.student_patches} / {args.teacher_patches} patches; all causal: "

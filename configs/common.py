@@ -16,7 +16,8 @@ def base_config() -> ml_collections.ConfigDict:
     # --- model ------------------------------------------------------------------------------------
     c.model_path = ""  # BAGEL / ThinkMorph HF directory (llm_config.json, vit_config.json, ...)
     # auto: as the PyTorch launcher, the student from model.safetensors and the EMA teacher from
-    # ema.safetensors when both exist (else the one file for both); ema | model: that file for all.
+    # ema.safetensors when both exist (else the one file for both); ema | model: that file for all;
+    # random: no weights read, the configs' model drawn from global_seed (benchmarks at real shapes).
     c.weights = "auto"
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
     # auto (pallas on GPU else chunked) | chunked | dense (CPU, one sample per row) | pallas | cudnn

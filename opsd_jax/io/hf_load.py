@@ -157,7 +157,10 @@ def open_weights(hf_dir: Path, weights: str | None) -> WeightDirectory:
         raise HFCheckpointError(str(e)) from None
 
 
-WEIGHT_CHOICES = ("auto",) + WEIGHT_STEMS
+# "random": no weights file is read; the model of the directory's configs, randomly initialised
+# (`random_model`): a benchmark at real shapes without writing or reading gigabytes.
+RANDOM_WEIGHTS = "random"
+WEIGHT_CHOICES = ("auto",) + WEIGHT_STEMS + (RANDOM_WEIGHTS,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +274,29 @@ def load_hf(
         read_params=read_params,
     )
     return nnx.merge(graphdef, state), config, bagel_tokenizer
+
+
+def random_model(
+    hf_dir: str | os.PathLike,
+    mesh: jax.sharding.Mesh,
+    seed: int,
+    *,
+    config_changes: Mapping[str, Any] | None = None,
+    rules=mesh_lib.LOGICAL_RULES,
+) -> tuple[Bagel, BagelConfig, BagelTokenizer]:
+    """(model, config, tokenizer) as `load_hf` gives them, the weights randomly initialised
+    from `seed` in their shardings on `mesh` (no device holds the whole model), no weights file
+    read: the directory needs its two config files and the tokenizer only."""
+    hf_dir = Path(hf_dir)
+    changes = dict(config_changes or {})
+    changes["llm"] = {**dict(changes.get("llm", {})), "build_gen_expert": False}
+    config = read_config(hf_dir, **changes)
+    tokenizer = load_tokenizer(hf_dir)
+    grown = _grown_vocab(config, tokenizer)
+    if grown != config.llm.vocab_size:
+        config = config.replace(llm=dict(vocab_size=grown))
+    model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(seed)), mesh, rules)
+    return model, config, tokenizer
 
 
 def load_weights(

@@ -24,6 +24,7 @@ resume of a LoRA run reads the base here too (a checkpoint holds the adapters on
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -48,7 +49,13 @@ class StartingWeights:
 
 def base_identity(config, *, full_resume: bool = False) -> dict:
     """LoRA: the identity (weights_digest.identity) of the base `load` starts from: the
-    student's weights file of model_path."""
+    student's weights file of model_path (with weights='random', the seed it is drawn from)."""
+    if config.weights == hf_load.RANDOM_WEIGHTS:
+        return {
+            "model_path": os.path.abspath(config.model_path),
+            "weights": hf_load.RANDOM_WEIGHTS,
+            "digest": f"random initialisation, seed {config.global_seed}",
+        }
     from_ema = config.finetune_from_ema and not full_resume
     stem = hf_load.initial_weights(config.model_path, config.weights, finetune_from_ema=from_ema)
     return weights_digest.identity(config.model_path, stem.student)
@@ -56,6 +63,8 @@ def base_identity(config, *, full_resume: bool = False) -> dict:
 
 def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> StartingWeights:
     """The model, tokenizer and starting weights a training `config` asks for, on `mesh`."""
+    if config.weights == hf_load.RANDOM_WEIGHTS:
+        return _random_start(config, mesh, config_changes, full_resume)
     model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
     from_ema = config.finetune_from_ema and not full_resume
     files = hf_load.initial_weights(
@@ -121,3 +130,15 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     return StartingWeights(
         graphdef, params, rest, model_config, tokenizer, teacher_source, description
     )
+
+
+def _random_start(config, mesh, config_changes, full_resume: bool) -> StartingWeights:
+    """weights='random': the model of model_path's configs drawn from global_seed (a benchmark
+    at real shapes); every teacher copy starts from the student's weights."""
+    model, model_config, tokenizer = hf_load.random_model(
+        config.model_path, mesh, config.global_seed, config_changes=config_changes
+    )
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    description = f"random weights (seed {config.global_seed}) for every copy"
+    base = base_identity(config, full_resume=full_resume) if config.lora_rank else None
+    return StartingWeights(graphdef, params, rest, model_config, tokenizer, None, description, base)

@@ -30,3 +30,12 @@ def bytes_per_device(tree) -> int:
     return sum(
         math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)
     )
+
+
+def allocator_peak() -> tuple[int, int] | None:
+    """(the most bytes this process's first device held at once, its limit) as its allocator
+    reports them; None where it reports nothing (a CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"], stats.get("bytes_limit", 0)

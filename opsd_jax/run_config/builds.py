@@ -270,14 +270,13 @@ def abstract_train_state(config, abstract_params) -> tuple:
     """(the optimizer, the frozen parameter groups, the TrainState as abstract arrays laid out
     like `abstract_params`) as the config sets them up: what the train step compiles for.
     `abstract_params`: the model's whole nnx.Param state (with LoRA, adapters and base)."""
-    params, base = jax.eval_shape(lambda p: split_for_training(p, config), abstract_params)
-    if base is not None:  # laid out as the weights it is cast from
+    params, base = abstract_params, None
+    if config.lora_rank:  # the base laid out as the weights it is cast from
+        params, weights = nnx.split_state(abstract_params, nnx.LoRAParam, ...)
+        dtype = jax.numpy.dtype(config.compute_dtype)
         base = jax.tree.map(
-            lambda b, p: jax.ShapeDtypeStruct(b.shape, b.dtype, sharding=p.sharding),
-            base,
-            nnx.split_state(abstract_params, nnx.LoRAParam, ...)[1],
+            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), weights
         )
-        params = nnx.split_state(abstract_params, nnx.LoRAParam, ...)[0]
     optimizer = train_step.make_optimizer(config)
     frozen = train_step.frozen_groups(config, params)
     state = train_step.abstract_state(

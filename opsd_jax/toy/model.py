@@ -267,8 +267,10 @@ def write_toy_model(
     tokenizer_vocab_size: int = 1000,
     special_tokens=QWEN2_SPECIAL_TOKENS,
     config: BagelConfig | None = None,
+    weights: bool = True,
 ) -> Path:
-    """Write the toy directory; returns its path. `config` defaults to BagelConfig.tiny()."""
+    """Write the toy directory; returns its path. `config` defaults to BagelConfig.tiny().
+    `weights=False` writes the configs and the tokenizer only (for `weights='random'` runs)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = config or BagelConfig.tiny()
@@ -294,5 +296,6 @@ def write_toy_model(
     (out_dir / hf_layout.VIT_CONFIG).write_text(
         json.dumps(vit_config_json(config), indent=2) + "\n"
     )
-    write_weights(out_dir, toy_tensors(config, seed), dtype, weights_name, num_shards)
+    if weights:
+        write_weights(out_dir, toy_tensors(config, seed), dtype, weights_name, num_shards)
     return out_dir

@@ -346,16 +346,20 @@ def make_loss(mode: str, graphdef, rest, settings: LossSettings, teacher_mode: s
 
 
 def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
-    """jit(params, teacher_params, student_pack, teacher_pack) -> (grads, metrics) of one OPSD
-    micro-batch: the body of the train step's scan, alone (bench/scale.py and bench/gpu_check.py
-    compile it for the GPU target; the layout tests read its program)."""
+    """jit(params, teacher_params, student_pack, teacher_pack[, base]) -> (grads, metrics) of
+    one OPSD micro-batch: the body of the train step's scan, alone (bench/scale.py and
+    bench/gpu_check.py compile it for the GPU target; the layout tests read its program). With
+    a LoRA `base`, params and teacher_params are adapters and the grads are theirs."""
     loss_fn = make_opsd_loss(graphdef, rest, settings, teacher_mode)
 
     @jax.jit
-    def grad_step(params, teacher_params, student_pack, teacher_pack):
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, teacher_params, (student_pack, teacher_pack)
-        )
+    def grad_step(params, teacher_params, student_pack, teacher_pack, base=None):
+        def loss_of(params):
+            here = _fresh(base)
+            teacher = None if teacher_params is None else model_params(teacher_params, here)
+            return loss_fn(model_params(params, here), teacher, (student_pack, teacher_pack))
+
+        (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
         return grads, metrics
 
     return grad_step
