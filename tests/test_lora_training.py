@@ -20,6 +20,7 @@ from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
 from opsd_jax.io.safetensors_io import WeightDirectory
+from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 from scripts import convert_hf
@@ -243,3 +244,30 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
         assert not np.allclose(m, w)  # trained adapters: the weight moved
         checked += 1
     assert checked == 2 * 7 + 2 * 6 + 1 + 2  # LM: 2 layers x 7; ViT: 2 x 6 + patch; connector
+
+
+def test_on_a_mesh_the_base_is_sharded_as_the_weights_and_the_adapters_replicated():
+    """The layout the train step is compiled for, on 8 devices (fsdp): the frozen base keeps
+    the weights' FSDP shards (a replicated base would hold the whole model on every device),
+    the adapters and their optimizer moments and EMA are whole on every device (small; their
+    gradient is one all-reduce)."""
+    config = lora_config(compute_dtype="bfloat16", teacher_mode="ema")
+    mesh = mesh_lib.make_mesh(1, None, 1)
+    assert mesh.devices.size == 8
+
+    def make():
+        model = Bagel(BagelConfig.tiny(), rngs=nnx.Rngs(0))
+        run_config.attach_adapters(model, config)
+        return model
+
+    _, abstract = mesh_lib.abstract_model(make, mesh)
+    params, _ = nnx.split_state(abstract, nnx.Param, ...)
+    _, _, state = run_config.abstract_train_state(config, params)
+    weights = nnx.split_state(params, nnx.LoRAParam, ...)[1]
+    for (path, b), w in zip(nnx.to_flat_state(state.base), jax.tree.leaves(weights)):
+        assert b.dtype == jnp.bfloat16 and b.sharding == w.sharding, path
+    whole = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.base))
+    assert device_memory.bytes_per_device(state.base) < 0.3 * whole  # the kernels are split
+    for tree in (state.params, state.teacher_params, state.opt_state):
+        for x in jax.tree.leaves(tree):
+            assert x.sharding.is_fully_replicated, x
