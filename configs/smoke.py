@@ -23,7 +23,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     # --- model: an HF directory in BAGEL's layout; the toy one is made if absent ---------------
     config.model_path = ""  # empty: <results_dir>/toy_model, written by opsd_jax/toy/model.py
-    # CPU choices, measured with bench/vs_pytorch.py (README, "Precision and memory"): fp32
+    # CPU choices, measured with bench/vs_pytorch.py (docs/performance.md, On a CPU): fp32
     # (bf16 matmuls are slower on XLA:CPU), every activation kept, the layer loop unrolled, and
     # 128-token attention tiles (a padded 512 tile is paid in full on a CPU). The attention
     # stays `auto` (chunked): with two samples per row it skips the blocks between them, and
@@ -56,7 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
     # patches, a completion up to 26 tokens (25 loss entries). So two teacher views always fit
     # 1024 tokens / 256 patches; two student views fit 512 tokens unless both contexts and both
     # completions are near their longest (then a completion is cut; `pack/truncated` counts it).
-    # The derived sizes (README) would be 1024 / 1024 patches, 768 / 128 patches, 128 entries:
+    # The derived sizes (docs/configuration.md) would be 1024 / 1024 patches, 768 / 128 patches, 128 entries:
     # safe for any data, slower here.
     config.pack_row_tokens = 1024
     config.pack_row_patches = 256

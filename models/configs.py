@@ -90,7 +90,7 @@ class Qwen2Config:
     # (bench/scale.py, tests/test_gpu_compile.py). Costs compile time, once per cache size.
     unroll_decode_layers: bool = True
     # Query / key tile of the chunked attention backend. 512 suits a GPU; on a CPU, where the
-    # padded part of a tile is paid in full, 128 is faster (bench/vs_pytorch.py, README).
+    # padded part of a tile is paid in full, 128 is faster (bench/vs_pytorch.py, docs/performance.md).
     attention_block: int = 512
 
     def __post_init__(self):
