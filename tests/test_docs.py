@@ -81,3 +81,141 @@ def test_a_missing_section_or_file_is_found():
     ]
     layout = (ROOT / "docs" / "bagel_layout.md").read_text(encoding="utf-8")
     assert "8" in items(layout, "10") and "99" not in items(layout, "10")
+
+
+# --- docs/configuration.md's table against configs/common.py ---------------------------------
+
+CONFIGURATION = ROOT / "docs" / "configuration.md"
+# The order in which the table states `data.image_transform` (ConfigDict iterates sorted keys).
+IMAGE_TRANSFORM_ORDER = ("max_size", "min_size", "stride", "max_pixels")
+
+
+def config_table(text: str) -> list[tuple[list[str], str]]:
+    """The key table's rows: (the backquoted names of the first column, the default cell)."""
+    rows = []
+    for line in text.splitlines():
+        # Cells split at unescaped pipes (a `\|` inside a code span is part of the value).
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 3 and cells[0] not in ("key", "---"):
+            rows.append((re.findall(r"`([^`]+)`", cells[0]), cells[1]))
+    return rows
+
+
+def documented_keys() -> dict:
+    """Every key the docs must name: the top-level keys and `data.*`, with their defaults."""
+    from configs import common
+
+    config = common.base_config()
+    keys = {k: v for k, v in config.items() if k != "data"}
+    keys.update({f"data.{k}": v for k, v in config.data.items()})
+    return keys
+
+
+def split_values(cell: str) -> list[str]:
+    """A default cell's values: split at ', ' outside parentheses and code spans."""
+    values, depth, code, start = [], 0, False, 0
+    for i, ch in enumerate(cell):
+        if ch == "`":
+            code = not code
+        elif not code and ch == "(":
+            depth += 1
+        elif not code and ch == ")":
+            depth -= 1
+        elif not code and depth == 0 and cell.startswith(", ", i):
+            values.append(cell[start:i])
+            start = i + 2
+    return values + [cell[start:]]
+
+
+def parse_value(text: str):
+    """One stated default: a code span is the value as written; otherwise the text before any
+    note in parentheses: True / False, a number, '' (the empty string) or a bare string."""
+    text = text.strip()
+    if text.startswith("`"):
+        return text[1 : text.index("`", 1)].replace("\\|", "|")
+    text = re.sub(r"\s*\(.*\)$", "", text).strip()
+    if text in ("True", "False"):
+        return text == "True"
+    if text == "''":
+        return ""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def default_problems(names: list[str], cell: str, defaults: dict) -> list[str]:
+    """Where a row's stated defaults contradict configs/common.py. Scalars are compared as
+    values; the nested dict (the image transform) by the numbers the cell lists, in order; an
+    empty list as `[]`; a tuple (the prompt buckets) is described in words and not compared."""
+    if all(isinstance(defaults[n], tuple) for n in names):
+        return []
+    values = split_values(cell)
+    if len(values) == 1:
+        values = values * len(names)  # one value for every key of the row
+    if len(values) != len(names):
+        return [f"{', '.join(names)}: {len(values)} defaults for {len(names)} keys: {cell!r}"]
+    problems = []
+    for name, text in zip(names, values, strict=True):
+        actual = defaults[name]
+        if hasattr(actual, "items"):
+            stated = [int(n.replace(",", "")) for n in re.findall(r"[0-9][0-9,]*", text)]
+            same = stated == [actual[k] for k in IMAGE_TRANSFORM_ORDER]
+        elif isinstance(actual, list):
+            same = text.strip() == "[]" and actual == []
+        elif isinstance(actual, tuple):
+            continue
+        else:
+            stated = parse_value(text)
+            if type(stated) is bool or type(actual) is bool or isinstance(actual, str):
+                same = stated == actual and type(stated) is type(actual)
+            else:
+                same = isinstance(stated, (int, float)) and stated == actual
+        if not same:
+            problems.append(f"{name}: the doc says {text.strip()!r}, configs/common.py {actual!r}")
+    return problems
+
+
+def config_table_problems(text: str) -> list[str]:
+    defaults = documented_keys()
+    rows = config_table(text)
+    named = [name for names, _ in rows for name in names]
+    problems = [f"{k}: not in docs/configuration.md" for k in defaults if k not in named]
+    problems += [f"{n}: in docs/configuration.md, not a key" for n in named if n not in defaults]
+    problems += [f"{n}: named twice" for n in sorted(set(named)) if named.count(n) > 1]
+    for names, cell in rows:
+        if all(n in defaults for n in names):
+            problems += default_problems(names, cell, defaults)
+    return problems
+
+
+def test_configuration_doc_names_every_key_with_its_default():
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    assert len(config_table(text)) >= 40  # the scan sees the table
+    problems = config_table_problems(text)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_missing_key_a_made_up_key_or_a_wrong_default_is_found():
+    text = CONFIGURATION.read_text(encoding="utf-8")
+    row = "| `jsd_weight`, `ce_weight`, `loss_reduction` | 1.0, 0.0, seq_mean |"
+    assert row in text
+    # A key left out of the table.
+    missing = text.replace(row, "| `jsd_weight`, `loss_reduction` | 1.0, seq_mean |")
+    assert config_table_problems(missing) == ["ce_weight: not in docs/configuration.md"]
+    # A name that is no key.
+    made_up = text.replace(row, row.replace("`ce_weight`", "`ce_weight`, `ce_wieght`"))
+    assert "ce_wieght: in docs/configuration.md, not a key" in config_table_problems(made_up)
+    # A default that contradicts the code, and one of the wrong type.
+    wrong = text.replace(row, row.replace("1.0, 0.0, seq_mean", "1.0, 0.5, seq_mean"))
+    assert config_table_problems(wrong) == ["ce_weight: the doc says '0.5', configs/common.py 0.0"]
+    flag = text.replace("| `unroll_layers` | False |", "| `unroll_layers` | 0 |")
+    assert config_table_problems(flag) == [
+        "unroll_layers: the doc says '0', configs/common.py False"
+    ]
+    pixels = text.replace("980 / 378 / 14 / 2,007,040", "980 / 378 / 14 / 1,806,336")
+    assert config_table_problems(pixels)[0].startswith("data.image_transform: the doc says")
