@@ -219,3 +219,97 @@ def test_a_missing_key_a_made_up_key_or_a_wrong_default_is_found():
     ]
     pixels = text.replace("980 / 378 / 14 / 2,007,040", "980 / 378 / 14 / 1,806,336")
     assert config_table_problems(pixels)[0].startswith("data.image_transform: the doc says")
+
+
+# --- every repository path the code and the docs cite exists ------------------------------------
+
+# A path of this repository: it starts at one of its top-level folders or files.
+TOP_LEVEL = ("models", "opsd_jax", "configs", "scripts", "bench", "tests", "docs", ".ci")
+TOP_FILES = r"train\.py|README\.md|DESIGN\.md|pyproject\.toml|requirements(?:-\w+)?\.txt"
+REPO_PATH = re.compile(
+    r"(?<![\w./<>{}$~-])((?:" + "|".join(re.escape(d) for d in TOP_LEVEL) + r")/[\w./*-]*"
+    r"|(?:" + TOP_FILES + r")(?![\w.-]))"
+)
+# Paths of other repositories that share a top-level folder name with ours, cited as theirs.
+OTHER_REPOSITORIES = (
+    "scripts/visual_opsd/",  # the PyTorch Visual-OPSD trainer (TiezMind/Visual-OPSD)
+    "docs/en/",  # VLMEvalKit's documentation (open-compass/VLMEvalKit)
+)
+# Paths that must not exist: a test's made-up config file.
+MADE_UP = ("configs/nope.py",)  # tests/test_train_cli.py: --config of a missing file
+
+
+def cited_paths(text: str) -> list[tuple[str, int]]:
+    """The repository paths a text names, each with its offset: `opsd_jax/io/hf_load.py`,
+    `configs/toy_*.py`, `models/layers.scan_layers` (a module and a name in it), `docs/`."""
+    found = []
+    for m in REPO_PATH.finditer(text):
+        path = m.group(1).rstrip(".,")  # a sentence's full stop or comma is not part of it
+        if not path.startswith(OTHER_REPOSITORIES) and path not in MADE_UP:
+            found.append((path, m.start()))
+    return found
+
+
+def path_problem(path: str) -> str | None:
+    """None when `path` names what exists: a file or folder, a glob matching at least one
+    file, or `module.name` with `name` in the module's source."""
+    if "*" in path:
+        return None if list(ROOT.glob(path)) else "matches no file"
+    if (ROOT / path).exists():
+        return None
+    module, _, name = path.rpartition(".")
+    source = ROOT / f"{module}.py"
+    if module and name.isidentifier() and source.is_file():
+        found = re.search(rf"\b{re.escape(name)}\b", source.read_text(encoding="utf-8"))
+        return None if found else f"{module}.py has no {name}"
+    return "no such file or folder"
+
+
+def citing_files() -> list[pathlib.Path]:
+    code = [
+        p
+        for d in ("models", "opsd_jax", "configs", "scripts", "bench", "tests")
+        for p in (ROOT / d).rglob("*.py")
+        if p.name != "test_docs.py"  # its examples below are made up on purpose
+    ]
+    return code + [ROOT / "train.py", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_repository_path_cited_in_the_code_and_the_docs_exists():
+    problems, count = [], 0
+    for file in citing_files():
+        text = file.read_text(encoding="utf-8")
+        for path, offset in cited_paths(text):
+            count += 1
+            problem = path_problem(path)
+            if problem:
+                line = text.count("\n", 0, offset) + 1
+                problems.append(f"{file.relative_to(ROOT)}:{line}: {path}: {problem}")
+    assert count >= 300  # the scan sees the citations
+    assert not problems, "\n".join(problems)
+
+
+def test_a_made_up_path_is_found():
+    text = (
+        "see opsd_jax/io/hf_load.py, configs/toy_*.py, models/layers.scan_layers and docs/; "
+        "not opsd_jax/io/hf_loader.py, configs/nothing_*.py, models/layers.no_such_name, "
+        "bench/gone/; another repo's scripts/visual_opsd/train_visual_opsd.py, results/tiny, "
+        "<run>/checkpoints/1, https://github.com/x/y/blob/main/models/z.py"
+    )
+    paths = [path for path, _ in cited_paths(text)]
+    assert paths == [
+        "opsd_jax/io/hf_load.py",
+        "configs/toy_*.py",
+        "models/layers.scan_layers",
+        "docs/",
+        "opsd_jax/io/hf_loader.py",
+        "configs/nothing_*.py",
+        "models/layers.no_such_name",
+        "bench/gone/",
+    ]
+    assert [path_problem(p) for p in paths] == [None] * 4 + [
+        "no such file or folder",
+        "matches no file",
+        "models/layers.py has no no_such_name",
+        "no such file or folder",
+    ]
