@@ -313,3 +313,33 @@ def test_a_made_up_path_is_found():
         "models/layers.py has no no_such_name",
         "no such file or folder",
     ]
+
+
+# --- every link between the README and docs/ lands on a file and a heading --------------------
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", markdown, flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_between_the_readme_and_the_docs_resolves():
+    problems, count = [], 0
+    for file in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(
+            r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", file.read_text(encoding="utf-8")
+        ):
+            count += 1
+            doc = (file.parent / target).resolve()
+            if not doc.is_file():
+                problems.append(f"{file.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and anchor not in anchors(doc.read_text(encoding="utf-8")):
+                problems.append(f"{file.relative_to(ROOT)}: {target}#{anchor}: no such heading")
+    assert count >= 20  # the scan sees the links
+    assert not problems, "\n".join(problems)
+
+
+def test_a_heading_anchor_is_spelled_as_github_spells_it():
+    text = "# On a GPU: `bench/gpu_check.py`\n## Will it fit? Ask the compiler\n```\n# not\n```"
+    assert anchors(text) == {"on-a-gpu-benchgpu_checkpy", "will-it-fit-ask-the-compiler"}
