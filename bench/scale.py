@@ -11,17 +11,17 @@ a training step of `BagelConfig.bagel_7b()` (the ThinkMorph-7B shapes, understan
   rollout) on that copy, in each `sampler_layout`.
 
 `--target h100|h200|h800` (the default when jax's CUDA plugin is installed) compiles them for
-that GPU on compile-only devices, with no GPU present (opsd_jax/parallel/gpu_target.py);
+that GPU on compile-only devices, with no GPU present (opsd_jax/programs/gpu_target.py);
 `--target cpu` compiles them for simulated CPU devices, the proxy this script used before (its
 fusions, copies and buffers are not the GPU's). Per device and program it prints the compiled
 memory (arguments, outputs, aliased, temp, peak), the matmul FLOPs counted through the layer
 loops, the collectives by kind (read right after SPMD partitioning, loops counted by their trip
-counts: opsd_jax/parallel/hlo_stats.py), and for the decode round the HBM bytes one decode
-step moves, counted kernel by kernel in the optimized program (opsd_jax/parallel/
+counts: opsd_jax/programs/hlo_stats.py), and for the decode round the HBM bytes one decode
+step moves, counted kernel by kernel in the optimized program (opsd_jax/programs/
 hbm_traffic.py), next to the floor (the bf16 weights on the decode path read once, plus the KV
 cache up to the current length), and from XLA:GPU's thunk sequence the launches, the kernels
 inside CUDA graphs and the host syncs of one decode step, with the sampler's command buffers
-and without any (opsd_jax/parallel/thunk_launches.py), and the decode attention kernel's grid.
+and without any (opsd_jax/programs/thunk_launches.py), and the decode attention kernel's grid.
 Then a projection: compute at `--mfu` of peak (attention counted with bidirectional image
 blocks), HBM and NVLink from the table below; a decode step as its HBM time plus, at stated
 per-event costs (LAUNCH_S, GRAPH_NODE_S, HOST_SYNC_S, layout_choice's collective latency), its
@@ -69,7 +69,7 @@ GPUS = {
 HEADROOM = 0.15  # keep this share of HBM free (allocator fragmentation, NCCL buffers, ...)
 GIB = 2**30
 # What a decode step costs besides its bytes, per event, stated (no compile can know them; the
-# counts come from the compiled program, opsd_jax/parallel/thunk_launches.py). Added to the HBM
+# counts come from the compiled program, opsd_jax/programs/thunk_launches.py). Added to the HBM
 # time as if nothing overlapped (an upper bound): a decode step's kernels are microseconds long,
 # so a host that launches them one by one, or waits on a predicate, leaves the GPU idle.
 LAUNCH_S = 4e-6  # one launch from the host (a kernel, library call, copy or CUDA graph)
@@ -198,8 +198,9 @@ def main():
     from models.pack import Pack
     from models.sharding import logical_spec
     from opsd_jax import run_config
-    from opsd_jax.parallel import device_memory, gpu_target, hbm_traffic, hlo_stats, thunk_launches
+    from opsd_jax.parallel import device_memory
     from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.programs import gpu_target, hbm_traffic, hlo_stats, thunk_launches
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
     from opsd_jax.training import train_step
 
