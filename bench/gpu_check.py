@@ -29,7 +29,7 @@ program's peak memory is its own):
              memory next to the preflight's;
 
 and for grad_step and decode the peak memory the allocator saw next to what the same program
-compiled for the `--target` GPU without one predicts (opsd_jax/parallel/gpu_target.py, the
+compiled for the `--target` GPU without one predicts (opsd_jax/programs/gpu_target.py, the
 figure bench/scale.py prints): their ratio says how far to trust scale.py.
 
 What fails (the thresholds are the named constants below; a failing row says which it missed):
@@ -200,9 +200,9 @@ def predicted_peak(lower_for, args, decode: bool = False) -> int:
     """Peak bytes of a program compiled for the target GPU without one: `lower_for(mesh)` lowers
     it with its arguments laid out on `mesh` (one compile-only device), under the training rules
     or, for the sampler, the decode rules."""
-    from opsd_jax.parallel import gpu_target
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.parallel.device_memory import program_peak
+    from opsd_jax.programs import gpu_target
 
     mesh = gpu_target.make_mesh(target_name(args), 1)
     rules = mesh_lib.DECODE_RULES if decode else mesh_lib.LOGICAL_RULES
@@ -448,9 +448,9 @@ def section_grad_step(args):
     from models.bagel import Bagel
     from models.configs import BagelConfig
     from opsd_jax import run_config
-    from opsd_jax.parallel import hlo_stats
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.parallel.device_memory import program_peak
+    from opsd_jax.programs import hlo_stats
     from opsd_jax.training import train_step
 
     recipe = thinkmorph_7b.get_config()
@@ -472,7 +472,7 @@ def section_grad_step(args):
     settings = run_config.loss_settings(recipe)
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 
-    from opsd_jax.parallel import gpu_target
+    from opsd_jax.programs import gpu_target
 
     rest_values = gpu_target.host_rest(make)  # the sin-cos table the step closes over
 

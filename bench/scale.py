@@ -11,17 +11,17 @@ a training step of `BagelConfig.bagel_7b()` (the ThinkMorph-7B shapes, understan
   rollout) on that copy, in each `sampler_layout`.
 
 `--target h100|h200|h800` (the default when jax's CUDA plugin is installed) compiles them for
-that GPU on compile-only devices, with no GPU present (opsd_jax/parallel/gpu_target.py);
+that GPU on compile-only devices, with no GPU present (opsd_jax/programs/gpu_target.py);
 `--target cpu` compiles them for simulated CPU devices, the proxy this script used before (its
 fusions, copies and buffers are not the GPU's). Per device and program it prints the compiled
 memory (arguments, outputs, aliased, temp, peak), the matmul FLOPs counted through the layer
 loops, the collectives by kind (read right after SPMD partitioning, loops counted by their trip
-counts: opsd_jax/parallel/hlo_stats.py), and for the decode round the HBM bytes one decode
-step moves, counted kernel by kernel in the optimized program (opsd_jax/parallel/
+counts: opsd_jax/programs/hlo_stats.py), and for the decode round the HBM bytes one decode
+step moves, counted kernel by kernel in the optimized program (opsd_jax/programs/
 hbm_traffic.py), next to the floor (the bf16 weights on the decode path read once, plus the KV
 cache up to the current length), and from XLA:GPU's thunk sequence the launches, the kernels
 inside CUDA graphs and the host syncs of one decode step, with the sampler's command buffers
-and without any (opsd_jax/parallel/thunk_launches.py), and the decode attention kernel's grid.
+and without any (opsd_jax/programs/thunk_launches.py), and the decode attention kernel's grid.
 Then a projection: compute at `--mfu` of peak (attention counted with bidirectional image
 blocks), HBM and NVLink from the table below; a decode step as its HBM time plus, at stated
 per-event costs (LAUNCH_S, GRAPH_NODE_S, HOST_SYNC_S, layout_choice's collective latency), its
@@ -41,18 +41,25 @@ bounds are printed), whether the decode kernels reach the HBM bandwidth, and wha
 graph node or a sync really costs (stated, added without overlap: bench/gpu_check.py measures
 the decode round itself).
 
-One script of over 600 lines: every program of a 7B step (grad step, update, prefill, decode
-round, decode-copy refresh) compiled for one target and costed the same way, in the order the
-table prints them.
+One script of over 1000 lines: every program of a 7B step (grad step, update, prefill, decode
+round, decode-copy refresh) compiled for one target and costed the same way. In sections, one
+function each, in the order the report prints them, each handed the run's context explicitly
+(`Run`: the flags, recipe, target mesh and projection GPU; `Model`: the abstract state and its
+bytes per device): set_up, abstract_model, grad_step_section, update_section, then per sampler
+layout sampler_layout (refresh_section, prefill_section, decode_round_section,
+decode_step_hbm), the projection (grad_step_time, print_decode_times, step_time),
+memory_section and print_unknowns.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 import time
+from typing import Any
 
 # name: (peak dense bf16 FLOP/s, HBM bytes/s, NVLink bytes/s per direction, HBM bytes)
 GPUS = {
@@ -69,7 +76,7 @@ GPUS = {
 HEADROOM = 0.15  # keep this share of HBM free (allocator fragmentation, NCCL buffers, ...)
 GIB = 2**30
 # What a decode step costs besides its bytes, per event, stated (no compile can know them; the
-# counts come from the compiled program, opsd_jax/parallel/thunk_launches.py). Added to the HBM
+# counts come from the compiled program, opsd_jax/programs/thunk_launches.py). Added to the HBM
 # time as if nothing overlapped (an upper bound): a decode step's kernels are microseconds long,
 # so a host that launches them one by one, or waits on a predicate, leaves the GPU idle.
 LAUNCH_S = 4e-6  # one launch from the host (a kernel, library call, copy or CUDA graph)
@@ -172,8 +179,9 @@ def parse_args():
     return args
 
 
-def main():
-    args = parse_args()
+def configure_environment(args) -> str:
+    """The compile target, with the environment jax reads when imported set for it (every
+    section imports jax after this)."""
     os.environ["JAX_PLATFORMS"] = "cpu"  # also for a GPU target: compile-only devices
     target = args.target or default_target()
     if target == "cpu":
@@ -187,31 +195,118 @@ def main():
         )
     # The GPU compiler's warnings about what it cannot tune without a device, once per program.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return target
 
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
-    from models import decode_attention_pallas
-    from models.bagel import Bagel
+@dataclasses.dataclass
+class Run:
+    """What every section reads: the flags (the prompt bucket and, for the tiny model, its pack
+    shapes written into them), the recipe, the mesh of the compile target and the GPU the
+    projection is for."""
+
+    args: argparse.Namespace
+    recipe: Any  # the recipe's ConfigDict, with --lora-rank applied
+    target: str  # h100 / h200 / h800 (compile-only devices) or cpu
+    gpu: str  # the GPU of the projection: a GPUS key
+    model_config: Any  # BagelConfig
+    mesh: Any  # the training mesh ('data', 'fsdp', 'tensor')
+    samples: int  # samples (and rows) per micro-batch
+    accum: int  # micro-batches per step
+    new_tokens: int  # tokens per rollout round
+    rounds: int  # rollout rounds (image skips + 1)
+    collective_latency: float  # one small collective on a GPU (layout_choice's figure)
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.target != "cpu"
+
+    @property
+    def n(self) -> int:
+        return self.args.devices
+
+    @property
+    def llm(self):
+        return self.model_config.llm
+
+    @property
+    def peak_flops(self) -> float:
+        return GPUS[self.gpu][0]
+
+    @property
+    def hbm_bw(self) -> float:
+        return GPUS[self.gpu][1]
+
+    @property
+    def link_bw(self) -> float:
+        return GPUS[self.gpu][2]
+
+    @property
+    def hbm_bytes(self) -> float:
+        return GPUS[self.gpu][3]
+
+
+@dataclasses.dataclass
+class Model:
+    """The abstract model and training state (nothing allocated) and their bytes per device."""
+
+    graphdef: Any
+    abstract_params: Any
+    abstract_rest: Any
+    rest: Any  # the non-parameter state on the host, which the train step closes over
+    optimizer: Any
+    state: Any  # the abstract TrainState train.py compiles its step for
+    params_bytes: int
+    base_bytes: int  # a LoRA state's frozen base (0 without LoRA)
+    num_params: int
+    lm_matmul: int  # parameters of the LM's layers: the N of the matmul FLOPs
+    resident: int  # the training state between steps, gradient accumulator included
+
+
+@dataclasses.dataclass
+class Grad:
+    """The grad step as compiled at the flags' pack lengths."""
+
+    step: Any  # the jitted grad step (compiled again at twice the lengths for the fit)
+    memory: Any  # its compiled memory analysis
+    table: dict  # its collectives by kind (hlo_stats.summarize)
+    flops: float  # matmul FLOPs per device
+
+
+@dataclasses.dataclass
+class Sampling:
+    """What every sampler layout shares: the rollout's rows, cache and settings, and the state
+    the decode copy is made from."""
+
+    rows: int
+    slots: int
+    cache_shape: tuple
+    settings: Any  # sampler.RoundSettings
+    model_state: Any  # the model's params (LoRA: merged with the base) and its rest
+
+
+@dataclasses.dataclass
+class GradTime:
+    """The grad step's projected seconds per micro-batch."""
+
+    compute_s: float  # at --mfu, attention with bidirectional image blocks
+    comm_s: float  # its collectives at the NVLink bandwidth
+    causal_compute_s: float  # every row counted causal (the figure printed before)
+
+
+def set_up(args, target: str) -> Run:
+    """The recipe, model config and mesh for `target`; prints the report's first line."""
     from models.configs import BagelConfig
-    from models.pack import Pack
-    from models.sharding import logical_spec
     from opsd_jax import run_config
-    from opsd_jax.parallel import device_memory, gpu_target, hbm_traffic, hlo_stats, thunk_launches
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.sampling import decode_copy, layout_choice, sampler
-    from opsd_jax.training import train_step
+    from opsd_jax.programs import gpu_target
+    from opsd_jax.sampling import layout_choice
 
     recipe = run_config.load_config_file(args.config)
     if args.lora_rank is not None:
         with recipe.unlocked():
             recipe.lora_rank, recipe.lora_alpha = args.lora_rank, float(max(args.lora_rank, 1))
-    collective_latency = layout_choice.PLATFORMS["gpu"][1]
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
-    accum = recipe.gradient_accumulation_steps
     new_tokens = recipe.sample_max_new_tokens
-    rounds = recipe.sample_max_image_skips + 1
     if not args.prompt_len:
         from opsd_jax.data.opsd_packs import bucket_in
 
@@ -224,7 +319,6 @@ def main():
     else:
         make_config = BagelConfig.bagel_7b
     on_gpu = target != "cpu"
-    gpu = args.gpu or (target if on_gpu else "h100")
     model_config = make_config(
         llm=dict(
             compute_dtype=recipe.compute_dtype,
@@ -232,48 +326,61 @@ def main():
             attention_backend="pallas" if on_gpu else "chunked",
         )
     )
-    llm = model_config.llm
-    peak_flops, hbm_bw, link_bw, hbm_bytes = GPUS[gpu]
     n = args.devices
     if on_gpu:
         mesh = gpu_target.make_mesh(target, n, args.num_replicate, args.num_tensor)
     else:
         mesh = mesh_lib.make_mesh(args.num_replicate, None, args.num_tensor)
+    run = Run(
+        args=args,
+        recipe=recipe,
+        target=target,
+        gpu=args.gpu or (target if on_gpu else "h100"),
+        model_config=model_config,
+        mesh=mesh,
+        samples=samples,
+        accum=recipe.gradient_accumulation_steps,
+        new_tokens=new_tokens,
+        rounds=recipe.sample_max_image_skips + 1,
+        collective_latency=layout_choice.PLATFORMS["gpu"][1],
+    )
     where = (
         f"{n} compile-only {target.upper()} devices"
         if on_gpu
         else f"{n} simulated CPU devices (the XLA:CPU proxy)"
     )
+    llm = run.llm
     print(
         f"bench/scale.py: {args.model} ({llm.num_hidden_layers} layers, hidden "
         f"{llm.hidden_size}) compiled for {where}, mesh {dict(mesh.shape)}; micro-batch "
-        f"{samples} samples in {samples} rows x {accum} micro-batches; attention "
-        f"{llm.attention_backend}; projection for {gpu} at MFU {args.mfu}"
+        f"{samples} samples in {samples} rows x {run.accum} micro-batches; attention "
+        f"{llm.attention_backend}; projection for {run.gpu} at MFU {args.mfu}"
     )
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
+    return run
 
-    def compile_program(lowered, on_mesh):
-        """(executable, HLO after SPMD partitioning, seconds) with the target's options."""
-        program, seconds = compile_with_thunks(lowered, on_mesh)
-        return program.compiled, program.partitioned, seconds
 
-    def compile_with_thunks(lowered, on_mesh, **options):
-        """(hlo_stats.CompiledProgram with XLA:GPU's thunk sequence, seconds)."""
-        t0 = time.perf_counter()
-        program = hlo_stats.compile_and_read_all(
-            lowered, {**gpu_target.compiler_options(on_mesh), **options}
-        )
-        return program, time.perf_counter() - t0
+def abstract_model(run: Run) -> Model:
+    """The abstract model and training state (no memory); prints their bytes per device."""
+    import jax
+    from flax import nnx
 
-    # ---- abstract model and state (no memory) -----------------------------------------------
+    from models.bagel import Bagel
+    from opsd_jax import run_config
+    from opsd_jax.parallel import device_memory
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.programs import gpu_target
+
+    recipe = run.recipe
+
     def make_model():
-        model = Bagel(model_config, rngs=nnx.Rngs(0))
+        model = Bagel(run.model_config, rngs=nnx.Rngs(0))
         if recipe.lora_rank:
             run_config.attach_adapters(model, recipe)
         return model
 
-    graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
+    graphdef, abstract = mesh_lib.abstract_model(make_model, run.mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     # The non-parameter state (the fixed sin-cos table) is real where a program closes over it
     # (the train step does), made on the host; as an argument it is abstract like the params.
@@ -304,75 +411,143 @@ def main():
         f"{num_params / 1e9:.2f}B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA "
         f"teacher {teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB"
     )
-    resident = params_bytes + opt_bytes + teacher_bytes + params_bytes + base_bytes
+    return Model(
+        graphdef=graphdef,
+        abstract_params=abstract_params,
+        abstract_rest=abstract_rest,
+        rest=rest,
+        optimizer=optimizer,
+        state=abstract_state,
+        params_bytes=params_bytes,
+        base_bytes=base_bytes,
+        num_params=num_params,
+        lm_matmul=lm_matmul,
+        resident=params_bytes + opt_bytes + teacher_bytes + params_bytes + base_bytes,
+    )
 
-    # ---- programs -----------------------------------------------------------------------------
 
-    def array(shape, dtype, on_mesh=mesh):
-        spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1)))
-        return jax.ShapeDtypeStruct(
-            shape, dtype, sharding=jax.sharding.NamedSharding(on_mesh, spec)
-        )
+# ---- compiling and reading one program ---------------------------------------------------------
 
-    def pack(rows, length, patches, entries, on_mesh=mesh):
-        ids = lambda: array((rows, length), jnp.int32, on_mesh)  # noqa: E731
-        vit = lambda: array((rows, patches), jnp.int32, on_mesh)  # noqa: E731
-        loss = lambda dtype: array((rows, entries), dtype, on_mesh) if entries else None  # noqa: E731
-        return Pack(
-            tokens=ids(),
-            positions=ids(),
-            segment_ids=ids(),
-            k_start=ids(),
-            k_end=ids(),
-            vit_patches=array((rows, patches, 588), jnp.float32, on_mesh),
-            vit_pos_ids=vit(),
-            vit_slots=vit(),
-            vit_image_ids=vit(),
-            loss_rows=loss(jnp.int32),
-            loss_targets=loss(jnp.int32),
-            loss_mask=loss(jnp.bool_),
-            loss_sample=loss(jnp.int32),
-        )
 
-    def report(name, compiled, text, seconds):
-        memory = compiled.memory_analysis()
-        peak = device_memory.program_peak(compiled)
-        found = hlo_stats.collectives(text)
-        table = hlo_stats.summarize(found)
-        flops, floor = hlo_stats.dot_flops(text)
-        print(
-            f"\n{name} (compiled in {seconds:.0f} s), per device: arguments "
-            f"{memory.argument_size_in_bytes / GIB:.2f} GiB, outputs "
-            f"{memory.output_size_in_bytes / GIB:.2f} GiB (aliased "
-            f"{memory.alias_size_in_bytes / GIB:.2f}), temp {memory.temp_size_in_bytes / GIB:.2f}"
-            f" GiB, peak {peak / GIB:.2f} GiB; matmul FLOPs {flops:.4g}"
-            + (f" (of which {floor:.3g} in data-dependent loops, counted once)" if floor else "")
-        )
-        for kind, row in table.items():
-            if row["count"]:
-                dtypes = sorted({d for c in found if c.kind == kind for d in c.dtypes})
-                print(
-                    f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / GIB:9.3f} GiB "
-                    f"received per device  ({', '.join(dtypes)})"
-                )
-        return memory, table, flops, found
+def compile_with_thunks(lowered, on_mesh, **options):
+    """(hlo_stats.CompiledProgram with XLA:GPU's thunk sequence, seconds)."""
+    from opsd_jax.programs import gpu_target, hlo_stats
 
-    grad_step = train_step.make_grad_step(graphdef, rest, run_config.loss_settings(recipe), "ema")
+    t0 = time.perf_counter()
+    program = hlo_stats.compile_and_read_all(
+        lowered, {**gpu_target.compiler_options(on_mesh), **options}
+    )
+    return program, time.perf_counter() - t0
 
-    def compile_grad(teacher_len, student_len):
-        student = pack(samples, student_len, args.student_patches, args.loss_entries)
-        teacher = pack(samples, teacher_len, args.teacher_patches, args.loss_entries)
-        with mesh_lib.use_mesh(mesh):
-            lowered = grad_step.lower(
-                abstract_state.params,
-                abstract_state.teacher_params,
-                student,
-                teacher,
-                abstract_state.base,
+
+def compile_program(lowered, on_mesh):
+    """(executable, HLO after SPMD partitioning, seconds) with the target's options."""
+    program, seconds = compile_with_thunks(lowered, on_mesh)
+    return program.compiled, program.partitioned, seconds
+
+
+def array(shape, dtype, on_mesh):
+    """An abstract array split over the mesh's batch axes along its first dimension."""
+    import jax
+
+    from opsd_jax.parallel import mesh as mesh_lib
+
+    spec = jax.sharding.PartitionSpec(mesh_lib.BATCH_AXES, *([None] * (len(shape) - 1)))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(on_mesh, spec))
+
+
+def pack(rows, length, patches, entries, on_mesh):
+    """An abstract Pack of `rows` rows of `length` tokens, `patches` ViT patches and `entries`
+    loss entries (none: a prompt pack)."""
+    import jax.numpy as jnp
+
+    from models.pack import Pack
+
+    ids = lambda: array((rows, length), jnp.int32, on_mesh)  # noqa: E731
+    vit = lambda: array((rows, patches), jnp.int32, on_mesh)  # noqa: E731
+    loss = lambda dtype: array((rows, entries), dtype, on_mesh) if entries else None  # noqa: E731
+    return Pack(
+        tokens=ids(),
+        positions=ids(),
+        segment_ids=ids(),
+        k_start=ids(),
+        k_end=ids(),
+        vit_patches=array((rows, patches, 588), jnp.float32, on_mesh),
+        vit_pos_ids=vit(),
+        vit_slots=vit(),
+        vit_image_ids=vit(),
+        loss_rows=loss(jnp.int32),
+        loss_targets=loss(jnp.int32),
+        loss_mask=loss(jnp.bool_),
+        loss_sample=loss(jnp.int32),
+    )
+
+
+def report(name, compiled, text, seconds):
+    """Prints a program's memory, matmul FLOPs and collectives per device; returns (memory
+    analysis, collectives by kind, FLOPs, the collectives found)."""
+    from opsd_jax.parallel import device_memory
+    from opsd_jax.programs import hlo_stats
+
+    memory = compiled.memory_analysis()
+    peak = device_memory.program_peak(compiled)
+    found = hlo_stats.collectives(text)
+    table = hlo_stats.summarize(found)
+    flops, floor = hlo_stats.dot_flops(text)
+    print(
+        f"\n{name} (compiled in {seconds:.0f} s), per device: arguments "
+        f"{memory.argument_size_in_bytes / GIB:.2f} GiB, outputs "
+        f"{memory.output_size_in_bytes / GIB:.2f} GiB (aliased "
+        f"{memory.alias_size_in_bytes / GIB:.2f}), temp {memory.temp_size_in_bytes / GIB:.2f}"
+        f" GiB, peak {peak / GIB:.2f} GiB; matmul FLOPs {flops:.4g}"
+        + (f" (of which {floor:.3g} in data-dependent loops, counted once)" if floor else "")
+    )
+    for kind, row in table.items():
+        if row["count"]:
+            dtypes = sorted({d for c in found if c.kind == kind for d in c.dtypes})
+            print(
+                f"  {kind:<18} {row['count']:>6} per call  {row['bytes'] / GIB:9.3f} GiB "
+                f"received per device  ({', '.join(dtypes)})"
             )
-            return compile_program(lowered, mesh)
+    return memory, table, flops, found
 
-    grad_compiled, grad_text, seconds = compile_grad(args.teacher_len, args.student_len)
+
+# ---- the training step: grad step, update ------------------------------------------------------
+
+
+def compile_grad(run: Run, model: Model, grad_step, teacher_len: int, student_len: int):
+    """The grad step compiled over one micro-batch of student and teacher packs of these row
+    lengths: (executable, HLO after SPMD partitioning, seconds)."""
+    from opsd_jax.parallel import mesh as mesh_lib
+
+    args = run.args
+    student = pack(run.samples, student_len, args.student_patches, args.loss_entries, run.mesh)
+    teacher = pack(run.samples, teacher_len, args.teacher_patches, args.loss_entries, run.mesh)
+    with mesh_lib.use_mesh(run.mesh):
+        lowered = grad_step.lower(
+            model.state.params,
+            model.state.teacher_params,
+            student,
+            teacher,
+            model.state.base,
+        )
+        return compile_program(lowered, run.mesh)
+
+
+def grad_step_section(run: Run, model: Model) -> Grad:
+    """Compiles the grad step; prints its report, its activation collectives and its weight
+    gathers and gradient reductions against what FSDP should move."""
+    from opsd_jax import run_config
+    from opsd_jax.programs import hlo_stats
+    from opsd_jax.training import train_step
+
+    args, samples, n = run.args, run.samples, run.n
+    grad_step = train_step.make_grad_step(
+        model.graphdef, model.rest, run_config.loss_settings(run.recipe), "ema"
+    )
+    grad_compiled, grad_text, seconds = compile_grad(
+        run, model, grad_step, args.teacher_len, args.student_len
+    )
     grad_memory, grad_table, grad_flops, grad_found = report(
         f"grad step (student {samples}x{args.student_len}, teacher {samples}x{args.teacher_len}, "
         f"C={args.loss_entries})",
@@ -385,7 +560,7 @@ def main():
     f = n // (args.num_replicate * args.num_tensor)
     splits = {f, args.num_tensor, f * args.num_tensor}
     activations = hlo_stats.activation_collectives(
-        grad_found, (abstract_params, abstract_rest), splits
+        grad_found, (model.abstract_params, model.abstract_rest), splits
     )
     print(
         f"  activation collectives: {sum(c.count for c in activations)} per call, "
@@ -401,7 +576,7 @@ def main():
     if f == 1:  # no fsdp axis: every device holds whole weights, nothing to gather
         print("  no weight gathers or gradient reduce-scatters: the fsdp axis has 1 device")
     else:
-        bf16_param_bytes = num_params * 2 / args.num_tensor
+        bf16_param_bytes = model.num_params * 2 / args.num_tensor
         expected_gather = 3 * bf16_param_bytes / f * (f - 1)
         gathered = grad_table["all-gather"]["bytes"]
         print(
@@ -421,254 +596,375 @@ def main():
                 else ""
             )
         )
-    if on_gpu:
+    if run.on_gpu:
         kernels = grad_compiled.as_text().count('"__gpu$xla.gpu.triton"')
         print(f"  Pallas (Triton) attention kernels in the program: {kernels}")
+    return Grad(step=grad_step, memory=grad_memory, table=grad_table, flops=grad_flops)
 
-    state_args = (abstract_state, abstract_state.params, 2, jnp.float32(0))
-    update = train_step.make_apply_update(optimizer, "ema", recipe.ema_decay)
-    with mesh_lib.use_mesh(mesh):
-        update_compiled, update_text, seconds = compile_program(update.lower(*state_args), mesh)
+
+def update_section(run: Run, model: Model) -> float:
+    """Compiles the optimizer + EMA update; prints its report and returns its seconds per step
+    (its HBM bytes at the projection GPU's bandwidth)."""
+    import jax.numpy as jnp
+
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.programs import hbm_traffic
+    from opsd_jax.training import train_step
+
+    state = model.state
+    state_args = (state, state.params, 2, jnp.float32(0))
+    update = train_step.make_apply_update(model.optimizer, "ema", run.recipe.ema_decay)
+    with mesh_lib.use_mesh(run.mesh):
+        update_compiled, update_text, seconds = compile_program(update.lower(*state_args), run.mesh)
     update_memory, _, _, _ = report("optimizer + EMA update", update_compiled, update_text, seconds)
     # The update streams the fp32 params, gradients, moments and EMA through HBM once per step:
     # it reads every argument and writes every output at least once (what its kernels are
     # counted to move, where the GPU program shows more, is taken instead).
     # A LoRA state's frozen base passes through the update untouched (forwarded, not copied).
     update_bytes = (
-        update_memory.argument_size_in_bytes + update_memory.output_size_in_bytes - 2 * base_bytes
+        update_memory.argument_size_in_bytes
+        + update_memory.output_size_in_bytes
+        - 2 * model.base_bytes
     )
-    if on_gpu:
+    if run.on_gpu:
         counted = hbm_traffic.total_bytes(hbm_traffic.outside_loops(update_compiled.as_text()))
         update_bytes = max(update_bytes, counted)
-    update_s = update_bytes / hbm_bw
+    update_s = update_bytes / run.hbm_bw
     print(
         f"  HBM per update per device: {update_bytes / GIB:.2f} GiB (its arguments read and "
         f"outputs written once, or its kernels' count if more) -> {update_s * 1e3:.1f} ms per "
         f"step"
     )
+    return update_s
 
-    # ---- the sampler: refresh, prefill, decode round, per sampler layout ------------------------
-    # After each update the params become a bf16 copy in a decode layout (one jitted reshard);
-    # the sampler prefills and decodes on it under the decode mesh and rules, as
-    # sampler.sample(copy) does.
-    rows = samples * accum
-    slots = sampler.cache_slots_for(args.prompt_len, new_tokens, rounds - 1)
-    cache_shape = sampler.cache_shape_for(
-        llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
+
+# ---- the sampler: refresh, prefill, decode round, per sampler layout ---------------------------
+# After each update the params become a bf16 copy in a decode layout (one jitted reshard); the
+# sampler prefills and decodes on it under the decode mesh and rules, as sampler.sample(copy)
+# does.
+
+
+@dataclasses.dataclass
+class DecodeRound:
+    """The decode round as compiled on one layout's copy, and what it costs per token step
+    besides its bytes."""
+
+    compiled: Any
+    memory: Any  # its compiled memory analysis
+    table: dict  # its collectives by kind, counted through the loop at its bound
+    cache: Any  # the abstract KV cache (k and v) in the view's layout
+    collective_s: float  # per token step, at the stated latency of a small collective
+    launches: Any  # per token step with the sampler's command buffers (None on the CPU proxy)
+    plain_launches: Any  # the same without command buffers
+
+
+def sampling_for(run: Run, model: Model) -> Sampling:
+    """The rollout's rows, KV-cache shape and settings, and the state the copy is made from."""
+    from flax import nnx
+
+    from opsd_jax.sampling import sampler
+    from opsd_jax.training import train_step
+
+    llm = run.llm
+    rows = run.samples * run.accum
+    slots = sampler.cache_slots_for(run.args.prompt_len, run.new_tokens, run.rounds - 1)
+    return Sampling(
+        rows=rows,
+        slots=slots,
+        cache_shape=sampler.cache_shape_for(
+            llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
+        ),
+        settings=sampler.RoundSettings(
+            temperature=1.0,
+            do_sample=True,
+            bos_id=1,
+            eos_id=2,
+            vocab_limit=llm.vocab_size,
+            max_steps=run.new_tokens + 1,
+        ),
+        model_state=nnx.merge_state(
+            train_step.model_params(model.state.params, model.state.base), model.abstract_rest
+        ),
     )
-    settings = sampler.RoundSettings(
-        temperature=1.0,
-        do_sample=True,
-        bos_id=1,
-        eos_id=2,
-        vocab_limit=llm.vocab_size,
-        max_steps=new_tokens + 1,
+
+
+def decode_view(run: Run, layout: str):
+    """The decode mesh of `layout` over the training mesh's devices."""
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.sampling import layout_choice
+
+    heads = layout_choice.head_counts(run.model_config)
+    # The tensor axis splits every head count into whole heads (28 / 4 heads on 8 GPUs: 4).
+    return mesh_lib.decode_mesh(
+        run.mesh,
+        layout,
+        mesh_lib.tensor_size_for(heads, min(run.args.devices_per_host, run.n))
+        if layout == "tensor"
+        else None,
     )
-    model_state = nnx.merge_state(
-        train_step.model_params(abstract_state.params, abstract_state.base), abstract_rest
+
+
+def refresh_section(run: Run, model: Model, sampling: Sampling, view, layout: str):
+    """Compiles the decode-copy refresh to `view`; prints its report and returns (the copy's
+    graphdef, the abstract copy, the bytes the refresh moves per device)."""
+    from opsd_jax.sampling import decode_copy
+
+    dtype = run.recipe.compute_dtype
+    copy_graphdef, copy = decode_copy.abstract_decode_copy(
+        model.graphdef, sampling.model_state, view, dtype
     )
-    layouts = {}
-    heads = layout_choice.head_counts(model_config)
-    for layout in ("replicated", "tensor"):  # 'auto' picks one of them (below)
-        # The tensor axis splits every head count into whole heads (28 / 4 heads on 8 GPUs: 4).
-        view = mesh_lib.decode_mesh(
-            mesh,
-            layout,
-            mesh_lib.tensor_size_for(heads, min(args.devices_per_host, n))
-            if layout == "tensor"
-            else None,
-        )
-        copy_graphdef, copy = decode_copy.abstract_decode_copy(
-            graphdef, model_state, view, recipe.compute_dtype
-        )
-        refresh = decode_copy.cast_function(graphdef, model_state, view, recipe.compute_dtype)
-        refresh_compiled, refresh_text, seconds = compile_program(refresh.lower(model_state), view)
-        _, refresh_table, _, _ = report(
-            f"decode-copy refresh to '{layout}' (decode mesh {dict(view.shape)})",
-            refresh_compiled,
-            refresh_text,
-            seconds,
-        )
-        refresh_moved = sum(row["bytes"] for row in refresh_table.values())
+    refresh = decode_copy.cast_function(model.graphdef, sampling.model_state, view, dtype)
+    refresh_compiled, refresh_text, seconds = compile_program(
+        refresh.lower(sampling.model_state), view
+    )
+    _, refresh_table, _, _ = report(
+        f"decode-copy refresh to '{layout}' (decode mesh {dict(view.shape)})",
+        refresh_compiled,
+        refresh_text,
+        seconds,
+    )
+    return copy_graphdef, copy, sum(row["bytes"] for row in refresh_table.values())
 
-        def on_view(shape, dtype, names, view=view):
-            spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
-            return jax.ShapeDtypeStruct(
-                shape, dtype, sharding=jax.sharding.NamedSharding(view, spec)
-            )
 
-        def rows_of(dtype, *tail, on_view=on_view):
-            return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphdef, copy):
+    """Compiles the sampler's prefill on the copy; prints its report and returns (its memory
+    analysis, its matmul FLOPs per device)."""
+    import jax.numpy as jnp
 
-        prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
-        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler.prefill_rows.lower(
-                copy_graphdef,
-                copy,
-                prompt,
-                new_tokens,
-                slots,
-                jnp.dtype(jnp.bfloat16),
-                mesh_lib.DECODE_RULES,
-            )
-            prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
-        prefill_memory, _, prefill_flops, _ = report(
-            f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
-            f"{args.prompt_patches} patches; cache of {slots} slots)",
-            prefill_compiled,
-            prefill_text,
-            seconds,
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.sampling import sampler
+
+    args, rows = run.args, sampling.rows
+    prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler.prefill_rows.lower(
+            copy_graphdef,
+            copy,
+            prompt,
+            run.new_tokens,
+            sampling.slots,
+            jnp.dtype(jnp.bfloat16),
+            mesh_lib.DECODE_RULES,
+        )
+        prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
+    prefill_memory, _, prefill_flops, _ = report(
+        f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
+        f"{args.prompt_patches} patches; cache of {sampling.slots} slots)",
+        prefill_compiled,
+        prefill_text,
+        seconds,
+    )
+    return prefill_memory, prefill_flops
+
+
+def decode_round_section(
+    run: Run, sampling: Sampling, view, layout: str, copy_graphdef, copy
+) -> DecodeRound:
+    """Compiles the decode round on the copy (on a GPU target also without command buffers);
+    prints its report, its launches and host syncs per token step and its collectives."""
+    import jax
+    import jax.numpy as jnp
+
+    from models import decode_attention_pallas
+    from models.sharding import logical_spec
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.programs import gpu_target, thunk_launches
+    from opsd_jax.sampling import sampler
+
+    rows, settings, llm = sampling.rows, sampling.settings, run.llm
+
+    def sharding(shape, names):
+        return jax.sharding.NamedSharding(
+            view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
         )
 
-        view_state = sampler.abstract_decode_state(
-            cache_shape,
-            new_tokens,
-            lambda shape, names, view=view: jax.sharding.NamedSharding(
-                view, logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
-            ),
+    view_state = sampler.abstract_decode_state(sampling.cache_shape, run.new_tokens, sharding)
+    tokens = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sharding((rows,), ("act_batch",)))
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler.decode_round.lower(
+            copy_graphdef,
+            copy,
+            view_state,
+            sampler.abstract_key(view),
+            tokens,
+            settings,
+            mesh_lib.DECODE_RULES,
         )
-        view_cache = view_state.cache
-        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            lowered = sampler.decode_round.lower(
-                copy_graphdef,
-                copy,
-                view_state,
-                sampler.abstract_key(view),
-                rows_of(jnp.int32),
-                settings,
-                mesh_lib.DECODE_RULES,
-            )
-            program, seconds = compile_with_thunks(lowered, view)
-            if on_gpu:  # the same round without command buffers: every kernel a host launch
-                plain = compile_with_thunks(lowered, view, xla_gpu_enable_command_buffer="")[0]
-        compiled, text = program.compiled, program.partitioned
-        memory, table, _, _ = report(
-            f"decode round on the '{layout}' copy ({rows} rows, cache {slots} slots; one "
-            f"while_loop iteration per token)",
-            compiled,
-            text,
-            seconds,
+        program, seconds = compile_with_thunks(lowered, view)
+        if run.on_gpu:  # the same round without command buffers: every kernel a host launch
+            plain = compile_with_thunks(lowered, view, xla_gpu_enable_command_buffer="")[0]
+    compiled, text = program.compiled, program.partitioned
+    memory, table, _, _ = report(
+        f"decode round on the '{layout}' copy ({rows} rows, cache {sampling.slots} slots; one "
+        f"while_loop iteration per token)",
+        compiled,
+        text,
+        seconds,
+    )
+    # Per token: the collectives (counted through the loop at its bound, max_steps trips),
+    # and on a GPU the launches, kernels in graphs and host syncs of the thunk sequence.
+    collectives = sum(row["count"] for row in table.values()) / settings.max_steps
+    launches = plain_launches = None
+    if run.on_gpu:
+        launches = thunk_launches.per_iteration(
+            program.thunk_sequence, program.thunk_metadata, compiled.as_text()
         )
-        # Per token: the collectives (counted through the loop at its bound, max_steps trips),
-        # and on a GPU the launches, kernels in graphs and host syncs of the thunk sequence.
-        collectives = sum(row["count"] for row in table.values()) / settings.max_steps
-        collective_s = collectives * collective_latency
-        launches = plain_launches = None
-        if on_gpu:
-            launches = thunk_launches.per_iteration(
-                program.thunk_sequence, program.thunk_metadata, compiled.as_text()
-            )
-            plain_launches = thunk_launches.per_iteration(
-                plain.thunk_sequence, plain.thunk_metadata, plain.compiled.as_text()
-            )
-            grids = [
-                k.grid
-                for k in thunk_launches.kernels(
-                    thunk_launches.parse(program.thunk_sequence),
-                    decode_attention_pallas.KERNEL_NAME,
-                )
-            ]
-            for name, counted in (("without", plain_launches), ("with", launches)):
-                print(
-                    f"  launches per decode step {name} command buffers: {counted.launches:.0f} "
-                    f"({counted.graph_launches:.0f} of them CUDA graphs holding "
-                    f"{counted.graph_kernels:.0f} kernels), host syncs {counted.host_syncs:.0f}"
-                    + (" (the sampler's XLA options)" if name == "with" else "")
-                )
-            if grids:
-                print(
-                    f"  decode attention kernel grid {grids[0]} = {math.prod(grids[0])} programs "
-                    f"per call on {gpu_target.sm_count(target)} SMs"
-                )
-        print(
-            f"  collectives per decode step: {collectives:.0f}"
-            + (
-                f" (2 x {llm.num_hidden_layers} layers + 1 = {2 * llm.num_hidden_layers + 1} "
-                "all-reduces of the tensor layout, + the stop test)"
-                if layout == "tensor"
-                else " (the stop test: any row still active)"
-            )
+        plain_launches = thunk_launches.per_iteration(
+            plain.thunk_sequence, plain.thunk_metadata, plain.compiled.as_text()
         )
-        copy_bytes = device_memory.bytes_per_device(copy)
-        cache_bytes = device_memory.bytes_per_device(view_cache)  # k and v, at capacity
-        # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
-        # embedding table only the rows fed) read once, and each row's cache up to its length.
-        vit_bytes = sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-            for p, x in jax.tree_util.tree_flatten_with_path(copy)[0]
-            if "language_model" not in jax.tree_util.keystr(p)
-            or "embed_tokens" in jax.tree_util.keystr(p)
-        )
-        decode_weights = copy_bytes - vit_bytes
-        mean_length = args.prompt_len + new_tokens / 2
-        floor = decode_weights + cache_bytes * mean_length / slots
-        moved = sum(row["bytes"] for row in table.values()) / settings.max_steps
-        if on_gpu:
-            # The Pallas decode attention takes the whole stacked cache and reads, per call, one
-            # layer's K and V of each row up to the row's length: counted at the mean length.
-            kernels = hbm_traffic.with_reads(
-                hbm_traffic.loop_traffic(compiled.as_text()),
+        grids = [
+            k.grid
+            for k in thunk_launches.kernels(
+                thunk_launches.parse(program.thunk_sequence),
                 decode_attention_pallas.KERNEL_NAME,
-                int(cache_bytes / llm.num_hidden_layers * mean_length / slots),
             )
-            step_hbm = hbm_traffic.total_bytes(kernels)
-            copies = hbm_traffic.data_movement(kernels)
-            outside = hbm_traffic.total_bytes(hbm_traffic.outside_loops(compiled.as_text()))
+        ]
+        for name, counted in (("without", plain_launches), ("with", launches)):
             print(
-                f"  HBM per decode step per device, from the GPU program: {step_hbm / GIB:.3f} "
-                f"GiB in {len(kernels)} kernels, of which {hbm_traffic.total_bytes(copies) / GIB:.3f}"
-                f" GiB in {len(copies)} data-movement kernels (copies, slices, pads); floor "
-                f"{floor / GIB:.3f} GiB (bf16 decode weights {decode_weights / GIB:.3f} + KV "
-                f"cache at the mean length {mean_length:.0f} of {slots} slots "
-                f"{cache_bytes * mean_length / slots / GIB:.3f}): {step_hbm / floor:.2f}x the "
-                f"floor; {outside / GIB:.3f} GiB once per round outside the loop"
+                f"  launches per decode step {name} command buffers: {counted.launches:.0f} "
+                f"({counted.graph_launches:.0f} of them CUDA graphs holding "
+                f"{counted.graph_kernels:.0f} kernels), host syncs {counted.host_syncs:.0f}"
+                + (" (the sampler's XLA options)" if name == "with" else "")
             )
-            print("  the decode step's largest kernels (bytes per step):")
-            print(hbm_traffic.describe(kernels, top=8))
-        else:
-            # A CPU program says nothing of a GPU's kernels: assume the floor at full capacity.
-            step_hbm = decode_weights + cache_bytes
+        if grids:
             print(
-                f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
-                f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB"
+                f"  decode attention kernel grid {grids[0]} = {math.prod(grids[0])} programs "
+                f"per call on {gpu_target.sm_count(run.target)} SMs"
             )
-        bytes_s = max(step_hbm / hbm_bw, moved / link_bw)
-        if launches is not None:
-            launch_s = launches.launches * LAUNCH_S + launches.graph_kernels * GRAPH_NODE_S
-            plain_launch_s = plain_launches.launches * LAUNCH_S
-            sync_s = launches.host_syncs * HOST_SYNC_S
-        else:  # the CPU proxy's program says nothing of a GPU's launches
-            launch_s = plain_launch_s = sync_s = 0.0
-        token_s = bytes_s + collective_s + launch_s + sync_s
-        prefill_s = prefill_flops / (peak_flops * args.mfu)
-        layouts[layout] = dict(
-            token_s=token_s,
-            bytes_s=bytes_s,
-            collective_s=collective_s,
-            launch_s=launch_s,
-            plain_launch_s=plain_launch_s,
-            sync_s=sync_s,
-            floor_s=floor / hbm_bw,
-            rollout_s=token_s * new_tokens,
-            refresh_s=refresh_moved / link_bw,
-            prefill_s=prefill_s,
-            peak=resident
-            + copy_bytes
-            + max(memory.temp_size_in_bytes + cache_bytes, prefill_memory.temp_size_in_bytes),
+    print(
+        f"  collectives per decode step: {collectives:.0f}"
+        + (
+            f" (2 x {llm.num_hidden_layers} layers + 1 = {2 * llm.num_hidden_layers + 1} "
+            "all-reduces of the tensor layout, + the stop test)"
+            if layout == "tensor"
+            else " (the stop test: any row still active)"
         )
-        print(
-            f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "
-            f"{refresh_moved / GIB:.2f} GiB of all-gather per device; KV cache "
-            f"{cache_bytes / GIB:.3f} GiB per device; moved per token step "
-            f"{moved / 2**20:.3f} MiB"
-        )
+    )
+    return DecodeRound(
+        compiled=compiled,
+        memory=memory,
+        table=table,
+        cache=view_state.cache,
+        collective_s=collectives * run.collective_latency,
+        launches=launches,
+        plain_launches=plain_launches,
+    )
 
-    # ---- projection ----------------------------------------------------------------------------
+
+def decode_step_hbm(run: Run, sampling: Sampling, decode: DecodeRound, copy) -> dict:
+    """The HBM bytes of one decode step per device (counted kernel by kernel in a GPU program,
+    assumed at the floor on the CPU proxy) next to the floor; prints them."""
+    import jax
+
+    from models import decode_attention_pallas
+    from opsd_jax.parallel import device_memory
+    from opsd_jax.programs import hbm_traffic
+
+    llm, slots = run.llm, sampling.slots
+    copy_bytes = device_memory.bytes_per_device(copy)
+    cache_bytes = device_memory.bytes_per_device(decode.cache)  # k and v, at capacity
+    # The floor per decode step: the copy's weights on the decode path (not the ViT, of the
+    # embedding table only the rows fed) read once, and each row's cache up to its length.
+    vit_bytes = sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+        for p, x in jax.tree_util.tree_flatten_with_path(copy)[0]
+        if "language_model" not in jax.tree_util.keystr(p)
+        or "embed_tokens" in jax.tree_util.keystr(p)
+    )
+    decode_weights = copy_bytes - vit_bytes
+    mean_length = run.args.prompt_len + run.new_tokens / 2
+    floor = decode_weights + cache_bytes * mean_length / slots
+    if run.on_gpu:
+        text = decode.compiled.as_text()
+        # The Pallas decode attention takes the whole stacked cache and reads, per call, one
+        # layer's K and V of each row up to the row's length: counted at the mean length.
+        kernels = hbm_traffic.with_reads(
+            hbm_traffic.loop_traffic(text),
+            decode_attention_pallas.KERNEL_NAME,
+            int(cache_bytes / llm.num_hidden_layers * mean_length / slots),
+        )
+        step_hbm = hbm_traffic.total_bytes(kernels)
+        copies = hbm_traffic.data_movement(kernels)
+        outside = hbm_traffic.total_bytes(hbm_traffic.outside_loops(text))
+        print(
+            f"  HBM per decode step per device, from the GPU program: {step_hbm / GIB:.3f} "
+            f"GiB in {len(kernels)} kernels, of which {hbm_traffic.total_bytes(copies) / GIB:.3f}"
+            f" GiB in {len(copies)} data-movement kernels (copies, slices, pads); floor "
+            f"{floor / GIB:.3f} GiB (bf16 decode weights {decode_weights / GIB:.3f} + KV "
+            f"cache at the mean length {mean_length:.0f} of {slots} slots "
+            f"{cache_bytes * mean_length / slots / GIB:.3f}): {step_hbm / floor:.2f}x the "
+            f"floor; {outside / GIB:.3f} GiB once per round outside the loop"
+        )
+        print("  the decode step's largest kernels (bytes per step):")
+        print(hbm_traffic.describe(kernels, top=8))
+    else:
+        # A CPU program says nothing of a GPU's kernels: assume the floor at full capacity.
+        step_hbm = decode_weights + cache_bytes
+        print(
+            f"  HBM per decode step per device (CPU proxy: assumed, not counted): weights "
+            f"{decode_weights / GIB:.3f} + KV cache at capacity {cache_bytes / GIB:.3f} GiB"
+        )
+    return dict(step_hbm=step_hbm, floor=floor, copy_bytes=copy_bytes, cache_bytes=cache_bytes)
+
+
+def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> dict:
+    """Every sampler program on `layout`'s copy, compiled and reported; returns the layout's
+    times (per token step, per rollout, prefill, refresh) and its sampling peak memory."""
+    view = decode_view(run, layout)
+    copy_graphdef, copy, refresh_moved = refresh_section(run, model, sampling, view, layout)
+    prefill_memory, prefill_flops = prefill_section(
+        run, sampling, view, layout, copy_graphdef, copy
+    )
+    decode = decode_round_section(run, sampling, view, layout, copy_graphdef, copy)
+    hbm = decode_step_hbm(run, sampling, decode, copy)
+    moved = sum(row["bytes"] for row in decode.table.values()) / sampling.settings.max_steps
+    bytes_s = max(hbm["step_hbm"] / run.hbm_bw, moved / run.link_bw)
+    launches, plain_launches = decode.launches, decode.plain_launches
+    if launches is not None:
+        launch_s = launches.launches * LAUNCH_S + launches.graph_kernels * GRAPH_NODE_S
+        plain_launch_s = plain_launches.launches * LAUNCH_S
+        sync_s = launches.host_syncs * HOST_SYNC_S
+    else:  # the CPU proxy's program says nothing of a GPU's launches
+        launch_s = plain_launch_s = sync_s = 0.0
+    token_s = bytes_s + decode.collective_s + launch_s + sync_s
+    copy_bytes, cache_bytes = hbm["copy_bytes"], hbm["cache_bytes"]
+    row = dict(
+        token_s=token_s,
+        bytes_s=bytes_s,
+        collective_s=decode.collective_s,
+        launch_s=launch_s,
+        plain_launch_s=plain_launch_s,
+        sync_s=sync_s,
+        floor_s=hbm["floor"] / run.hbm_bw,
+        rollout_s=token_s * run.new_tokens,
+        refresh_s=refresh_moved / run.link_bw,
+        prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
+        peak=model.resident
+        + copy_bytes
+        + max(decode.memory.temp_size_in_bytes + cache_bytes, prefill_memory.temp_size_in_bytes),
+    )
+    print(
+        f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "
+        f"{refresh_moved / GIB:.2f} GiB of all-gather per device; KV cache "
+        f"{cache_bytes / GIB:.3f} GiB per device; moved per token step "
+        f"{moved / 2**20:.3f} MiB"
+    )
+    return row
+
+
+# ---- projection --------------------------------------------------------------------------------
+
+
+def grad_step_time(run: Run, model: Model, grad: Grad) -> GradTime:
+    """The grad step's compute (counted matmuls + attention at --mfu) and communication time
+    per micro-batch; prints the projection's header and the grad step's lines."""
+    args, samples, n, llm = run.args, run.samples, run.n, run.llm
     tokens_student = samples * args.student_len
     tokens_teacher = samples * args.teacher_len
     # The student's forward and backward: 6·N·tokens, or 4·N·tokens with LoRA (a frozen base
     # has no weight gradient; the adapters' matmuls are negligible).
-    train_factor = 4 if recipe.lora_rank else 6
+    train_factor = 4 if run.recipe.lora_rank else 6
+    lm_matmul = model.lm_matmul
     analytic = (
         train_factor * lm_matmul * tokens_student
         + 2 * lm_matmul * tokens_student  # + remat
@@ -689,20 +985,22 @@ def main():
         + pairs(args.teacher_len, args.teacher_patches)
     )
     causal_attention = per_pair * (4 * args.student_len**2 / 2 + args.teacher_len**2 / 2)
-    compute_s = (grad_flops + attention) / (peak_flops * args.mfu)
-    causal_compute_s = (grad_flops + causal_attention) / (peak_flops * args.mfu)
+    speed = run.peak_flops * args.mfu
+    compute_s = (grad.flops + attention) / speed
+    causal_compute_s = (grad.flops + causal_attention) / speed
+    table = grad.table
     comm_s = (
-        grad_table["all-gather"]["bytes"]
-        + grad_table["reduce-scatter"]["bytes"]
-        + grad_table["all-reduce"]["bytes"]
-    ) / link_bw
+        table["all-gather"]["bytes"]
+        + table["reduce-scatter"]["bytes"]
+        + table["all-reduce"]["bytes"]
+    ) / run.link_bw
     print(
-        f"\nprojection on {gpu} (peak {peak_flops / 1e12:.0f} TFLOP/s bf16, assumed MFU "
-        f"{args.mfu}; HBM {hbm_bw / 1e12:.2f} TB/s, NVLink {link_bw / 1e9:.0f} GB/s per "
+        f"\nprojection on {run.gpu} (peak {run.peak_flops / 1e12:.0f} TFLOP/s bf16, assumed MFU "
+        f"{args.mfu}; HBM {run.hbm_bw / 1e12:.2f} TB/s, NVLink {run.link_bw / 1e9:.0f} GB/s per "
         f"direction):"
     )
     print(
-        f"  grad step: matmul FLOPs {grad_flops:.4g} per device (analytic {train_factor}·N·tokens + remat "
+        f"  grad step: matmul FLOPs {grad.flops:.4g} per device (analytic {train_factor}·N·tokens + remat "
         f"re-forward + teacher 2·N·tokens = {analytic:.4g}, N = {lm_matmul / 1e9:.2f}B LM "
         f"layer params) + attention {attention:.4g} (causal rows with bidirectional image "
         f"blocks of {args.student_patches} / {args.teacher_patches} patches; all causal: "
@@ -713,6 +1011,12 @@ def main():
         f"{comm_s:.2f} s -> {max(compute_s, comm_s):.2f} s (fully overlapped) .. "
         f"{compute_s + comm_s:.2f} s (none overlapped) per micro-batch"
     )
+    return GradTime(compute_s=compute_s, comm_s=comm_s, causal_compute_s=causal_compute_s)
+
+
+def print_decode_times(run: Run, sampling: Sampling, layouts: dict) -> None:
+    """One line per sampler layout: a token step's parts, a rollout, prefill and refresh."""
+    rows, new_tokens = sampling.rows, run.new_tokens
     for layout, row in layouts.items():
         print(
             f"  decode on the '{layout}' copy: {row['token_s'] * 1e3:.2f} ms per token step = "
@@ -721,21 +1025,28 @@ def main():
             f"{row['launch_s'] * 1e3:.2f} (without command buffers, launches "
             f"{row['plain_launch_s'] * 1e3:.2f}) + host syncs "
             f"{row['sync_s'] * 1e3:.2f} ms (floor {row['floor_s'] * 1e3:.2f} ms) -> "
-            f"{rows / n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
+            f"{rows / run.n / row['token_s']:.0f} tokens/s per GPU; a {new_tokens}-token rollout "
             f"of {rows} rows {row['rollout_s']:.1f} s (bytes only {row['bytes_s'] * new_tokens:.1f}"
             f" s; at the floor {row['floor_s'] * new_tokens:.1f} s), + prefill "
             f"{row['prefill_s']:.2f} s, + refresh {row['refresh_s'] * 1e3:.1f} ms per step"
         )
-    if on_gpu:
+    if run.on_gpu:
         print(
             f"  (stated costs: {LAUNCH_S * 1e6:.0f} us a host launch, {GRAPH_NODE_S * 1e6:.0f} "
             f"us a kernel in a CUDA graph, {HOST_SYNC_S * 1e6:.0f} us a host sync, "
-            f"{collective_latency * 1e6:.0f} us a small collective; all added, none overlapped)"
+            f"{run.collective_latency * 1e6:.0f} us a small collective; all added, none "
+            f"overlapped)"
         )
+
+
+def step_time(run: Run, layouts: dict, update_s: float, grad_time: GradTime) -> str:
+    """The step and the recipe's hours (micro-batches, sampling in the recipe's layout, update,
+    host work); prints them and returns the layout the step samples in."""
+    args, recipe, accum = run.args, run.recipe, run.accum
     # The step samples on the copy in the recipe's layout.
     # The recipe's layout; 'auto': the least rollout time among those that fit (as train.py's
     # choice, from the counted programs here instead of its weights-and-cache projection).
-    budget = hbm_bytes * (1 - HEADROOM)
+    budget = run.hbm_bytes * (1 - HEADROOM)
     layout_used = recipe.sampler_layout
     if layout_used == "auto":
         fitting = [name for name, row in layouts.items() if row["peak"] <= budget] or list(layouts)
@@ -759,13 +1070,16 @@ def main():
         parts = host_work.measure(recipe)
         host_s, new_arrays_s = parts["training packs"], parts["training packs, new arrays"]
         overlapped_s = parts["total"] - host_s
+    compute_s, comm_s = grad_time.compute_s, grad_time.comm_s
     step_low = accum * max(compute_s, comm_s) + sampling_s + update_s + host_s
     step_high = accum * (compute_s + comm_s) + sampling_s + update_s + host_s
     # What this script printed before every cost was counted: bytes-only decode, all-causal
     # attention, no update, no host work.
-    bytes_sampling_s = chosen["bytes_s"] * new_tokens + chosen["prefill_s"] + chosen["refresh_s"]
-    old_low = accum * max(causal_compute_s, comm_s) + bytes_sampling_s
-    old_high = accum * (causal_compute_s + comm_s) + bytes_sampling_s
+    bytes_sampling_s = (
+        chosen["bytes_s"] * run.new_tokens + chosen["prefill_s"] + chosen["refresh_s"]
+    )
+    old_low = accum * max(grad_time.causal_compute_s, comm_s) + bytes_sampling_s
+    old_high = accum * (grad_time.causal_compute_s + comm_s) + bytes_sampling_s
     hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
     print(
         f"  optimizer + EMA update {update_s:.2f} s per step; host work measured on this "
@@ -789,51 +1103,85 @@ def main():
         f"work): step {old_low:.2f} .. {old_high:.2f} s, recipe {hours(old_low):.2f} .. "
         f"{hours(old_high):.2f} h"
     )
+    return layout_used
 
-    # ---- memory --------------------------------------------------------------------------------
-    grad_peak = resident + grad_memory.temp_size_in_bytes + grad_memory.output_size_in_bytes
-    decode_peak = chosen["peak"]  # training state + copy + cache + the sampler's temp
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def memory_section(run: Run, model: Model, grad: Grad, layout_used: str, sampling_peak: float):
+    """The peak memory per device of the grad step and of sampling against the GPU's, and
+    (unless --skip-fit) the largest pack that fits each GPU."""
+    args, samples, n, hbm_bytes = run.args, run.samples, run.n, run.hbm_bytes
+    budget = hbm_bytes * (1 - HEADROOM)
+    grad_peak = model.resident + grad.memory.temp_size_in_bytes + grad.memory.output_size_in_bytes
+    decode_peak = sampling_peak  # training state + copy + cache + the sampler's temp
     print(
-        f"\nmemory per device on {gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
-        f"-> {budget / GIB:.1f} GiB): resident state {resident / GIB:.2f} GiB; grad step peak "
-        f"{grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
+        f"\nmemory per device on {run.gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
+        f"-> {budget / GIB:.1f} GiB): resident state {model.resident / GIB:.2f} GiB; grad step "
+        f"peak {grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
         f"('{layout_used}' copy) {decode_peak / GIB:.2f} GiB "
         f"({decode_peak / hbm_bytes:.0%})"
     )
     print("  fits" if max(grad_peak, decode_peak) <= budget else "  DOES NOT FIT")
-    if not args.skip_fit:
-        # Temp memory is linear in the pack lengths (attention included): compile once more with
-        # both rows twice as long and extrapolate to the HBM budget.
-        compiled2, _, _ = compile_grad(2 * args.teacher_len, 2 * args.student_len)
-        temp1, temp2 = (
-            grad_memory.temp_size_in_bytes,
-            compiled2.memory_analysis().temp_size_in_bytes,
+    if args.skip_fit:
+        return
+    # Temp memory is linear in the pack lengths (attention included): compile once more with
+    # both rows twice as long and extrapolate to the HBM budget.
+    compiled2, _, _ = compile_grad(
+        run, model, grad.step, 2 * args.teacher_len, 2 * args.student_len
+    )
+    temp1, temp2 = (
+        grad.memory.temp_size_in_bytes,
+        compiled2.memory_analysis().temp_size_in_bytes,
+    )
+    slope = (temp2 - temp1) / args.teacher_len  # bytes per teacher token (+ its student share)
+    base = grad_peak - slope * args.teacher_len
+    ratio = args.student_len / args.teacher_len
+    for name in sorted(GPUS):
+        room = GPUS[name][3] * (1 - HEADROOM)
+        fit = int((room - base) / slope) if slope > 0 else 0
+        print(
+            f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
+            f"of {int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each "
+            f"per device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured "
+            f"at {args.teacher_len} and {2 * args.teacher_len})"
         )
-        slope = (temp2 - temp1) / args.teacher_len  # bytes per teacher token (+ its student share)
-        base = grad_peak - slope * args.teacher_len
-        ratio = args.student_len / args.teacher_len
-        for name in sorted(GPUS):
-            room = GPUS[name][3] * (1 - HEADROOM)
-            fit = int((room - base) / slope) if slope > 0 else 0
-            print(
-                f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
-                f"of {int(fit * ratio):,} ({samples // (n // args.num_tensor)} row(s) of each "
-                f"per device; temp grows {slope / 2**20:.3f} MiB per teacher token, measured "
-                f"at {args.teacher_len} and {2 * args.teacher_len})"
-            )
+
+
+def print_unknowns(run: Run) -> None:
+    """The report's last line: what no compile without a device can know."""
     print(
         "\nNot known from a compile without a device: kernel speeds (nothing is autotuned; "
-        f"compute is assumed at MFU {args.mfu}, decode at the full HBM bandwidth), how much "
+        f"compute is assumed at MFU {run.args.mfu}, decode at the full HBM bandwidth), how much "
         "communication overlaps compute (both bounds shown), what a launch, a kernel in a "
         "graph, a host sync or a small collective costs (stated above, added)"
         + (
             ""
-            if on_gpu
+            if run.on_gpu
             else "; and on the CPU proxy the GPU's fusions, copies and temp "
             "buffers (its HBM per decode step is assumed at the floor, not counted)"
         )
         + "."
     )
+
+
+def main():
+    args = parse_args()
+    run = set_up(args, configure_environment(args))
+    model = abstract_model(run)
+    grad = grad_step_section(run, model)
+    update_s = update_section(run, model)
+    sampling = sampling_for(run, model)
+    # 'auto' picks one of them (step_time).
+    layouts = {
+        layout: sampler_layout(run, model, sampling, layout) for layout in ("replicated", "tensor")
+    }
+    grad_time = grad_step_time(run, model, grad)
+    print_decode_times(run, sampling, layouts)
+    layout_used = step_time(run, layouts, update_s, grad_time)
+    memory_section(run, model, grad, layout_used, layouts[layout_used]["peak"])
+    print_unknowns(run)
 
 
 if __name__ == "__main__":

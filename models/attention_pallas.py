@@ -473,7 +473,7 @@ def lower_for_gpu(fn, *args, device_kind: str = GPU_FOR_LOWERING) -> str:
     The Triton lowering runs in-process (jax picks the target from an abstract device), so this
     checks on CPU that every kernel lowers to Triton IR (power-of-two tiles, supported ops); it
     does not run ptxas or the kernel. To compile for a GPU (ptxas included) without one, use
-    compile-only devices (opsd_jax/parallel/gpu_target.py).
+    compile-only devices (opsd_jax/programs/gpu_target.py).
     """
     device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=132, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)

@@ -56,7 +56,7 @@ MIN_QUERY_ROWS = 16  # Triton's smallest dot tile
 # every SM has work and a second program to switch to while the first waits on HBM.
 MIN_PROGRAMS = 2 * 132
 # The kernel's name in the compiled program (a Triton custom call's backend config), by which
-# opsd_jax/parallel/hbm_traffic.py and bench/scale.py tell it from other custom calls.
+# opsd_jax/programs/hbm_traffic.py and bench/scale.py tell it from other custom calls.
 KERNEL_NAME = "filled_cache_attention"
 COMBINE_KERNEL_NAME = "combine_cache_splits"
 

@@ -16,7 +16,7 @@ MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: Triton's bf16 tensor-core dots
 
 def compiling_for_gpu_without_one() -> bool:
     """Whether the trace in progress compiles for GPU devices this process cannot run on: the
-    active mesh is over compile-only GPU devices (opsd_jax/parallel/gpu_target.py) or an
+    active mesh is over compile-only GPU devices (opsd_jax/programs/gpu_target.py) or an
     abstract GPU mesh (`lower_for_gpu`), while jax itself runs on another backend."""
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)

@@ -21,8 +21,8 @@ from test_sampler import (
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax.parallel import hlo_stats
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.programs import hlo_stats
 from opsd_jax.sampling import decode_copy, sampler
 
 SMALL = 64  # elements: per-row scalars (token, log-prob, stop flags) may cross devices

@@ -2,7 +2,7 @@
 
 What the GPU compiler builds is not what XLA:CPU builds (fusions, copies, buffers, Triton
 kernels, collectives), so these compile the tiny config's programs for the H100 target
-(opsd_jax/parallel/gpu_target.py) and read one fact from each executable: the Pallas kernels
+(opsd_jax/programs/gpu_target.py) and read one fact from each executable: the Pallas kernels
 are in the train step and its state is donated; the decode-copy refresh gathers bf16; prefill
 and the decode round on the replicated copy move nothing between devices but per-row scalars,
 and the HBM counter of the decode step sees at least the weights it must read. jax's CUDA
@@ -29,8 +29,9 @@ from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
 from opsd_jax.data.opsd_packs import shaped_pack
 from opsd_jax.data.packing import SpecialTokens
-from opsd_jax.parallel import distributed, gpu_target, hbm_traffic, hlo_stats, thunk_launches
+from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.programs import gpu_target, hbm_traffic, hlo_stats, thunk_launches
 from opsd_jax.sampling import decode_copy, sampler
 from opsd_jax.training import train_step
 

@@ -1,7 +1,7 @@
-"""opsd_jax/parallel/hbm_traffic.py on a hand-written optimized program: each counting rule on
+"""opsd_jax/programs/hbm_traffic.py on a hand-written optimized program: each counting rule on
 its own (no compile), so a wrong rule fails here with the kernel named."""
 
-from opsd_jax.parallel import hbm_traffic
+from opsd_jax.programs import hbm_traffic
 
 # A loop of 4 iterations whose body: slices one layer out of stacked weights (a copy: read and
 # write one slice), multiplies with it (a library call reading the slice, with a workspace),

@@ -1,8 +1,9 @@
-"""The package's layers (pyproject.toml [tool.importlinter]) hold, and the check can fail.
+"""The package's import contracts (pyproject.toml [tool.importlinter]) hold, and each can fail.
 
 CI runs `lint-imports` on the repo; these run it on a copy of the packages, as they are and with
-one import against the flow added (io importing training), which must break the layers contract
-and be named in the report.
+one import against a contract added (io importing training: the layers; the network importing
+opsd_jax; evaluation importing the program readers, which the layers allow), which must break
+that contract and be named in the report.
 """
 
 import os
@@ -41,7 +42,7 @@ def copy_packages(tmp_path: pathlib.Path) -> pathlib.Path:
 def test_the_layers_hold_and_an_import_against_the_flow_breaks_them(tmp_path):
     tree = copy_packages(tmp_path)
     kept = lint(tree)
-    assert kept.returncode == 0 and "2 kept, 0 broken" in kept.stdout, kept.stdout + kept.stderr
+    assert kept.returncode == 0 and "3 kept, 0 broken" in kept.stdout, kept.stdout + kept.stderr
     with open(tree / "opsd_jax" / "io" / "tokenizer.py", "a", encoding="utf-8") as f:
         f.write("\nfrom opsd_jax.training import losses  # noqa: E402, F401\n")
     broken = lint(tree)
@@ -57,3 +58,15 @@ def test_the_network_importing_opsd_jax_breaks_the_forbidden_contract(tmp_path):
     broken = lint(tree)
     assert broken.returncode != 0, broken.stdout
     assert "models.pack -> opsd_jax" in broken.stdout, broken.stdout
+
+
+def test_a_runtime_package_importing_the_program_readers_breaks_the_forbidden_contract(tmp_path):
+    # evaluation sits above programs in the layers: only the forbidden contract catches this.
+    tree = copy_packages(tmp_path)
+    with open(tree / "opsd_jax" / "evaluation" / "answers.py", "a", encoding="utf-8") as f:
+        f.write("\nfrom opsd_jax.programs import hlo_stats  # noqa: E402, F401\n")
+    broken = lint(tree)
+    assert broken.returncode != 0, broken.stdout
+    assert "no runtime package imports the program readers" in broken.stdout, broken.stdout
+    assert "opsd_jax.evaluation.answers -> opsd_jax.programs.hlo_stats" in broken.stdout
+    assert "1 broken" in broken.stdout, broken.stdout

@@ -1,7 +1,7 @@
 """The compute layout, read from the compiled program (8 CPU devices, tiny model).
 
 Numbers that match one device prove numerics, not layout: these tests read the per-device HLO
-right after SPMD partitioning (opsd_jax/parallel/hlo_stats.py) and check what crosses the interconnect.
+right after SPMD partitioning (opsd_jax/programs/hlo_stats.py) and check what crosses the interconnect.
 Under pure FSDP only weights (all-gather, compute dtype) and weight gradients (reduce-scatter;
 all-reduce for the small replicated ones) may move; any collective whose shape is not a
 parameter's is an activation collective, which is a layout bug.
@@ -19,8 +19,8 @@ from models import attention as attention_lib
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.opsd_packs import build_training_packs
-from opsd_jax.parallel import hlo_stats
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.programs import hlo_stats
 from opsd_jax.training import train_step
 
 OPTIONS = builders.prompt_options(system_prompt="ab", reference_intro="c", transition_prompt="d")

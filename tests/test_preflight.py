@@ -7,7 +7,7 @@ import re
 import pytest
 from conftest import run_python
 
-from opsd_jax.parallel import gpu_target
+from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight
 
 GIB = 2**30

@@ -296,7 +296,7 @@ def test_more_gen_tokens_than_the_capacity_fails_clearly():
 
 def _bagel_dot_flops(config, pack) -> float:
     from models.bagel import Bagel
-    from opsd_jax.parallel import hlo_stats
+    from opsd_jax.programs import hlo_stats
 
     graphdef, state = nnx.split(Bagel(config, rngs=nnx.Rngs(0)))
 

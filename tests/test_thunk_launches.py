@@ -1,10 +1,10 @@
-"""opsd_jax/parallel/thunk_launches.py on a thunk sequence written as XLA:GPU dumps it: what
+"""opsd_jax/programs/thunk_launches.py on a thunk sequence written as XLA:GPU dumps it: what
 it counts per iteration of the main loop, with and without command buffers. The compiled
 sampler's own counts are tests/test_gpu_compile.py's."""
 
 import pytest
 
-from opsd_jax.parallel import thunk_launches
+from opsd_jax.programs import thunk_launches
 
 # A token loop (data-dependent) around a layer loop of known trip count 3 (the HLO says so).
 HLO = """

@@ -1,2 +1,2 @@
-"""The device mesh and its logical-axis rules, multi-host helpers, and reading compiled programs
-for their collectives."""
+"""The device mesh and its logical-axis rules, multi-host helpers, and the memory a compiled
+program needs per device."""

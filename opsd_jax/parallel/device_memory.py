@@ -1,8 +1,8 @@
 """What a compiled program, or a tree of sharded arrays, takes of one device's memory.
 
 Both are figures of a compile, not of a device: they hold for compile-only GPU devices
-(gpu_target.py) as for real ones, which is what lets train.py --compile_only and the benches
-say whether a run fits before it runs.
+(opsd_jax/programs/gpu_target.py) as for real ones, which is what lets train.py --compile_only
+and the benches say whether a run fits before it runs.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python train.py --config configs/<name>.py --compile_only=h100:1
 
 compiles every program train.py would compile for the run, for `count` compile-only devices
-of a GPU target that opsd_jax/parallel/gpu_target.py knows (h100, h200, h800), on any machine,
+of a GPU target that opsd_jax/programs/gpu_target.py knows (h100, h200, h800), on any machine,
 with no GPU: the train step (one per length bucket: grad accumulation, the update, the EMA), and
 for an OPSD run the sampler's programs at the largest prompt the config allows (the decode-copy
 refresh, prefill and one decode round), and for a run that evaluates, the evaluation's prefill
@@ -38,8 +38,9 @@ from opsd_jax.data.opsd_packs import bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.io.hf_layout import LLM_CONFIG, VIT_CONFIG
 from opsd_jax.io.hf_load import read_config
-from opsd_jax.parallel import device_memory, gpu_target
+from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import builds, checks
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.training import train_step

@@ -199,9 +199,10 @@ def _check_prompt_pack(pack: Pack) -> None:
 # launched one by one from the host each costs microseconds. XLA's defaults leave a layer loop
 # whose body reads a slice picked by the loop counter (the stacked weights, the cache) outside
 # any graph; with WHILE and CONDITIONAL commands and known-count loops unrolled into the graph,
-# the token's whole layer stack is one graph launch (opsd_jax/parallel/thunk_launches.py counts
+# the token's whole layer stack is one graph launch (opsd_jax/programs/thunk_launches.py counts
 # them; bench/scale.py prints the counts with XLA's default command buffers and with these).
-# XLA forms them only for a driver of CUDA 12.9 or later (gpu_targets/*.txtpb say so).
+# XLA forms them only for a driver of CUDA 12.9 or later (opsd_jax/programs/gpu_targets/*.txtpb
+# say so).
 COMMAND_BUFFER_OPTIONS = {
     "xla_gpu_enable_command_buffer": (
         "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,"

@@ -1,5 +1,5 @@
 """How many launches a compiled GPU program issues per iteration of its main loop, read from
-the thunk sequence XLA:GPU runs (compile-only devices will do: opsd_jax/parallel/gpu_target.py).
+the thunk sequence XLA:GPU runs (compile-only devices will do: opsd_jax/programs/gpu_target.py).
 
 Why: a decode step moves a few GiB in about a thousand small kernels, so the host's cost of
 launching them (a few microseconds each) and the wait on a data-dependent loop's predicate can
@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from opsd_jax.parallel import hlo_stats
+from opsd_jax.programs import hlo_stats
 
 # "  061: kCustomKernel [prev=060 (1) | next=063 (2)] filled_cache_attention grid: [2, 2, 3] ..."
 _LINE = re.compile(r"^(\s*)(\d+): (k\w+)\s*(?:\[[^\]]*\])?\s*(.*)$")

@@ -439,7 +439,7 @@ class CompiledProgram:
 def compile_and_read(lowered, options: dict | None = None):
     """(the compiled executable, its HLO right after SPMD partitioning) for a lowered jax
     computation, compiled for the devices it was lowered for with the XLA `options` given
-    (e.g. opsd_jax/parallel/gpu_target.py's compiler_options for compile-only GPU devices).
+    (e.g. opsd_jax/programs/gpu_target.py's compiler_options for compile-only GPU devices).
 
     Why not `compile().as_text()`: that is the program after the backend's own passes, and the
     CPU backend widens bf16 collectives to f32 and never forms reduce-scatters; right after
@@ -459,7 +459,7 @@ def _read_dump(folder: str, pattern: str) -> str:
 
 def compile_and_read_all(lowered, options: dict | None = None) -> CompiledProgram:
     """compile_and_read, plus XLA:GPU's thunk sequence after its thunk passes (command buffers
-    formed) and the thunks' metadata, from the same dump (opsd_jax/parallel/thunk_launches.py
+    formed) and the thunks' metadata, from the same dump (opsd_jax/programs/thunk_launches.py
     reads them)."""
     # A persistent-cache hit would skip the passes, and with them the dump (the cache key
     # ignores dump options). jax decides once whether the cache is used; reset_cache makes it

@@ -19,7 +19,7 @@ Refinements, so the count says what the kernel touches rather than what it could
 their trip counts) and returns every kernel with its bytes per iteration; `data_movement`
 picks those that only move data (copies, slices, pads, transposes: no arithmetic), which in a
 decode loop are the per-token copies a layout bug makes. The program text must be the final
-one (`compiled.as_text()`); opsd_jax/parallel/hlo_stats.py parses it.
+one (`compiled.as_text()`); opsd_jax/programs/hlo_stats.py parses it.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from opsd_jax.parallel import hlo_stats
+from opsd_jax.programs import hlo_stats
 
 # Ops that move nothing (views, bookkeeping, the second half of async pairs).
 _FREE = {
