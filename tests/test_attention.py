@@ -161,6 +161,7 @@ def config_id(c):
     return "B{}_T{}_S{}_H{}x{}_D{}_q{}_kv{}".format(*c[:8])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["chunked", "dense"])
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_fast_backends_match_reference(config, backend):
@@ -377,6 +378,7 @@ def test_cudnn_backend_refuses_cpu():
         attention(q, k, v, **ids(seg, seg, k_start, k_end), backend="cudnn")
 
 
+@pytest.mark.slow
 def test_a_cpu_run_never_imports_the_gpu_kernels():
     """'auto' on a CPU resolves without importing the Pallas kernels, and a forward with it
     imports neither them nor Pallas's Triton backend (deprecated in jax 0.12: its removal must

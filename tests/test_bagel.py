@@ -109,6 +109,7 @@ def step_by_step_hidden(model, sample_image, question, answer):
     )[0]
 
 
+@pytest.mark.slow
 def test_packed_forward_equals_step_by_step_and_two_samples_equal_each_alone():
     model = tiny_model()
     rng = np.random.default_rng(1)

@@ -474,6 +474,7 @@ def toy(tmp_path_factory):
     return model, tokenizer, root, model_dir
 
 
+@pytest.mark.slow
 def test_every_benchmark_reads_prompts_decodes_and_scores(toy, tmp_path):
     model, tokenizer, root, _ = toy
     benchmarks = registry.benchmarks_named("all")
@@ -523,6 +524,7 @@ def test_missing_files_are_all_named_before_any_decoding(tmp_path):
         run.check_files(str(tmp_path), registry.benchmarks_named("mmvp,blink"))
 
 
+@pytest.mark.slow
 def test_on_the_mesh_the_predictions_are_the_same(toy):
     """Sharded over the 8 simulated devices (a replicated decode copy, rows over the devices),
     greedy decoding gives the single-device predictions."""
@@ -571,6 +573,7 @@ def script_args(model_dir, data_dir, out, benchmarks, *extra):
     ]
 
 
+@pytest.mark.slow
 def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
     from scripts import evaluate as evaluate_cli
 

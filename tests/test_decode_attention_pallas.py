@@ -28,6 +28,7 @@ def cache_case(rng, layers, rows, slots, kv_heads, group, dim, dtype):
     return q, k, v, jnp.stack([k, v], axis=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "dtype, tol, min_programs, slots, splits",
     [

@@ -112,6 +112,7 @@ def test_copy_is_compute_dtype_in_the_decode_layout_and_is_freed(bf16_setup):
         mesh_lib.decode_mesh(mesh, "pipeline")
 
 
+@pytest.mark.slow
 def test_replicated_decode_round_moves_no_weight(bf16_setup):
     mesh, _, graphdef, params, rest, pack = bf16_setup
     layers = BagelConfig.tiny().llm.num_hidden_layers
@@ -134,6 +135,7 @@ def test_replicated_decode_round_moves_no_weight(bf16_setup):
     assert not big(found), f"the sampled round moves more than scalars:\n{describe(found)}"
 
 
+@pytest.mark.slow
 def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
     mesh, _, graphdef, params, rest, pack = bf16_setup
     copy = decode_copy.make_decode_copy(
@@ -169,6 +171,7 @@ def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
         assert not others, f"more than layer outputs and logits move:\n{describe(others)}"
 
 
+@pytest.mark.slow
 def test_same_completions_as_sampling_on_the_training_params(bf16_setup):
     """bf16, one row per device: the copy decodes bit for bit what the sharded params decode
     (greedy and sampled: tokens and log-probs), and a seed reproduces its batch."""
@@ -187,6 +190,7 @@ def test_same_completions_as_sampling_on_the_training_params(bf16_setup):
     np.testing.assert_array_equal(again.tokens, out.tokens)
 
 
+@pytest.mark.slow
 def test_tensor_layout_decodes_what_one_device_decodes():
     """fp32 (no bf16 rounding to hide behind): greedy tokens equal the one-device sampler's,
     log-probs to float32 summation order."""

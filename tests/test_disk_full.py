@@ -25,6 +25,9 @@ from opsd_jax.io import checkpoint as ckpt_lib
 from opsd_jax.io import disk_errors
 from opsd_jax.training.metrics import METRICS_FILE, MetricsLogger
 
+# A slow file (train.py processes): outside the fast tier, pytest -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 NO_SPACE = os.strerror(errno.ENOSPC)  # "No space left on device"
 # tensorstore's error for an array write on a full disk, as orbax raises it again (captured on
 # a 5 MB tmpfs); the key written is quoted too, and holds a '/'.

@@ -69,7 +69,18 @@ SMOKE_RUNS = {
         r"new compilations after the 1-step warm-up: 0",
     ),
     "bench/vs_pytorch.py": (["--steps", "1", "--rounds", "1"], r"ours \(best round\): "),
-    "bench/gpu_check.py": (["--dry-run", "--repeats", "1"], r"rows in \d+ s: .*nothing failed"),
+    # Its sections in two processes (two workers): the kernels and the step, then train.py.
+    "bench/gpu_check.py": [
+        (
+            ["--dry-run", "--repeats", "1", "--sections", "parity", "attention", "grad_step"]
+            + ["decode"],
+            r"rows in \d+ s: .*nothing failed",
+        ),
+        (
+            ["--dry-run", "--repeats", "1", "--sections", "train"],
+            r"rows in \d+ s: .*nothing failed",
+        ),
+    ],
     "scripts/crash_drill.py": (
         ["--kills", "1", "--steps", "2", "--out", "{tmp}/drill"],
         r"final params bit-identical to the uninterrupted run: True",
@@ -138,9 +149,21 @@ def toy_data(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE_RUNS))
-def test_entry_point_runs(script, tmp_path, toy_data):
-    args, expected = SMOKE_RUNS[script]
+def smoke_cases() -> list:
+    """(script, arguments, expected line) per smoke run; a script may have several (a list)."""
+    cases = []
+    for script, runs in sorted(SMOKE_RUNS.items()):
+        runs = runs if isinstance(runs, list) else [runs]
+        cases += [
+            pytest.param(script, *run, id=script if len(runs) == 1 else f"{script}-{i}")
+            for i, run in enumerate(runs)
+        ]
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, expected", smoke_cases())
+def test_entry_point_runs(script, args, expected, tmp_path, toy_data):
     args = [a.format(tmp=tmp_path, toy_data=toy_data) for a in args]
     result = run_python(script, *args)
     output = result.stdout + result.stderr

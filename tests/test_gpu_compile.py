@@ -104,6 +104,7 @@ def h100_train_step():
     return tiny_train_step(mesh, gpu_target.compiler_options(mesh))
 
 
+@pytest.mark.slow
 def test_train_step_runs_the_pallas_kernels_and_donates_its_state(h100_train_step):
     text = h100_train_step.as_text()
     # Forward, dQ and dK/dV kernels, compiled for sm90 (ptxas included), not merely lowered.
@@ -245,16 +246,19 @@ def big(found):
     return [c for c in found if any(np.prod(s.dims) > SMALL for s in c.operands + c.results)]
 
 
+@pytest.mark.slow
 def test_refresh_gathers_bf16_shards(h100_sampler):
     found = big(hlo_stats.collectives(h100_sampler.refresh_text))
     assert found and all(c.kind == "all-gather" and c.dtypes == {"bf16"} for c in found), found
 
 
+@pytest.mark.slow
 def test_prefill_on_the_replicated_copy_moves_nothing_between_devices(h100_sampler):
     found = big(hlo_stats.collectives(h100_sampler.prefill_text))
     assert not found, found
 
 
+@pytest.mark.slow
 def test_decode_round_moves_no_weight_and_reads_every_weight(h100_sampler):
     found = big(hlo_stats.collectives(h100_sampler.decode_text))
     assert not found, found
@@ -309,6 +313,7 @@ def layer_weight_copies(compiled_text: str, layer_shapes: set) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_decode_loop_reads_the_weights_in_place(h100_sampler):
     """The sampler's XLA:GPU options (sampler.SAMPLER_COMPILER_OPTIONS): no kernel of the token
     loop copies a layer's weights. With XLA's defaults (Triton GEMMs, the dot merger) every token
@@ -342,6 +347,7 @@ def layer_cache_copies(compiled_text: str, layer_cache_elements: int) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     """On the GPU the decode step's attention is the Pallas kernel that reads the stacked cache
     in place (once per layer per token, up to each row's length), and nothing copies a layer's
@@ -369,6 +375,7 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(before.as_text()))
 
 
+@pytest.mark.slow
 def test_the_tensor_layout_decode_reads_its_weights_in_place(h100_tensor_decode):
     """No kernel of the 'tensor' layout's decode loop copies a layer's weight shard out of the
     stacked layers. With the q/k/v bias folded into the cuBLAS call (a BIAS epilogue, which
@@ -379,6 +386,7 @@ def test_the_tensor_layout_decode_reads_its_weights_in_place(h100_tensor_decode)
     assert not copies, hbm_traffic.describe(copies)
 
 
+@pytest.mark.slow
 def test_a_decode_layer_runs_four_gemms(h100_tensor_decode):
     """The decode copy holds q/k/v as one projection and gate/up as another
     (qwen2_mot.fuse_projections): a layer's token runs 4 GEMMs (q/k/v, o, gate/up, down), plus
@@ -396,6 +404,7 @@ def test_a_decode_layer_runs_four_gemms(h100_tensor_decode):
     assert gemms(loop.condition + loop.children) == 4 * layers + 1
 
 
+@pytest.mark.slow
 def test_decode_attention_is_two_kernels_a_layer(h100_tensor_decode):
     """A layer's decode attention is the split-K kernel, then the Pallas combine of its splits,
     one after the other: no pad of q before it (the kernel pads the query heads as it loads
@@ -414,6 +423,7 @@ def test_decode_attention_is_two_kernels_a_layer(h100_tensor_decode):
         assert "pad" not in names[i - 1], names[i - 2 : i + 3]
 
 
+@pytest.mark.slow
 def test_a_decode_layer_writes_its_key_and_value_in_one_scatter(h100_tensor_decode):
     """The cache holds a slot's key and value side by side ([L, B, S, 2, Hkv, Dh]), so a layer
     writes the new token's pair with one scatter (two with separate K and V caches); the round's
@@ -446,6 +456,7 @@ def launches_per_token(program) -> thunk_launches.Launches:
     )
 
 
+@pytest.mark.slow
 def test_decode_round_is_one_graph_launch(h100_sampler):
     """With the sampler's XLA options (sampler.COMMAND_BUFFER_OPTIONS) and the decode step's
     layers unrolled (unroll_decode_layers), the whole token loop, stop test included, is one
@@ -507,6 +518,7 @@ def h100_tensor_decode():
     return program, rows, slots, shard_shapes
 
 
+@pytest.mark.slow
 def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph(h100_tensor_decode):
     """The 'tensor' layout all-reduces each layer's attention and MLP outputs (XLA's collective
     kernels): with COLLECTIVES_KERNEL among the command types they stay inside the round's one

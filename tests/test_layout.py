@@ -64,6 +64,7 @@ def fsdp_setup():
     return mesh, graphdef, params, rest, student, teacher
 
 
+@pytest.mark.slow
 def test_grad_step_moves_only_bf16_weights_and_gradients(fsdp_setup):
     mesh, graphdef, params, rest, student, teacher = fsdp_setup
     grad_step = train_step.make_grad_step(
@@ -146,6 +147,7 @@ def test_attention_runs_per_device_on_its_rows(backend):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_forward_equals_one_device():
     """Heads, MLP and vocab split over 'tensor' (data 2 x fsdp 2 x tensor 2): same logits."""
     config = BagelConfig.tiny(llm=dict(compute_dtype="float32"))

@@ -52,6 +52,7 @@ def flat(tree) -> dict:
     return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(tree)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ema", "fixed"])
 def test_a_lora_step_moves_the_adapters_alone_and_the_teacher_is_base_plus_its_own(mode):
     config = lora_config()
@@ -159,6 +160,7 @@ def train(results_dir, *overrides):
     return result
 
 
+@pytest.mark.slow
 def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     straight = train(tmp_path / "straight", "--config.total_steps=6")
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]

@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 from conftest import subprocess_env
 
+# A slow file (train.py processes): outside the fast tier, pytest -m 'not slow'.
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # 8 samples per step on 8 rows, so every device holds a row and each process feeds 4.

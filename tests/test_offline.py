@@ -289,6 +289,7 @@ def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
 # ---- the offline loss equals the online one on the same teacher and completion -----------------
 
 
+@pytest.mark.slow
 def test_offline_loss_and_gradient_equal_the_online_ones(tmp_path):
     config = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none"))
     graphdef, teacher_params, rest = nnx.split(Bagel(config, rngs=nnx.Rngs(0)), nnx.Param, ...)
@@ -522,6 +523,7 @@ def offline_run(tmp_path_factory):
     return root, collected, trained
 
 
+@pytest.mark.slow
 def test_collect_traces_then_train_offline(offline_run):
     """scripts/collect_traces.py then train.py mode 'offline' on the toy task (16 samples)."""
     root, out, trained = offline_run
@@ -539,6 +541,7 @@ def test_collect_traces_then_train_offline(offline_run):
     assert sorted(os.listdir(root / "checkpoints")) == ["2"]
 
 
+@pytest.mark.slow
 def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline_run):
     """Offline mode runs the same one compiled step as on-policy: compiled once, ahead of time,
     at the config's fixed pack shapes (the cached teacher's [rows, entries, top-k] included),
@@ -565,6 +568,7 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
     assert later == [], later
 
 
+@pytest.mark.slow
 def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
     """A run stopped after step 2 and resumed to step 4 ends with the params, optimizer state and
     data position of a run that went to step 4 at once: the data iterator and the cache reader
@@ -596,6 +600,7 @@ def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
     assert [m["loss"] for m in logged] == [m["loss"] for m in expected]
 
 
+@pytest.mark.slow
 def test_collection_killed_mid_run_resumes_to_the_uninterrupted_cache(offline_run, tmp_path):
     """A real crash: scripts/collect_traces.py is SIGKILLed once its progress file lists a
     shard (4 shards of 4 samples), then run again with the same command. Every sample is then

@@ -17,6 +17,7 @@ def train(*args, timeout=600):
     return run_python("train.py", *args, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
     run_dir = tmp_path / "run"
     result = train(

@@ -8,12 +8,16 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import subprocess_env
 
 from configs import tiny
 from opsd_jax.toy import data as toy_data
 from opsd_jax.toy import tasks as toy_tasks
 from scripts import make_toy_stage1
+
+# A slow file (train.py processes): outside the fast tier, pytest -m 'not slow'.
+pytestmark = pytest.mark.slow
 
 
 def test_the_shipped_stage1_model_is_what_its_manifest_says():

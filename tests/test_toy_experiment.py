@@ -5,7 +5,11 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
 from conftest import subprocess_env
+
+# A slow file (train.py processes): outside the fast tier, pytest -m 'not slow'.
+pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

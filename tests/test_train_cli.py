@@ -125,6 +125,7 @@ def straight(tmp_path_factory):
     return root, result
 
 
+@pytest.mark.slow
 def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     """The run completes on data with ~10% broken rows; they are skipped, counted per reason in
     the logs and in a final summary."""
@@ -188,6 +189,7 @@ def fake_wandb_env(tmp_path):
     return env, tmp_path / "wandb_inits.jsonl"
 
 
+@pytest.mark.slow
 def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     """JAX_LOG_COMPILES=1: the train step compiles once, ahead of time, with its console line
     before training starts; after step 1's line no training program compiles at all (the
@@ -217,6 +219,7 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     assert all(name in sampling for name in later), later
 
 
+@pytest.mark.slow
 def test_a_second_identical_run_compiles_nothing_the_first_compiled(straight, tmp_path):
     """JAX's persistent compilation cache, on by default (here in a fresh folder): the first
     of two runs of one config compiles and writes every program, the second reads them all."""
@@ -248,6 +251,7 @@ def test_a_second_identical_run_compiles_nothing_the_first_compiled(straight, tm
     ), second_out[-3000:]
 
 
+@pytest.mark.slow
 def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_path):
     """SIGTERM (a preemption) after step 1: the run saves where it is and exits 0; the next
     run resumes there and its final params are bit-identical to the uninterrupted run's. Both
@@ -292,6 +296,7 @@ def test_preempted_run_saves_exits_0_and_resumes_bit_identically(straight, tmp_p
     assert saved_config["wandb_runid"] == first["id"]
 
 
+@pytest.mark.slow
 def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(straight, tmp_path):
     """SIGKILL five times at random moments, three of them during an asynchronous checkpoint
     save, restarting with auto_resume each time: every launch resumes from the newest complete
@@ -320,6 +325,7 @@ def test_killed_five_times_resumes_from_complete_checkpoints_bit_identically(str
     assert_same_params(root / "checkpoints", checkpoints, 6)
 
 
+@pytest.mark.slow
 def test_train_refuses_a_teacher_change_on_resume_before_any_compute(straight, tmp_path):
     """The issue's case: an 'ema' run resumed with teacher_mode=fixed is one clear refusal."""
     root, result = straight
@@ -338,6 +344,7 @@ def test_train_refuses_a_teacher_change_on_resume_before_any_compute(straight, t
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["5", "6"]  # untouched
 
 
+@pytest.mark.slow
 def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_path):
     """scripts/generate.py on the run's results_dir: its saved config gives the model, the
     image size and the prompt; the last step's params are restored; a completion is printed."""
@@ -369,6 +376,7 @@ def test_generate_answers_an_image_with_the_trained_checkpoint(straight, tmp_pat
     assert run.stdout.strip() and run.stdout.count("\n") >= 1  # the completion
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path):
     """NaN gradients injected at step 2 and an infinite loss at steps 4-6: step 2 is skipped
     (params, optimizer state and EMA unchanged) and training goes on; three bad steps in a row

@@ -46,6 +46,7 @@ SAMPLES = [sample("a"), sample("b", "qq", vts=((1, 2),)), sample("c", "qqq"), sa
 COMPLETIONS = [[11, 12, 13], [14, 15], [16, 17, 18, 19], [20]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["self", "ema", "fixed"])
 def test_loss_falls_on_a_repeated_batch(split_model, mode):
     graphdef, params, rest = split_model
@@ -90,6 +91,7 @@ def test_ema_update_math(split_model):
     assert int(state.step) == 1
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(split_model):
     graphdef, params, rest = split_model
     two = train_step.make_grad_step(graphdef, rest, builders.loss_settings(num_samples=2), "self")
@@ -105,6 +107,7 @@ def test_gradient_accumulation_equals_one_big_batch(split_model):
     assert_trees_close_to_scale(accumulated, g, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_step_on_an_8_device_mesh_equals_one_device(split_model):
     graphdef, params, rest = split_model
     mesh = mesh_lib.make_mesh(num_replicate=2)
@@ -224,6 +227,7 @@ def make_step(split_model, config, mode="ema", num_samples=2, **kwargs):
     return step, state, optimizer, loss_fn
 
 
+@pytest.mark.slow
 def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(split_model):
     """The scan inside the compiled step = the mean of per-micro-batch gradients, one AdamW
     update, the EMA: the same as grad_step twice + apply_update. The state is donated."""
@@ -259,6 +263,7 @@ def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(sp
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_frozen_vit_is_not_differentiated_and_stays_bit_identical(split_model):
     """freeze_vit: no gradient is computed for the ViT (fewer matmuls in the program), it keeps
     no optimizer moments and never moves; grad_norm is over the trained params only."""
