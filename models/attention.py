@@ -101,9 +101,9 @@ def attention(
     elif backend == "cudnn":
         kernel = _cudnn
     elif resolve_backend(backend) == "pallas":
-        from models import attention_pallas  # Pallas/Triton is imported only when used
+        from models import gpu_support  # Pallas/Triton is imported only when used
 
-        kernel = _pallas_kernel(attention_pallas.range_attention)
+        kernel = _pallas_kernel(gpu_support.import_kernel("attention_pallas").range_attention)
     else:
         kernel = functools.partial(_chunked, q_block=q_block, kv_block=kv_block)
     # Every backend runs per device on its own rows (and heads under tensor parallelism): the
@@ -479,7 +479,9 @@ def cache_attention(
     interpreter (tests, on any backend).
     """
     if resolve_backend(backend) == "pallas":
-        from models import decode_attention_pallas as kernel  # Triton only when used
+        from models import gpu_support  # Triton only when used
+
+        kernel = gpu_support.import_kernel("decode_attention_pallas")
 
         if kernel.supported(cache.shape[-1], cache.shape[2]):
             names = _cache_arg_names(q, cache)

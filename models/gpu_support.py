@@ -9,9 +9,41 @@ backend existing (tests/test_attention.py checks a CPU run never imports them).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import jax
 
 MIN_COMPUTE_CAPABILITY = (8, 0)  # Ampere: Triton's bf16 tensor-core dots
+# The Pallas backend both kernels are written for (deprecated in jax 0.12; docs/gpus.md has the
+# migration path).
+TRITON_BACKEND = "jax.experimental.pallas.triton"
+INSTEAD = (
+    "choose attention_backend='cudnn' (cuDNN's fused attention, on the GPU) or 'chunked' (XLA, "
+    "any device); docs/gpus.md says where the kernels move next"
+)
+
+
+def triton_backend_missing() -> bool:
+    """Whether this jax lacks Pallas's Triton backend (asked without importing it)."""
+    try:
+        return importlib.util.find_spec(TRITON_BACKEND) is None
+    except (ImportError, ValueError):  # jax.experimental.pallas itself is gone
+        return True
+
+
+def import_kernel(name: str):
+    """models.<name>, one of the Pallas kernel modules; where this jax has no Pallas Triton
+    backend, an ImportError naming the attention backends to choose instead."""
+    try:
+        return importlib.import_module(f"models.{name}")
+    except ImportError as e:
+        if not triton_backend_missing():
+            raise
+        raise ImportError(
+            f"attention_backend='pallas' needs Pallas's Triton backend ({TRITON_BACKEND}), which "
+            f"jax {jax.__version__} does not have; {INSTEAD}"
+        ) from e
 
 
 def compiling_for_gpu_without_one() -> bool:
@@ -42,4 +74,6 @@ def unsupported_reason() -> str | None:
             f"{device.device_kind} is sm{major}{minor}; the kernel needs sm80 or newer "
             "(A100, H100, H200, ...)"
         )
+    if triton_backend_missing():
+        return f"jax {jax.__version__} has no Pallas Triton backend ({TRITON_BACKEND}); {INSTEAD}"
     return None

@@ -2,6 +2,7 @@
 semantics."""
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -403,3 +404,18 @@ def test_a_cpu_run_never_imports_the_gpu_kernels():
     result = run_python("-c", script)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "chunked []"
+
+
+def test_without_pallas_triton_the_pallas_backend_names_what_to_choose(monkeypatch):
+    """A jax without Pallas's Triton backend (deprecated in 0.12): asking for the kernels is an
+    error that names the backends to use instead, not a bare ImportError of jax's."""
+    from models import gpu_support
+
+    monkeypatch.setitem(sys.modules, gpu_support.TRITON_BACKEND, None)  # import fails
+    monkeypatch.delitem(sys.modules, "models.attention_pallas", raising=False)
+    assert gpu_support.triton_backend_missing()
+    with pytest.raises(ImportError, match=r"attention_backend='cudnn'.*or 'chunked'"):
+        gpu_support.import_kernel("attention_pallas")
+    monkeypatch.undo()
+    assert not gpu_support.triton_backend_missing()
+    assert gpu_support.import_kernel("attention_pallas").range_attention
