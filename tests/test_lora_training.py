@@ -201,29 +201,11 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     # here in numpy from the source's weights and the adapters written alone (PEFT names).
     run = tmp_path / "resumed"
     source = run / "toy" / "model"
-    convert_hf.main(
-        [
-            "jax-to-hf",
-            "--ckpt",
-            str(run / "checkpoints"),
-            "--source",
-            str(source),
-            "--out",
-            str(run / "hf"),
-        ]
-    )
-    convert_hf.main(
-        [
-            "jax-to-hf",
-            "--ckpt",
-            str(run / "checkpoints"),
-            "--source",
-            str(source),
-            "--out",
-            str(run / "adapters"),
-            "--adapters_only",
-        ]
-    )
+    for out, extra in (("hf", []), ("adapters", ["--adapters_only"])):
+        ckpt, out = str(run / "checkpoints"), str(run / out)
+        convert_hf.main(
+            ["jax-to-hf", "--ckpt", ckpt, "--source", str(source), "--out", out, *extra]
+        )
     config = json.loads((run / "adapters" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["base"]["digest"] == meta["lora_base"]["digest"]
     adapters = safetensors.numpy.load_file(str(run / "adapters" / "adapter_model.safetensors"))
