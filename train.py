@@ -192,7 +192,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     held_out = HeldOut(config, mesh, start, data_config, options, layout, say)  # held_out.py
     rollout = None  # SFT and offline sample nothing
     if config.mode == "opsd":
-        rollout = rollout_lib.Rollout(config, mesh, start, options, program, layout, logger)
+        rollout = rollout_lib.Rollout(config, mesh, start, options, program, layout, logger, say)
         say(rollout.describe())
 
     # ---- loop ----------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             samples = data.take(accum * program.local_per_micro)
         completions, own_completions = None, None
         if rollout is not None:  # its prompts packed while the previous step still runs
-            completions, own_completions = rollout.sample(state, samples, step, say)
+            completions, own_completions = rollout.sample(state, samples, step)
         with logger.phase("pack"):  # offline: the cache read too
             packed = program.batches.pack(step, samples, own_completions)
         with logger.phase("step"):  # dispatched, not awaited

@@ -45,9 +45,9 @@ def choose_decode_layout(config, start, mesh, shapes: dict, say: Callable) -> st
 class Rollout:
     """A step's completions from the live student, in the decode layout."""
 
-    def __init__(self, config, mesh, start, options, program, layout: str, logger):
+    def __init__(self, config, mesh, start, options, program, layout: str, logger, say):
         self.config, self.mesh, self.start, self.options = config, mesh, start, options
-        self.program, self.layout, self.logger = program, layout, logger
+        self.program, self.layout, self.logger, self.say = program, layout, logger, say
         self.special = start.tokenizer.special_tokens()
         heads = layout_choice.head_counts(start.model_config)
         self.decode_mesh = mesh_lib.decode_mesh(mesh, layout, heads=heads)  # checks it fits
@@ -63,7 +63,7 @@ class Rollout:
             f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes"
         )
 
-    def prompts(self, samples, say: Callable):
+    def prompts(self, samples):
         """(the prompt pack, this process's first row in it, the global sample id of each row)."""
         config, program = self.config, self.program
         prompt_pack = build_prompt_pack(
@@ -87,18 +87,18 @@ class Rollout:
         shape = pack_lib.pack_sizes(prompt_pack)[:2]
         if shape not in self.prompt_shapes:
             self.prompt_shapes.add(shape)
-            say(
+            self.say(
                 f"sampler: compiling for prompt length {shape[0]}, {shape[1]} patches "
                 f"({len(self.prompt_shapes)} of at most "
                 f"{prompt_shape_bound(config.sample_prompt_buckets)} shapes)"
             )
         return prompt_pack, first_row, row_ids
 
-    def sample(self, state, samples, step: int, say: Callable):
+    def sample(self, state, samples, step: int):
         """(the completions of every row, this process's samples' own) at `step`."""
         config, start, logger = self.config, self.start, self.logger
         with logger.phase("sample"):  # while the previous step still runs on the devices
-            prompt_pack, first_row, row_ids = self.prompts(samples, say)
+            prompt_pack, first_row, row_ids = self.prompts(samples)
         with logger.phase("step"):
             # The sampler needs the previous step's params: its device time counts here.
             jax.block_until_ready(state.params)
