@@ -411,8 +411,11 @@ def test_without_pallas_triton_the_pallas_backend_names_what_to_choose(monkeypat
     error that names the backends to use instead, not a bare ImportError of jax's."""
     from models import gpu_support
 
-    monkeypatch.setitem(sys.modules, gpu_support.TRITON_BACKEND, None)  # import fails
-    monkeypatch.delitem(sys.modules, "models.attention_pallas", raising=False)
+    def no_triton(name):
+        raise ImportError(f"cannot import name 'triton' (importing {name})")
+
+    monkeypatch.setitem(sys.modules, gpu_support.TRITON_BACKEND, None)  # find_spec: absent
+    monkeypatch.setattr(gpu_support.importlib, "import_module", no_triton)
     assert gpu_support.triton_backend_missing()
     with pytest.raises(ImportError, match=r"attention_backend='cudnn'.*or 'chunked'"):
         gpu_support.import_kernel("attention_pallas")
