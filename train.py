@@ -84,6 +84,9 @@ def say(*args) -> None:
 
 
 def main(argv, opened: OpenedCheckpoints | None = None):
+    """The run, top to bottom. Over 150 lines because it is the sequence itself: each block is
+    a check or a call into one stage of opsd_jax/trainer/, and the loop that ties them; split
+    further, a reader would jump between functions that only pass the same objects on."""
     del argv
     opened = OpenedCheckpoints() if opened is None else opened
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is noise here
