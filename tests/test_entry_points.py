@@ -69,18 +69,14 @@ SMOKE_RUNS = {
         r"new compilations after the 1-step warm-up: 0",
     ),
     "bench/vs_pytorch.py": (["--steps", "1", "--rounds", "1"], r"ours \(best round\): "),
-    # Its sections in two processes (two workers): the kernels and the step, then train.py.
-    "bench/gpu_check.py": [
-        (
-            ["--dry-run", "--repeats", "1", "--sections", "parity", "attention", "grad_step"]
-            + ["decode"],
-            r"rows in \d+ s: .*nothing failed",
-        ),
-        (
-            ["--dry-run", "--repeats", "1", "--sections", "train"],
-            r"rows in \d+ s: .*nothing failed",
-        ),
-    ],
+    # The kernels and the step; the train section's dry run (train.py launches, several
+    # minutes of CPU) is left out of CI's budget: `python bench/gpu_check.py --dry-run
+    # --sections train` runs it (bench/gpu_check_train.py).
+    "bench/gpu_check.py": (
+        ["--dry-run", "--repeats", "1", "--sections", "parity", "attention", "grad_step"]
+        + ["decode"],
+        r"rows in \d+ s: .*nothing failed",
+    ),
     "scripts/crash_drill.py": (
         ["--kills", "1", "--steps", "2", "--out", "{tmp}/drill"],
         r"final params bit-identical to the uninterrupted run: True",
