@@ -149,7 +149,7 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
         say(
             f"LoRA: {sum(x.size for x in jax.tree.leaves(adapters)):,} trainable adapter "
             f"parameters (rank {config.lora_rank}, alpha {config.lora_alpha}) on "
-            f"{len(run_config.lora_target_paths(config, loaded.model_config))} projections "
+            f"{len(jax.tree.leaves(adapters)) // 2} projections "  # an A and a B each
             f"matching {config.lora_targets!r}; the base frozen in {config.compute_dtype}"
         )
     if loaded.description:
