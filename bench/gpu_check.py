@@ -129,6 +129,17 @@ def parse_args():
 # ---- shared helpers (inside a section's process) ------------------------------------------------
 
 
+def failure_line(text: str) -> str:
+    """The line of a failed process's output that says why: its last exception line (jax's
+    tracebacks end with a note on filtered frames, not the error), else its last line."""
+    lines = [line.strip() for line in (text or "").strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        head = line.split(":", 1)[0]
+        if head.endswith(("Error", "Exception", "Exit", "Interrupt")) and " " not in head:
+            return line
+    return (lines or ["no output"])[-1]
+
+
 def setup_jax(dry_run: bool, host_devices: int = 1):
     """jax, on the CPU in a dry run (with `host_devices` CPU devices, for a multi-GPU case)."""
     if dry_run:
@@ -388,7 +399,7 @@ def section_attention(args):
                 ok=parts[4] != "—" or args.dry_run,
             )
     if done.returncode:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        tail = failure_line(done.stderr)
         emit(
             section="attention",
             case="bench/attention.py",
@@ -822,13 +833,12 @@ def run_section(name, args, *extra, env=None) -> list[dict]:
         if line.startswith(RESULT)
     ]
     if done.returncode:
-        tail = [line for line in done.stderr.strip().splitlines() if line.strip()] or ["no output"]
         rows.append(
             dict(
                 section=name,
                 case="process",
                 value=f"exit {done.returncode}",
-                unit=tail[-1][:160],
+                unit=failure_line(done.stderr)[:160],
                 ok=False,
                 kind="check",
             )

@@ -51,8 +51,9 @@ def _train(args: list[str], env: dict) -> tuple[subprocess.CompletedProcess, flo
 
 
 def _why(done: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (done.stderr or done.stdout).strip().splitlines() if line.strip()]
-    return (lines or ["no output"])[-1][:160]
+    from gpu_check import failure_line
+
+    return failure_line(done.stderr or done.stdout)[:160]
 
 
 def _logged(results_dir: str) -> list[dict]:

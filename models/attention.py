@@ -464,6 +464,15 @@ def _flash_bwd(bq, bk, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+# Whether "auto" runs the decode kernel where it resolves to Pallas. No: on its first run on a
+# GPU (an H200, jax 0.11.2, bench/gpu_check.py's parity section, 2026-12-04) the kernel missed
+# XLA's decode attention by 2.4 (max abs error; outputs of order 1) at BAGEL's 28 / 4 heads and
+# 4160 slots, while the Pallas interpreter matches it to 1e-3 at the same shapes. Until a GPU
+# run passes, sampling by default takes the XLA path, and the kernel runs only where "pallas" is
+# named (its tests, bench/scale.py's kernel projections). docs/gpus.md has the figures.
+DECODE_KERNEL_IN_AUTO = False
+
+
 def cache_attention(
     q, cache, layer, kv_lengths, backend: str = "auto", interpret: bool = False
 ) -> jax.Array:
@@ -472,13 +481,13 @@ def cache_attention(
     are written in one scatter); q: [B, Hq, D]; key slot j of row b is visible iff
     j < kv_lengths[b].
 
-    With the Pallas backend (see `resolve_backend`) and a shape it takes, the kernel of
-    models/decode_attention_pallas.py reads the cache in place and only each row's filled
-    slots, per device (a shard_map over rows and kv heads). Otherwise `decode_attention` on the
-    layer's slices, which XLA partitions by itself. `interpret` runs the kernel in the Pallas
-    interpreter (tests, on any backend).
+    With backend "pallas" named (not "auto": `DECODE_KERNEL_IN_AUTO`) and a shape it takes,
+    the kernel of models/decode_attention_pallas.py reads the cache in place and only each row's
+    filled slots, per device (a shard_map over rows and kv heads). Otherwise `decode_attention`
+    on the layer's slices, which XLA partitions by itself. `interpret` runs the kernel in the
+    Pallas interpreter (tests, on any backend).
     """
-    if resolve_backend(backend) == "pallas":
+    if backend == "pallas" or (DECODE_KERNEL_IN_AUTO and resolve_backend(backend) == "pallas"):
         from models import gpu_support  # Triton only when used
 
         kernel = gpu_support.import_kernel("decode_attention_pallas")

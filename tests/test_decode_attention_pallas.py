@@ -150,3 +150,27 @@ def test_kernel_lowers_to_triton_for_an_h100():
         dap.filled_cache_attention, q, cache, jnp.int32(1), jnp.array([3, 128], jnp.int32)
     )
     assert "__gpu$xla.gpu.triton" in text and dap.KERNEL_NAME in text
+
+
+def test_auto_decodes_on_the_xla_path_where_it_resolves_to_pallas(monkeypatch):
+    """The kernel failed its parity check on a GPU (attention.DECODE_KERNEL_IN_AUTO): "auto"
+    must not reach it even where it resolves to Pallas (a GPU); "pallas" named still does."""
+    from models import gpu_support
+
+    def no_kernel(name):
+        raise AssertionError(f"the kernel {name} was asked for")
+
+    monkeypatch.setattr(gpu_support, "unsupported_reason", lambda: None)  # as on a GPU
+    monkeypatch.setattr(gpu_support, "import_kernel", no_kernel)
+    assert attention.resolve_backend("auto") == "pallas"
+    rng = np.random.default_rng(6)
+    q, k, v, cache = cache_case(
+        rng, layers=1, rows=2, slots=64, kv_heads=1, group=2, dim=16, dtype=jnp.float32
+    )
+    lengths = jnp.array([5, 64], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(attention.cache_attention(q, cache, 0, lengths, backend="auto")),
+        np.asarray(attention.decode_attention(q, k[0], v[0], lengths)),
+    )
+    with pytest.raises(AssertionError, match="was asked for"):
+        attention.cache_attention(q, cache, 0, lengths, backend="pallas")

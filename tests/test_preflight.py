@@ -25,7 +25,7 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    assert "1 compile-only H100 device(s) (79.1 GiB each, keep 15% free: 67.2 GiB)" in out
+    assert "1 compile-only H100 device(s) (79.1 GiB each, 85% of it usable: 67.2 GiB)" in out
     # Every program train.py compiles for the tiny run: its one length bucket's step, the
     # rollout's refresh, prefill and decode round, the evaluation's prefill and decode round.
     names = re.findall(r"^  (.*): peak ([\d.]+) GiB per device", out, re.M)
@@ -81,3 +81,34 @@ def test_the_verdict_names_every_program_over_85_percent():
         f"does not fit: rollout: prefill needs {over.peak / GIB:.2f} GiB per device, more than "
         f"{limit / GIB:.1f} GiB (85% of a H100's 79.1 GiB)"
     ]
+
+
+def test_the_usable_share_follows_jax_allocator_fraction(monkeypatch):
+    """jax's GPU allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the device (75% by default;
+    opsd_jax sets 90% unless it is set): the preflight allows no more than the allocator has."""
+    import opsd_jax
+
+    variable = opsd_jax.ALLOCATOR_FRACTION_VARIABLE
+    assert variable == "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    monkeypatch.setenv(variable, "0.90")
+    assert preflight.allowed_share() == pytest.approx(1 - preflight.PREFLIGHT_HEADROOM)
+    monkeypatch.setenv(variable, "0.6")
+    assert preflight.allowed_share() == pytest.approx(0.6)
+    capacity = gpu_target.memory_bytes("h100")
+    at_80 = preflight.ProgramMemory("train step", int(capacity * 0.8), 0, 1.0)
+    code, lines = preflight.verdict([at_80], "h100", capacity)
+    assert code == 1 and "60% of a H100" in lines[0], lines
+    monkeypatch.delenv(variable)
+    assert preflight.allowed_share() == pytest.approx(0.75)  # jax's own default
+    monkeypatch.setenv(variable, "most")
+    with pytest.raises(preflight.PreflightError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='most'"):
+        preflight.allowed_share()
+
+
+def test_importing_the_package_gives_jax_allocator_90_percent():
+    out = run_python(
+        "-c",
+        "import os; os.environ.pop('XLA_PYTHON_CLIENT_MEM_FRACTION', None); import opsd_jax; "
+        "print(os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])",
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "0.90", out.stderr

@@ -105,6 +105,22 @@ def model_config_for(config, runtime: dict) -> tuple[BagelConfig, str]:
     return BagelConfig.bagel_7b(llm=runtime), f"BAGEL-7B ({where})"
 
 
+def allowed_share() -> float:
+    """The share of a device's memory a program may use: 1 - PREFLIGHT_HEADROOM, or less where
+    jax's allocator is given less (XLA_PYTHON_CLIENT_MEM_FRACTION; opsd_jax sets 0.90 unless it
+    is set)."""
+    import opsd_jax
+
+    fraction = os.environ.get(opsd_jax.ALLOCATOR_FRACTION_VARIABLE, "0.75")  # jax's default
+    try:
+        allocator = float(fraction)
+    except ValueError:
+        raise PreflightError(
+            f"{opsd_jax.ALLOCATOR_FRACTION_VARIABLE}={fraction!r} is not a number"
+        ) from None
+    return min(1 - PREFLIGHT_HEADROOM, allocator)
+
+
 def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     """Compile the run of `config` for `spec` ('h100:8'); print each program's memory; 0 when
     every program leaves PREFLIGHT_HEADROOM of the device free, else 1 (the line says which
@@ -115,7 +131,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     config = builds.complete(config)
     checks.validate(config, count, 1, check_files=False)
     capacity = gpu_target.memory_bytes(target)
-    limit = int(capacity * (1 - PREFLIGHT_HEADROOM))
+    limit = int(capacity * allowed_share())
 
     runtime = builds.model_runtime(config)
     if config.attention_backend == "auto":  # what 'auto' picks on the target: the GPU kernel
@@ -125,7 +141,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)
     say(
         f"preflight: {config.mode} run compiled for {count} compile-only {target.upper()} "
-        f"device(s) ({capacity / GIB:.1f} GiB each, keep {PREFLIGHT_HEADROOM:.0%} free: "
+        f"device(s) ({capacity / GIB:.1f} GiB each, {allowed_share():.0%} of it usable: "
         f"{limit / GIB:.1f} GiB), mesh {dict(mesh.shape)}; model shapes from {source}"
     )
 
@@ -248,8 +264,8 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
 def verdict(reports: list[ProgramMemory], target: str, capacity: int) -> tuple[int, list[str]]:
     """(0, a line naming the largest program) when every program's peak leaves
     PREFLIGHT_HEADROOM of `capacity` free; else (1, a line per program that does not)."""
-    limit = int(capacity * (1 - PREFLIGHT_HEADROOM))
-    share = f"{1 - PREFLIGHT_HEADROOM:.0%} of a {target.upper()}'s {capacity / GIB:.1f} GiB"
+    limit = int(capacity * allowed_share())
+    share = f"{allowed_share():.0%} of a {target.upper()}'s {capacity / GIB:.1f} GiB"
     over = [r for r in reports if r.peak > limit]
     if over:
         return 1, [
@@ -259,7 +275,7 @@ def verdict(reports: list[ProgramMemory], target: str, capacity: int) -> tuple[i
         ]
     worst = max(reports, key=lambda r: r.peak)
     return 0, [
-        f"fits: every program leaves {PREFLIGHT_HEADROOM:.0%} of a {target.upper()} free "
+        f"fits: every program leaves {1 - allowed_share():.0%} of a {target.upper()} free "
         f"(largest: {worst.name}, {worst.peak / GIB:.2f} GiB of {limit / GIB:.1f} GiB)"
     ]
 

@@ -203,11 +203,14 @@ def _check_prompt_pack(pack: Pack) -> None:
 # them; bench/scale.py prints the counts with XLA's default command buffers and with these).
 # XLA forms them only for a driver of CUDA 12.9 or later (opsd_jax/programs/gpu_targets/*.txtpb
 # say so).
+# COLLECTIVES_KERNEL is new in jax 0.12's XLA; 0.11's rejects the whole option as an unknown
+# enum value, so on an older jax (a GPU image's preinstalled one) the list goes without it.
+_COMMAND_BUFFER_KINDS = (
+    "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,COLLECTIVES"
+    + (",COLLECTIVES_KERNEL" if jax.__version_info__ >= (0, 12) else "")
+)
 COMMAND_BUFFER_OPTIONS = {
-    "xla_gpu_enable_command_buffer": (
-        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,"
-        "COLLECTIVES,COLLECTIVES_KERNEL"
-    ),
+    "xla_gpu_enable_command_buffer": _COMMAND_BUFFER_KINDS,
     "xla_gpu_command_buffer_unroll_loops": True,
 }
 SAMPLER_COMPILER_OPTIONS = {
