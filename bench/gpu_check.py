@@ -623,7 +623,7 @@ def section_decode(args):
     abstract_key = jax.eval_shape(lambda: jax.random.key(0))
 
     def state_shardings(view):
-        """The state as the sampler pins it (sampler._pinned): rows over the batch axes, the
+        """The state as the sampler pins it (sampler.pinned): rows over the batch axes, the
         cache's kv heads as the decode rules say."""
 
         def names(x):

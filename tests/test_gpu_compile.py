@@ -169,7 +169,9 @@ class SamplerPrograms:
 def h100_sampler() -> SamplerPrograms:
     """Refresh, prefill and decode round of the tiny model on two H100s, replicated copy."""
     mesh = gpu_target.make_mesh("h100", 2)
-    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16"))
+    # The decode kernel named: "auto" decodes on the XLA path until the kernel passes on a GPU
+    # (models/attention.py DECODE_KERNEL_IN_AUTO); these check the kernel's compiled layout.
+    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="pallas"))
     llm = model_config.llm
     graphdef, params, rest = abstract_split(model_config, mesh)
     state = nnx.merge_state(params, rest)
@@ -483,7 +485,9 @@ def h100_tensor_decode():
     per device, as the 7B recipe's tensor 4): (its program, rows, cache slots, the shapes of
     a layer's weight shards: each device's part of one layer's projections)."""
     mesh = gpu_target.make_mesh("h100", 2)
-    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16"))
+    # The decode kernel named: "auto" decodes on the XLA path until the kernel passes on a GPU
+    # (models/attention.py DECODE_KERNEL_IN_AUTO); these check the kernel's compiled layout.
+    model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="pallas"))
     llm = model_config.llm
     graphdef, params, rest = abstract_split(model_config, mesh)
     view = mesh_lib.decode_mesh(mesh, "tensor", 2)

@@ -145,6 +145,8 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
+    # A float32 run's rollouts decode with a float32 KV cache, as its evaluation does.
+    assert "decode copy (float32, KV cache float32)" in result.stdout, result.stdout[:3000]
     assert not (root / "run.lock").exists()  # the run gave its directory back
     # The held-out accuracy is on the console, and the run ends with what to run next.
     assert re.search(

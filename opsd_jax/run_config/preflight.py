@@ -133,9 +133,9 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     capacity = gpu_target.memory_bytes(target)
     limit = int(capacity * allowed_share())
 
+    # 'auto' stays 'auto': under the compile-only GPU mesh it picks what it picks on the GPU
+    # (the Pallas training kernel; the XLA decode attention, models/attention.py).
     runtime = builds.model_runtime(config)
-    if config.attention_backend == "auto":  # what 'auto' picks on the target: the GPU kernel
-        runtime["attention_backend"] = "pallas"
     model_config, source = model_config_for(config, runtime)
     data_size, fsdp_size, tensor_size = builds.mesh_shape(config, count)
     mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)

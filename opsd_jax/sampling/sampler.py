@@ -124,7 +124,7 @@ def abstract_key(mesh: jax.sharding.Mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
 
 
-def _pinned(state: DecodeState) -> DecodeState:
+def pinned(state: DecodeState) -> DecodeState:
     """`state` with its layout pinned: without it XLA may replicate the per-row state (and then
     gather each step's tokens) or let the cache follow the weights' layout."""
     rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
@@ -165,13 +165,51 @@ def sample_rows(keys: jax.Array, log_probs: jax.Array) -> jax.Array:
     return jnp.minimum(token, log_probs.shape[-1] - 1).astype(jnp.int32)
 
 
+def choose_tokens(logits, keys, settings: RoundSettings):
+    """(the next token, its log-prob) per row: a draw with each row's key when sampling (keys
+    [B]), else the argmax (keys None). Vocabulary rows at or past the limit are never chosen."""
+    if settings.do_sample:
+        # The draw inverts the CDF over the whole vocabulary: with the vocabulary split over
+        # 'tensor', gather the logits once (in their compute dtype) rather than let XLA
+        # partition the cumsum in f32. Greedy argmax partitions fine (a max per shard).
+        logits = constrain(logits, ("act_batch", None))
+    logits = mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
+    scaled = logits / settings.temperature if settings.do_sample else logits
+    log_probs = jax.nn.log_softmax(scaled, axis=-1)
+    token = sample_rows(keys, log_probs) if settings.do_sample else jnp.argmax(logits, axis=-1)
+    token = token.astype(jnp.int32)
+    return token, jnp.take_along_axis(log_probs, token[:, None], axis=1)[:, 0]
+
+
+def sample_step(model, state: DecodeState, feed, keys, settings: RoundSettings):
+    """One decode step of the active rows: feed `feed`, choose each row's next token (`keys` as
+    in choose_tokens) and record it; a row stops at <|im_end|> (not recorded) or when its budget
+    is spent. Returns (token, its log-prob, the state)."""
+    capacity = state.tokens.shape[1]
+    # Per row (vmap), so the write stays on each device's rows (see DecoderLayer.decode).
+    put = jax.vmap(lambda row, at, value: row.at[at].set(value, mode="drop"))
+    logits, state = feed_tokens(model, state, feed, state.active)
+    token, logprob = choose_tokens(logits, keys, settings)
+    is_eos = token == settings.eos_id
+    keep = state.active & ~is_eos & (state.budget > 0)
+    slot = jnp.where(keep, state.length, capacity)  # out of range: dropped
+    state = state.replace(
+        tokens=put(state.tokens, slot, token),
+        logprobs=put(state.logprobs, slot, logprob),
+        length=state.length + keep,
+        budget=state.budget - keep,
+        finished=jnp.where(state.active, is_eos, state.finished),
+    )
+    return token, logprob, pinned(state.replace(active=keep & (state.budget > 0)))
+
+
 def cache_slots_for(prompt_length: int, max_new_tokens: int, max_image_skips: int = 0) -> int:
     """KV-cache slots per row: the prompt row, the completion budget and each round's fed
     <|im_start|> (a skip's appended <|im_end|> counts against the budget)."""
     return prompt_length + max_new_tokens + (max_image_skips + 1)
 
 
-def _check_prompt_pack(pack: Pack) -> None:
+def check_prompt_pack(pack: Pack) -> None:
     segments = to_host(pack.segment_ids)
     if segments.max(initial=0) > 1:
         raise ValueError(
@@ -237,7 +275,7 @@ def prefill_rows(
     filled = jnp.stack([k, v], axis=3).astype(cache_dtype)
     cache = jnp.zeros(shape, cache_dtype).at[:, :, :length].set(filled)
     real = pack.segment_ids > 0
-    return _pinned(
+    return pinned(
         DecodeState(
             cache=cache,
             kv_length=real.sum(axis=1).astype(jnp.int32),
@@ -272,7 +310,7 @@ def _append_token(
     del rules  # in the cache key only
     model = nnx.merge(graphdef, params)
     _, state = feed_tokens(model, state, jnp.broadcast_to(token, rows.shape), rows)
-    return _pinned(state.replace(budget=state.budget - rows, active=rows))
+    return pinned(state.replace(budget=state.budget - rows, active=rows))
 
 
 @functools.partial(
@@ -286,27 +324,8 @@ def decode_round(
 ):
     """Feed <|im_start|> to the active rows, then sample until every row has stopped."""
     del rules  # in the cache key only
-    batch, capacity = state.tokens.shape
-    # Per row (vmap), so the write stays on each device's rows (see DecoderLayer.decode).
-    put = jax.vmap(lambda row, at, value: row.at[at].set(value, mode="drop"))
+    batch = state.tokens.shape[0]
     row_keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(row_ids)
-
-    def choose(logits, step):
-        if settings.do_sample:
-            # The draw inverts the CDF over the whole vocabulary: with the vocabulary split over
-            # 'tensor', gather the logits once (in their compute dtype) rather than let XLA
-            # partition the cumsum in f32. Greedy argmax partitions fine (a max per shard).
-            logits = constrain(logits, ("act_batch", None))
-        logits = mask_vocab(logits.astype(jnp.float32), settings.vocab_limit)
-        scaled = logits / settings.temperature if settings.do_sample else logits
-        log_probs = jax.nn.log_softmax(scaled, axis=-1)
-        if settings.do_sample:
-            step_keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
-            token = sample_rows(step_keys, log_probs)
-        else:
-            token = jnp.argmax(logits, axis=-1)
-        token = token.astype(jnp.int32)
-        return token, jnp.take_along_axis(log_probs, token[:, None], axis=1)[:, 0]
 
     def cond(carry):
         _, state, _, step = carry
@@ -317,22 +336,13 @@ def decode_round(
         # is merged from values of the loop's own trace, as NNX transforms require.
         params, state, feed, step = carry
         model = nnx.merge(graphdef, params)
-        logits, state = feed_tokens(model, state, feed, state.active)
-        token, logprob = choose(logits, step)
-        is_eos = token == settings.eos_id
-        keep = state.active & ~is_eos & (state.budget > 0)
-        slot = jnp.where(keep, state.length, capacity)  # out of range: dropped
-        state = state.replace(
-            tokens=put(state.tokens, slot, token),
-            logprobs=put(state.logprobs, slot, logprob),
-            length=state.length + keep,
-            budget=state.budget - keep,
-            finished=jnp.where(state.active, is_eos, state.finished),
-        )
-        state = _pinned(state.replace(active=keep & (state.budget > 0)))
+        keys = None
+        if settings.do_sample:
+            keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        token, _, state = sample_step(model, state, feed, keys, settings)
         return params, state, token, step + 1
 
-    state = _pinned(state.replace(finished=state.finished & ~state.active))  # re-decided here
+    state = pinned(state.replace(finished=state.finished & ~state.active))  # re-decided here
     bos = constrain(jnp.full((batch,), settings.bos_id, jnp.int32), ("act_batch",))
     _, state, _, _ = jax.lax.while_loop(cond, body, (params, state, bos, jnp.zeros((), jnp.int32)))
     return state
@@ -363,15 +373,8 @@ def sample(
     row_ids: per-row integers mixed into the randomness (default 0..B-1); give each sample a
       stable id to make its draw independent of its batch position.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    if max_image_skips < 0:
-        raise ValueError(f"max_image_skips must be >= 0, got {max_image_skips}")
-    if max_image_skips and decode_text is None:
-        raise ValueError("max_image_skips > 0 needs decode_text (the tokenizer's decode)")
-    _check_prompt_pack(prompt_pack)
+    check_settings(max_new_tokens, temperature, do_sample, max_image_skips, decode_text)
+    check_prompt_pack(prompt_pack)
     batch = prompt_pack.num_rows
     row_ids = np.arange(batch) if row_ids is None else np.asarray(row_ids)
     if row_ids.shape != (batch,):
@@ -397,6 +400,18 @@ def sample(
             row_ids,
             cache_dtype,
         )
+
+
+def check_settings(max_new_tokens, temperature, do_sample, max_image_skips, decode_text):
+    """The sampling settings' errors, each naming its argument."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    if max_image_skips < 0:
+        raise ValueError(f"max_image_skips must be >= 0, got {max_image_skips}")
+    if max_image_skips and decode_text is None:
+        raise ValueError("max_image_skips > 0 needs decode_text (the tokenizer's decode)")
 
 
 def _sample(

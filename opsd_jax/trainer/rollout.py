@@ -52,13 +52,16 @@ class Rollout:
         heads = layout_choice.head_counts(start.model_config)
         self.decode_mesh = mesh_lib.decode_mesh(mesh, layout, heads=heads)  # checks it fits
         self.prompt_shapes = set()  # (row length, patches) the sampler has compiled for
+        # The KV cache's dtype: the held-out evaluation's rule (float32 for float32 compute), so
+        # a float32 run samples its rollouts exactly as it evaluates.
+        self.cache_dtype = run_config.cache_dtype_for(config.compute_dtype)
 
     def describe(self) -> str:
         config = self.config
         rows = config.gradient_accumulation_steps * config.samples_per_micro_batch
         return (
-            f"sampler: '{self.layout}' decode copy ({config.compute_dtype}) on "
-            f"{dict(self.decode_mesh.shape)}; {rows} prompt rows, lengths bucketed to "
+            f"sampler: '{self.layout}' decode copy ({config.compute_dtype}, KV cache "
+            f"{self.cache_dtype}) on {dict(self.decode_mesh.shape)}; {rows} prompt rows, lengths bucketed to "
             f"{list(config.sample_prompt_buckets)}: at most "
             f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes"
         )
@@ -124,6 +127,7 @@ class Rollout:
                 do_sample=config.sample_do_sample,
                 max_image_skips=config.sample_max_image_skips,
                 decode_text=start.tokenizer.decode,
+                cache_dtype=self.cache_dtype,
                 row_ids=row_ids + step * rows_per_step,  # global sample ids
             )
             student.delete()

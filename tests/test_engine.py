@@ -1,0 +1,144 @@
+"""The continuous-batching engine (opsd_jax/sampling/engine.py) against `sampler.sample`: the same
+completions for any pool size and arrival order, image-skip rounds in their slot, fewer decode
+steps than static batches when lengths differ, and a bounded set of compiled shapes."""
+
+import jax
+import numpy as np
+import pytest
+from test_sampler import (
+    SKIP_ID,
+    SPECIAL,
+    VOCAB_LIMIT,
+    ScriptedModel,
+    decode_text,
+    prompt_pack,
+    prompts,
+    scripted_pack,
+)
+
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax.sampling import engine as engine_lib
+from opsd_jax.sampling import sampler
+
+from flax import nnx  # isort: skip
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Bagel(BagelConfig.tiny(llm=dict(compute_dtype="float32")), rngs=nnx.Rngs(0))
+
+
+def run_engine(model, pack, *, pool_size, row_ids=None, **kwargs):
+    settings = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=NEW_TOKENS,
+        cache_dtype="float32",
+        prompt_length=pack.row_length,
+    )
+    settings.update(kwargs)
+    engine = engine_lib.Engine(model, pool_size=pool_size, chunk_steps=4, **settings)
+    return engine, engine.run(pack, jax.random.key(3), row_ids=row_ids)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_sample):
+    samples = prompts(0) + prompts(1)  # 6 prompts, with and without images
+    want = sampler.sample(
+        model,
+        prompt_pack(samples),
+        jax.random.key(3),
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=do_sample,
+        cache_dtype="float32",
+    )
+    order = np.array([4, 1, 5, 0, 3, 2])  # the second arrival order
+    for pool_size in (1, 3, 8):
+        for arrival in (np.arange(6), order):
+            pack = prompt_pack([samples[i] for i in arrival])
+            _, got = run_engine(
+                model, pack, pool_size=pool_size, row_ids=arrival, do_sample=do_sample
+            )
+            for row, sample in enumerate(arrival):
+                where = f"pool {pool_size}, arrival {arrival.tolist()}, sample {sample}"
+                assert got.row(row) == want.row(sample), where
+                np.testing.assert_allclose(
+                    got.logprobs[row, : got.lengths[row]],
+                    want.logprobs[sample, : want.lengths[sample]],
+                    atol=1e-5,
+                    err_msg=where,
+                )
+                assert got.finished[row] == want.finished[sample], where
+                assert got.rounds[row] == want.rounds[sample], where
+
+
+def run_scripted(scripts, pool_size, max_new_tokens, max_image_skips=0):
+    settings = dict(
+        special=SPECIAL,
+        vocab_limit=VOCAB_LIMIT,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        max_image_skips=max_image_skips,
+        decode_text=decode_text,
+        cache_dtype="float32",
+    )
+    pack = scripted_pack(len(scripts))
+    model = ScriptedModel(scripts)
+    engine = engine_lib.Engine(
+        model, pool_size=pool_size, prompt_length=pack.row_length, chunk_steps=8, **settings
+    )
+    got = engine.run(pack, jax.random.key(0))
+    want = sampler.sample(model, pack, jax.random.key(0), **settings)
+    return engine, got, want
+
+
+@pytest.mark.parametrize("pool_size", [1, 2, 4])
+def test_image_skip_rounds_continue_in_their_slot(pool_size):
+    eos = SPECIAL.im_end
+    scripts = [
+        [7, SKIP_ID, eos, 11, 12, eos],  # skip: <image_start> then EOS -> a second round
+        [7, 8, eos],  # no <image_start>: no skip
+        [SKIP_ID, eos, 13, 13, 13, 13, 13, 13],  # skip, then the budget runs out mid-round
+        [7, SKIP_ID, eos, SKIP_ID, eos, 14, eos],  # a second skip exceeds max_image_skips=1
+    ]
+    _, got, want = run_scripted(scripts, pool_size, max_new_tokens=6, max_image_skips=1)
+    assert got.row(0) == [7, SKIP_ID, 11, 12] and got.rounds[0] == 2  # the sampler's, as tested
+    for row in range(len(scripts)):
+        assert got.row(row) == want.row(row), row
+        assert (got.finished[row], got.rounds[row]) == (want.finished[row], want.rounds[row])
+
+
+def test_a_freed_slot_is_refilled_before_the_longest_row_ends():
+    """Rows of 1 and 11 tokens, two slots: static batches of two decode 12 steps each (the
+    longer row and its <|im_start|>), the engine refills the short rows' slot as they end."""
+    eos = SPECIAL.im_end
+    short, long = [7, eos], [9] * 11 + [eos]
+    scripts = [short, long, short, long, short, long]
+    engine, got, want = run_scripted(scripts, pool_size=2, max_new_tokens=12)
+    assert [got.row(r) for r in range(6)] == [want.row(r) for r in range(6)]
+    static_steps = 3 * 12
+    assert engine.decode_steps < 0.75 * static_steps, engine.decode_steps
+
+
+def test_compiled_prompt_shapes_are_bounded(model):
+    samples = prompts(0) + prompts(1) + prompts(2)
+    engine, _ = run_engine(model, prompt_pack(samples, row_length=32), pool_size=4)
+    groups = {rows for rows, _, _ in engine.shapes}
+    lengths = {length for _, length, _ in engine.shapes}
+    assert groups <= {1, 2, 4}, engine.shapes  # powers of two up to the pool
+    assert lengths <= {16, 32}, engine.shapes  # powers of two: the default buckets
+
+
+def test_bad_arguments_are_refused(model):
+    pack = prompt_pack(prompts())
+    with pytest.raises(ValueError, match="longer than the engine's prompt_length"):
+        run_engine(model, pack, pool_size=2, prompt_length=4)
+    with pytest.raises(ValueError, match="pool_size"):
+        run_engine(model, pack, pool_size=0)
+    with pytest.raises(ValueError, match="decode_text"):
+        run_engine(model, pack, pool_size=2, max_image_skips=1)
