@@ -120,6 +120,13 @@ def parse_args():
     )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--decode-batches",
+        type=int,
+        nargs="+",
+        default=list(DECODE_BATCHES),
+        help="rows of the one-GPU decode rounds, one process each (B = 8 is the checked one)",
+    )
     parser.add_argument("--section", help=argparse.SUPPRESS)  # run one section, print RESULTs
     parser.add_argument("--decode-batch", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--decode-tensor", type=int, default=1, help=argparse.SUPPRESS)
@@ -877,7 +884,7 @@ def main():
     for name in args.sections:
         runs = [()]
         if name == "decode":
-            runs = [("--decode-batch", str(b)) for b in DECODE_BATCHES]
+            runs = [("--decode-batch", str(b)) for b in args.decode_batches]
             if tensor_case:
                 batch = str(DECODE_CHECK_BATCH)
                 runs.append(("--decode-batch", batch, "--decode-tensor", str(DECODE_TENSOR)))

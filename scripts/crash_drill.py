@@ -237,8 +237,13 @@ def main() -> int:
         parser.error("--kills must be >= 1 and --steps > --kills")
     shutil.rmtree(args.out, ignore_errors=True)
     straight, killed = os.path.join(args.out, "straight"), os.path.join(args.out, "killed")
+    # One device per launch (a forced device count in the caller's XLA_FLAGS is dropped); the
+    # caller's other flags stay, so launches share its compilation cache entries.
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(
+        f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+    )
 
     start = time.perf_counter()
     print(f"uninterrupted run of {args.steps} steps ...", flush=True)

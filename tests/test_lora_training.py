@@ -3,6 +3,7 @@ once, the teachers are base + their own adapters, checkpoints hold adapters and 
 base, and train.py resumes a LoRA run bit-identically and refuses a changed base in one line."""
 
 import json
+import shutil
 
 import builders
 import jax
@@ -166,8 +167,11 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert "LoRA: " in straight.stdout and "trainable adapter parameters" in straight.stdout
 
-    first = train(tmp_path / "resumed", "--config.total_steps=2")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # A run stopped after its step-2 save: the straight run's step 2 alone, relaunched on the
+    # same model and toy data.
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", tmp_path / "resumed/checkpoints/2")
+    shutil.copytree(tmp_path / "straight" / "toy", tmp_path / "resumed" / "toy")
+    same_model = f"--config.model_path={tmp_path / 'straight' / 'toy' / 'model'}"
     step_dir = tmp_path / "resumed" / "checkpoints" / "2"
     # The checkpoint holds the adapters alone and names the base they apply to.
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
@@ -179,19 +183,19 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     assert keys and all("lora" in key for key in keys), keys[:5]
 
     # Another base at the same path (one weight changed): refused in one line, nothing run.
-    weights = next((tmp_path / "resumed" / "toy" / "model").glob("*.safetensors"))
+    weights = next((tmp_path / "straight" / "toy" / "model").glob("*.safetensors"))
     original = weights.read_bytes()
     changed = bytearray(original)
     changed[-3] ^= 0xFF  # the last tensor's bytes: the header stays valid
     weights.write_bytes(bytes(changed))
-    refused = train(tmp_path / "resumed", "--config.total_steps=4")
+    refused = train(tmp_path / "resumed", "--config.total_steps=4", same_model)
     weights.write_bytes(original)
     assert refused.returncode == 2  # a config error's code
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "its LoRA adapters were trained on" in lines[0], refused.stderr
     assert "step 3/" not in refused.stdout
 
-    resumed = train(tmp_path / "resumed", "--config.total_steps=4")
+    resumed = train(tmp_path / "resumed", "--config.total_steps=4", same_model)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     assert_same_params(
@@ -200,7 +204,7 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     # The export: the merged model in BAGEL's HF layout is base + (alpha / r) B A, computed
     # here in numpy from the source's weights and the adapters written alone (PEFT names).
     run = tmp_path / "resumed"
-    source = run / "toy" / "model"
+    source = tmp_path / "straight" / "toy" / "model"
     for out, extra in (("hf", []), ("adapters", ["--adapters_only"])):
         ckpt, out = str(run / "checkpoints"), str(run / out)
         convert_hf.main(
