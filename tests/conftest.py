@@ -18,9 +18,13 @@ import pytest
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+# One thread per XLA:CPU computation: the suite runs two workers on two cores, each with eight
+# simulated devices and train.py subprocesses, and Eigen's thread pools then spent their time
+# contending (half the CPU time in the kernel); a tiny train.py launch alone: 13.75 s -> 12.16 s.
+SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} {DEVICES_FLAG}=8"
+    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} {SINGLE_THREADED} {DEVICES_FLAG}=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

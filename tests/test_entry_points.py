@@ -56,6 +56,10 @@ SMOKE_RUNS = {
         ],
         r"cache, 7B shape: 16 target tokens",
     ),
+    "bench/rollout.py": (
+        ["--prompts", "6", "--slots", "2", "--cap", "12", "--means", "4", "--chunk-steps", "4"],
+        r"mean 4 .*: engine \d+ tok/s, static \d+ tok/s, [\d.]+x; .*same completions: True",
+    ),
     "bench/sampler.py": (
         ["--configs", "tiny", "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1"],
         r"decode tok/s.*\n-+\n +2 +[\d.]+",

@@ -68,6 +68,9 @@ class Completions:
     def row(self, b: int) -> list[int]:
         return self.tokens[b, : self.lengths[b]].tolist()
 
+    def rows(self) -> list[list[int]]:
+        return [self.row(b) for b in range(len(self.lengths))]
+
 
 @flax.struct.dataclass
 class DecodeState:
