@@ -18,10 +18,10 @@ import pytest
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-# One thread per XLA:CPU computation: the suite runs two workers on two cores, each with eight
-# simulated devices and train.py subprocesses, and Eigen's thread pools then spent their time
-# contending (half the CPU time in the kernel); a tiny train.py launch alone: 13.75 s -> 12.16 s.
-SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+# Eigen single-threaded in XLA:CPU computations: the suite runs two workers on two cores, each
+# with eight simulated devices and train.py subprocesses, so no computation has idle cores to
+# spread over; a tiny train.py launch with a warm cache, alone: 11.81 s -> 11.04 s.
+SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false"
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} {SINGLE_THREADED} {DEVICES_FLAG}=8"
