@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import train_with_full_disk
@@ -88,6 +89,21 @@ def test_a_log_write_on_a_full_disk_names_the_file(tmp_path):
     assert caught.value.filename == str(tmp_path / METRICS_FILE)
 
 
+def _wait_until_still(directory, quiet=0.5, most=20.0):
+    """Until no file under `directory` has appeared, gone or changed size for `quiet` s."""
+
+    def listing():
+        return sorted((str(p), p.stat().st_size) for p in directory.rglob("*") if p.is_file())
+
+    deadline, last = time.monotonic() + most, listing()
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = listing()
+        if now == last:
+            return
+        last = now
+
+
 @pytest.mark.parametrize("surfaces_at", ["save", "wait_until_finished", "close"])
 def test_a_save_on_a_full_disk_is_named_and_the_last_complete_step_restores(
     tmp_path, monkeypatch, surfaces_at
@@ -116,6 +132,10 @@ def test_a_save_on_a_full_disk_is_named_and_the_last_complete_step_restores(
     assert error.filename == str(directory / "2")  # the write named no file: the step's directory
     checkpointer.close()  # raised once: closing after it is quiet
     monkeypatch.undo()
+    # The next start is a new process: the failed save's writers are gone. Here they share the
+    # process, and on a loaded CPU a tensorstore write of step 2 can land after the close, while
+    # the restart's clean-up removes that folder ("Directory not empty"); wait for them.
+    _wait_until_still(directory)
     with ckpt_lib.Checkpointer(directory, save_every=1) as restarted:  # the next start
         assert restarted.all_steps() == [1]
         state, _, config = restarted.restore(ckpt_lib.abstract_like(_small_state(0)))
