@@ -10,10 +10,10 @@ from test_sampler import (
     SPECIAL,
     VOCAB_LIMIT,
     ScriptedModel,
-    decode_text,
     prompt_pack,
     prompts,
     scripted_pack,
+    scripted_settings,
 )
 
 from models.bagel import Bagel
@@ -78,15 +78,7 @@ def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_
 
 
 def run_scripted(scripts, pool_size, max_new_tokens, max_image_skips=0):
-    settings = dict(
-        special=SPECIAL,
-        vocab_limit=VOCAB_LIMIT,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        max_image_skips=max_image_skips,
-        decode_text=decode_text,
-        cache_dtype="float32",
-    )
+    settings = scripted_settings(max_new_tokens, max_image_skips)
     pack = scripted_pack(len(scripts))
     model = ScriptedModel(scripts)
     engine = engine_lib.Engine(

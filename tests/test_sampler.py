@@ -235,11 +235,9 @@ def scripted_pack(num_rows):
     )
 
 
-def run_scripted(scripts, max_new_tokens, max_image_skips):
-    return sampler.sample(
-        ScriptedModel(scripts),
-        scripted_pack(len(scripts)),
-        jax.random.key(0),
+def scripted_settings(max_new_tokens, max_image_skips):
+    """The sampling settings the scripted model is run with (greedy, float32 cache)."""
+    return dict(
         special=SPECIAL,
         vocab_limit=VOCAB_LIMIT,
         max_new_tokens=max_new_tokens,
@@ -247,6 +245,15 @@ def run_scripted(scripts, max_new_tokens, max_image_skips):
         max_image_skips=max_image_skips,
         decode_text=decode_text,
         cache_dtype="float32",
+    )
+
+
+def run_scripted(scripts, max_new_tokens, max_image_skips):
+    return sampler.sample(
+        ScriptedModel(scripts),
+        scripted_pack(len(scripts)),
+        jax.random.key(0),
+        **scripted_settings(max_new_tokens, max_image_skips),
     )
 
 

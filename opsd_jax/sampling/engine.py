@@ -26,7 +26,6 @@ to B) and the prompt buckets.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -40,6 +39,7 @@ from flax.core import spmd
 
 from models.pack import Pack
 from models.sharding import constrain
+from opsd_jax.data.opsd_packs import bucket, bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import to_host
 from opsd_jax.sampling import sampler
@@ -230,25 +230,15 @@ class Engine:
         sampler.check_settings(max_new_tokens, temperature, do_sample, max_image_skips, decode_text)
         if pool_size < 1 or chunk_steps < 1:
             raise ValueError(f"pool_size and chunk_steps must be >= 1: {pool_size}, {chunk_steps}")
-        if isinstance(model, DecodeCopy):
-            self.graphdef, self.params = model.graphdef, model.state
-            self._context = model.activate
-        else:
-            self.graphdef, self.params = nnx.split(model)
-            self._context = contextlib.nullcontext
+        self.graphdef, self.params, self._context = sampler.model_parts(model)
         self.pool_size, self.special, self.chunk_steps = pool_size, special, chunk_steps
         self.max_new_tokens, self.max_image_skips = max_new_tokens, max_image_skips
         self.decode_text, self.cache_dtype = decode_text, jnp.dtype(cache_dtype)
         self.prompt_length = prompt_length
         self.cache_slots = sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)
         self.buckets = sorted(prompt_buckets) if prompt_buckets else None
-        self.settings = RoundSettings(
-            temperature=float(temperature),
-            do_sample=bool(do_sample),
-            bos_id=special.im_start,
-            eos_id=special.im_end,
-            vocab_limit=int(vocab_limit),
-            max_steps=max_new_tokens + 1,
+        self.settings = sampler.round_settings(
+            special, vocab_limit, max_new_tokens, temperature, do_sample
         )
         self.shapes: set[tuple] = set()  # (group rows, row length, patches) prefilled so far
         self.decode_steps = 0  # decode steps run (each advances every active slot by a token)
@@ -343,13 +333,8 @@ class Engine:
         skip = np.zeros(self.pool_size, bool)
         for s in stopped:
             row = slots[s]
-            # A skip needs room for the appended <|im_end|> and at least one more token.
-            if (
-                rounds[s] < self.max_image_skips
-                and finished[s]
-                and budget[s] >= 2
-                and sampler.IMAGE_SKIP_TEXT
-                in self.decode_text(tokens[s, row.round_start : length[s]].tolist())
+            if rounds[s] < self.max_image_skips and sampler.wants_image_skip(
+                finished[s], budget[s], tokens[s, row.round_start : length[s]], self.decode_text
             ):
                 skip[s] = True
                 row.round_start = int(length[s])
@@ -365,10 +350,11 @@ class Engine:
 
 
 def _cut_to_bucket(pack: Pack, buckets: Sequence[int] | None) -> Pack:
-    """`pack` (left-aligned prompt rows) cut to the least bucket that holds its longest row, and
-    its patch arrays to the least power of two that holds its patches."""
+    """`pack` (left-aligned prompt rows) cut, as `prompt_pack_of` rounds prompts, to the least
+    bucket that holds its longest row and its patches (never past the pack's own sizes)."""
+    round_up = bucket if buckets is None else (lambda n: bucket_in(n, buckets))
     longest = int((pack.segment_ids > 0).sum(axis=1).max())
-    length = _bucket(longest, buckets, pack.row_length)
+    length = min(round_up(longest), pack.row_length)
     pack = pack.replace(
         **{
             name: getattr(pack, name)[:, :length]
@@ -378,7 +364,7 @@ def _cut_to_bucket(pack: Pack, buckets: Sequence[int] | None) -> Pack:
     )
     if pack.has_images:
         patches = int((pack.vit_image_ids > 0).sum(axis=1).max())
-        count = _bucket(max(patches, 1), None, pack.vit_patches.shape[1])
+        count = min(round_up(patches), pack.vit_patches.shape[1])
         pack = pack.replace(
             **{
                 name: getattr(pack, name)[:, :count]
@@ -386,11 +372,3 @@ def _cut_to_bucket(pack: Pack, buckets: Sequence[int] | None) -> Pack:
             }
         )
     return pack
-
-
-def _bucket(n: int, buckets: Sequence[int] | None, most: int) -> int:
-    """The least bucket >= n (powers of two without buckets), at most `most`."""
-    if buckets:
-        fits = [b for b in buckets if b >= n]
-        return min(fits[0], most) if fits else most
-    return min(1 << (n - 1).bit_length(), most)

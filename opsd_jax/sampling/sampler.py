@@ -383,11 +383,8 @@ def sample(
     if row_ids.shape != (batch,):
         raise ValueError(f"row_ids has shape {row_ids.shape}, expected ({batch},)")
 
-    if isinstance(model, DecodeCopy):
-        graphdef, params, context = model.graphdef, model.state, model.activate()
-    else:
-        (graphdef, params), context = nnx.split(model), contextlib.nullcontext()
-    with context:
+    graphdef, params, context = model_parts(model)
+    with context():
         return _sample(
             graphdef,
             params,
@@ -417,6 +414,38 @@ def check_settings(max_new_tokens, temperature, do_sample, max_image_skips, deco
         raise ValueError("max_image_skips > 0 needs decode_text (the tokenizer's decode)")
 
 
+def model_parts(model: nnx.Module | DecodeCopy):
+    """(graphdef, params, a context factory) of what sampling runs: a DecodeCopy under its own
+    mesh and rules, an nnx model as it is under the caller's."""
+    if isinstance(model, DecodeCopy):
+        return model.graphdef, model.state, model.activate
+    graphdef, params = nnx.split(model)
+    return graphdef, params, contextlib.nullcontext
+
+
+def round_settings(
+    special: SpecialTokens, vocab_limit, max_new_tokens, temperature, do_sample
+) -> RoundSettings:
+    return RoundSettings(
+        temperature=float(temperature),
+        do_sample=bool(do_sample),
+        bos_id=special.im_start,
+        eos_id=special.im_end,
+        vocab_limit=int(vocab_limit),
+        max_steps=max_new_tokens + 1,
+    )
+
+
+def wants_image_skip(finished, budget, round_tokens, decode_text) -> bool:
+    """Whether a row that stopped gets another round: it ended on <|im_end|> with room for the
+    appended <|im_end|> and at least one more token, and its round's text holds <image_start>."""
+    return (
+        bool(finished)
+        and budget >= 2
+        and IMAGE_SKIP_TEXT in decode_text(np.asarray(round_tokens).tolist())
+    )
+
+
 def _sample(
     graphdef,
     params,
@@ -438,14 +467,7 @@ def _sample(
     state = prefill_rows(
         graphdef, params, prompt_pack, max_new_tokens, cache_slots, jnp.dtype(cache_dtype), rules
     )
-    settings = RoundSettings(
-        temperature=float(temperature),
-        do_sample=bool(do_sample),
-        bos_id=special.im_start,
-        eos_id=special.im_end,
-        vocab_limit=int(vocab_limit),
-        max_steps=max_new_tokens + 1,
-    )
+    settings = round_settings(special, vocab_limit, max_new_tokens, temperature, do_sample)
     # Host-side per-row values go in as arrays sharded like the prompt rows (with several
     # processes, every jit input must be a global array).
     row_ids = rows_array(row_ids.astype(np.int32), like=prompt_pack.tokens)
@@ -460,12 +482,11 @@ def _sample(
         finished, length, budget, tokens = map(
             to_host, (state.finished, state.length, state.budget, state.tokens)
         )
-        # A skip needs room for the appended <|im_end|> and at least one more token.
         skip = np.array(
             [
-                bool(finished[b])
-                and budget[b] >= 2
-                and IMAGE_SKIP_TEXT in decode_text(tokens[b, round_start[b] : length[b]].tolist())
+                wants_image_skip(
+                    finished[b], budget[b], tokens[b, round_start[b] : length[b]], decode_text
+                )
                 for b in range(batch)
             ]
         )
