@@ -150,7 +150,7 @@ def _launch(command, cwd, env, checkpoint_dir, kill, rng, timeout) -> tuple[int,
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-    while (line := lines.get()) is not None:
+    while not done and (line := lines.get()) is not None:  # done: the reader's end was read
         output.append(line)
     mid_save = saving is not None and _save_state(checkpoint_dir, saving) == "writing"
     return process.returncode, "".join(output), mid_save
