@@ -4,14 +4,14 @@
 config check -> distributed init -> run lock, data check -> mesh
 -> the start state, fresh or resumed (opsd_jax/trainer/start.py)
 -> data -> the train step compiled per length bucket (trainer/step_program.py)
--> the decode layout, held-out evaluation (trainer/held_out.py), rollout (trainer/rollout.py)
+-> the rollout (trainer/rollout.py), the held-out evaluation (trainer/held_out.py)
 -> loop [sample completions -> pack -> one compiled step -> log (trainer/step_log.py) -> save]
 -> the closing lines (trainer/run_end.py).
 
 What differs by mode lives in the package: the config in opsd_jax/run_config, the loss in
 training/train_step.make_loss, each step's micro-batches in training/step_batches.py (OPSD, SFT,
-offline: one interface), the rollout (OPSD's alone). A dispatched step is a `DispatchedStep`
-until it is logged; the run's end is a `RunEnd`, its closing lines. Kept here: the flags, `say`,
+offline: one interface), the rollout in trainer/rollout.py (SFT and offline sample nothing). A
+dispatched step is a `DispatchedStep` until it is logged; the run's end is a `RunEnd`, its closing lines. Kept here: the flags, `say`,
 `main`, and the one-line error handling of `run` (an error in what the user gave, or one the OS
 reported, ends the run with one line, not a traceback).
 """
@@ -41,12 +41,13 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.run_config import preflight
 from opsd_jax.toy import assets as toy_assets
-from opsd_jax.trainer import rollout as rollout_lib
 from opsd_jax.trainer import run_end, step_log, step_program
 from opsd_jax.trainer import start as start_lib
 from opsd_jax.trainer.held_out import HeldOut
+from opsd_jax.trainer.rollout import Rollout
 from opsd_jax.trainer.run_end import RunEnd, chance_of, next_commands
 from opsd_jax.trainer.step_log import DispatchedStep, TooManyBadSteps
+from opsd_jax.trainer.step_samples import SampleQueue
 from opsd_jax.training.metrics import wandb_run_id
 from opsd_jax.training.offline import cache as offline_cache
 from opsd_jax.training.stop_request import StopRequest
@@ -190,13 +191,10 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         config, logger, checkpointer, checkpoint_dir, start, program.batches, start.resumed
     )
 
-    # ---- the sampler's decode layout, the held-out evaluation, the rollout (OPSD) ------------
-    layout = rollout_lib.choose_decode_layout(config, start, mesh, program.shapes, say)
-    held_out = HeldOut(config, mesh, start, data_config, options, layout, say)  # held_out.py
-    rollout = None  # SFT and offline sample nothing
-    if config.mode == "opsd":
-        rollout = rollout_lib.Rollout(config, mesh, start, options, program, layout, logger, say)
-        say(rollout.describe())
+    # ---- the rollout (rollout.py: layout, decode copy, engine; SFT and offline sample nothing),
+    # the held-out evaluation (held_out.py: in the rollout's layout) ----------------------------
+    rollout = Rollout(config, mesh, start, options, program, logger, say)
+    held_out = HeldOut(config, mesh, start, data_config, options, rollout, say)
 
     # ---- loop ----------------------------------------------------------------------------------
     stop, stopped_at = StopRequest(), None
@@ -206,29 +204,27 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         with logger.phase("eval"):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
+    # Each step's samples, read rollout_lookahead steps early (step_samples.py).
+    queue = SampleQueue(
+        data, accum * program.local_per_micro, rollout.lookahead, config.total_steps
+    )
     for step in range(start_step, config.total_steps):
         with logger.phase("data"):
-            samples = data.take(accum * program.local_per_micro)
-        completions, own_completions = None, None
-        if rollout is not None:  # its prompts packed while the previous step still runs
-            completions, own_completions = rollout.sample(state, samples, step)
+            taken = queue.take(step)
+        sampled = rollout.sample(state, taken, queue.upcoming())  # packed while the last runs
         with logger.phase("pack"):  # offline: the cache read too
-            packed = program.batches.pack(step, samples, own_completions)
+            packed = program.batches.pack(step, taken.samples, sampled.own)
         with logger.phase("step"):  # dispatched, not awaited
             state, metrics = program.compiled[packed.bucket](state, packed.batch)
-        scalars = dict(packed.scalars, **data.metrics())
-        if completions is not None:
-            scalars["completion_length"] = float(completions.lengths.mean())
-            scalars["completion_finished"] = float(completions.finished.mean())
-            scalars["image_skip_rounds"] = float((completions.rounds - 1).mean())
+        scalars = dict(packed.scalars, **taken.data_metrics, **sampled.scalars)
         done = DispatchedStep(
             step=step + 1,
             metrics=metrics,
             scalars=scalars,
-            pids=[s.pid for s in samples],
+            pids=[s.pid for s in taken.samples],
             tokens=int(distributed.all_processes(packed.tokens).sum()),
-            data_state=data.get_state(),
-            completion=None if completions is None else completions.row(0),
+            data_state=taken.data_state,
+            completion=sampled.first(),
         )
         if pending is not None:
             log.finish(pending, state)

@@ -1,7 +1,7 @@
 """Rollout decode throughput: the continuous-batching engine against static batches, one run.
 
     python bench/rollout.py                                  # B = 16, 64 prompts, means 201, 452
-    python bench/rollout.py --prompts 6 --slots 2 --cap 12 --means 4    # a quick look
+    python bench/rollout.py --prompts 6 --slots 2 --cap 12 --means 4 --rollout-steps 3   # quick
 
 ThinkMorph's completions average 452 tokens before Visual-OPSD and 201 after (the paper's
 Appendix G), capped at 1024. A static batch (`sampler.sample`, as the evaluator and the training
@@ -14,6 +14,12 @@ before), so both sides decode the same tokens, greedily. The lengths are drawn f
 exponential distribution of the stated mean, rounded, capped at `--cap` and at least 1 (seeded;
 the printed mean is the drawn one). Each side runs the prompts twice and the second pass is
 timed (the first compiles). Useful tokens/s: the completion tokens over the timed wall time.
+
+Then the training rollout's phase per step (`--rollout-steps` steps of B prompts, one engine
+across them, as trainer/rollout.py runs it) with rollout_lookahead 0 and 1: with lookahead the
+next step's prompts take the slots a step's finished rows free, so a step starts with rows
+already under way. The weights do not change here (no train step), so both give the same
+completions, which the bench checks.
 
 On a CPU the tiny model's decode step is cheap against the host's work per call, so the ratio
 of decode steps (printed beside it) says more than the ratio of times about a GPU, where a 7B
@@ -93,6 +99,36 @@ def static_batches(model, pack, rows: int, settings: dict) -> list[list[int]]:
     return completions
 
 
+def rollout_phase(model, lengths: np.ndarray, slots: int, lookahead: int, settings: dict):
+    """The training rollout's shape: step after step, `slots` prompts each, one engine across
+    the steps (`trainer/rollout.py`). With `lookahead` k the next k steps' prompts are queued
+    behind the step's, take the slots its finished rows free, and pause when it is done.
+    Returns (seconds per step, decode steps per step, completions by prompt)."""
+    keys = FIRST_KEY + np.arange(len(lengths))
+    steps = len(lengths) // slots
+    packs = [
+        pack_samples(
+            [[Text([int(k)])] for k in keys[s * slots : (s + 1) * slots]],
+            row_length=8,
+            special=SPECIAL,
+            one_sample_per_row=True,
+        )
+        for s in range(steps)
+    ]
+    engine = engine_lib.Engine(model, pool_size=slots, prompt_length=8, **settings)
+    submitted, seconds, completions = {}, [], []
+    for step in range(steps):
+        start = time.perf_counter()
+        for at in range(step, min(step + lookahead + 1, steps)):
+            if at not in submitted:
+                ids = np.arange(at * slots, (at + 1) * slots)
+                submitted[at] = engine.submit(packs[at], jax.random.key(0), row_ids=ids)
+        batch = engine.finish(submitted.pop(step), version=step)
+        seconds.append(time.perf_counter() - start)
+        completions += batch.out.rows()
+    return float(np.mean(seconds)), engine.decode_steps / steps, completions
+
+
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
@@ -101,6 +137,12 @@ def parse_args():
     parser.add_argument("--means", type=float, nargs="+", default=[201, 452])
     parser.add_argument("--chunk-steps", type=int, default=64, help="the engine's decode chunk")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=8,
+        help="training steps of B prompts for the rollout phase, lookahead 0 against 1 (0: skip)",
+    )
     return parser.parse_args()
 
 
@@ -164,6 +206,26 @@ def main() -> int:
             f"static {static_steps} ({static_steps / engine.decode_steps:.2f}x); "
             f"same completions: {same}"
         )
+        if args.rollout_steps:
+            step_lengths = draw_lengths(args.rollout_steps * args.slots, mean, args.cap, args.seed)
+            table = np.ones(1024, np.int32)
+            table[FIRST_KEY + np.arange(len(step_lengths))] = step_lengths
+            model = ForcedLengths(base, table, SPECIAL.im_end)
+            phase = {}
+            for lookahead in (0, 1, 0, 1):  # the first of each compiles; the second is timed
+                phase[lookahead] = rollout_phase(
+                    model, step_lengths, args.slots, lookahead, settings
+                )
+            (exact, exact_steps, exact_rows), (ahead, ahead_steps, ahead_rows) = phase[0], phase[1]
+            assert [len(r) for r in exact_rows] == step_lengths.tolist()
+            print(
+                f"mean {mean:g} (drawn {step_lengths.mean():.1f}), training rollout, "
+                f"{args.rollout_steps} steps of {args.slots}: per step lookahead 0 "
+                f"{exact * 1e3:.0f} ms ({exact_steps:.1f} decode steps), lookahead 1 "
+                f"{ahead * 1e3:.0f} ms ({ahead_steps:.1f} decode steps), {ahead / exact:.2f}x "
+                f"the time, {ahead_steps / exact_steps:.2f}x the steps; same completions: "
+                f"{ahead_rows == exact_rows}"
+            )
     return 0
 
 

@@ -90,6 +90,15 @@ def base_config() -> ml_collections.ConfigDict:
     c.sample_temperature = 1.0
     c.sample_do_sample = True
     c.sample_max_image_skips = 1
+    # The rollout's bounded-staleness lookahead (opsd_jax/trainer/rollout.py). 0: a step trains
+    # on completions sampled entirely with its own weights. k > 0: slots its rows free while
+    # its longest rows still decode start the next k steps' prompts with the current weights;
+    # a row unfinished when its step's rows are done pauses and resumes with the next weights,
+    # so no token a step trains on is more than k updates old (checked every step; logged as
+    # rollout/stale_token_fraction and rollout/staleness_max). The loss is unchanged (student
+    # and teacher are recomputed at training time): only the sampling distribution is stale.
+    # The paused rows' KV cache stays on the devices through the train step.
+    c.rollout_lookahead = 0
     # The sampler decodes on a compute-dtype copy of the student made after every update, laid
     # out for decoding: 'replicated' (every device holds the whole copy), 'tensor' (heads, MLP
     # and vocab split over as many of one host's devices as split every head count, rows over
@@ -195,7 +204,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_every = 0
     c.eval_at_start = True  # with eval_every: the starting weights too, at step 0 (not on resume)
     c.eval_samples_per_dataset = 64  # first rows of each dataset's held-out split
-    c.eval_batch_size = 8
+    c.eval_batch_size = 8  # the engine's slots: rows decoding at once, refilled as rows end
     c.eval_max_new_tokens = 0  # 0: sample_max_new_tokens
     c.eval_contexts = "student"  # comma-separated: student (no VT) and/or teacher (with VT)
     c.wandb_project = ""  # empty: no W&B

@@ -18,6 +18,7 @@ from test_sampler import (
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
+from opsd_jax.data.packing import Text
 from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.sampling import sampler
 
@@ -77,6 +78,47 @@ def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_
                 assert got.rounds[row] == want.rounds[sample], where
 
 
+def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
+    """Prompts packed on demand and no prompt_length: two short prompts fill the pool's two
+    slots; the second ends after one token, and the long prompt that takes its slot grows the
+    cache from the 16-token bucket to the 32-token one while the first row still decodes. Every
+    completion is still the sampler's, and on_done sees each row once, when it is written."""
+    eos = SPECIAL.im_end
+    scripts = [[9] * 10 + [eos], [7, eos], [8, 8, eos]]
+    prompt_tokens = [[0], [1], [2] + [3] * 20]  # the script's id first, then filler
+    samples = [[Text(tokens)] for tokens in prompt_tokens]
+    model = ScriptedModel(scripts)
+    settings = scripted_settings(max_new_tokens=12, max_image_skips=0)
+    want = sampler.sample(model, prompt_pack(samples, 32), jax.random.key(0), **settings)
+    asked, done, active_when_grown = [], [], []
+
+    def pack_rows(rows):
+        asked.append(list(rows))
+        return prompt_pack([samples[i] for i in rows], row_length=32)
+
+    def on_done(index, out):
+        assert out.row(index) == want.row(index)  # written before the call
+        done.append(index)
+
+    grown = engine_lib._grown
+
+    def spy(pool, *args):
+        active_when_grown.append(np.asarray(pool.decode.active).tolist())
+        return grown(pool, *args)
+
+    monkeypatch.setattr(engine_lib, "_grown", spy)
+    engine = engine_lib.Engine(model, pool_size=2, chunk_steps=4, **settings)
+    got = engine.run(engine_lib.Prompts(3, pack_rows), jax.random.key(0), on_done=on_done)
+    assert [got.row(r) for r in range(3)] == [want.row(r) for r in range(3)]
+    assert got.row(0) == [9] * 10 and got.row(2) == [8, 8]  # the scripts, as a check
+    assert sorted(done) == [0, 1, 2] and sorted(sum(asked, [])) == [0, 1, 2]
+    assert active_when_grown == [[True, False]], active_when_grown
+    assert engine.pool_shapes == {
+        sampler.cache_slots_for(16, 12),
+        sampler.cache_slots_for(32, 12),
+    }
+
+
 def run_scripted(scripts, pool_size, max_new_tokens, max_image_skips=0):
     settings = scripted_settings(max_new_tokens, max_image_skips)
     pack = scripted_pack(len(scripts))
@@ -134,3 +176,37 @@ def test_bad_arguments_are_refused(model):
         run_engine(model, pack, pool_size=0)
     with pytest.raises(ValueError, match="decode_text"):
         run_engine(model, pack, pool_size=2, max_image_skips=1)
+
+
+def test_a_later_batch_fills_freed_slots_pauses_and_resumes_with_the_next_version():
+    """Lookahead across `finish` calls: batch B's first row takes the slot batch A's short row
+    frees, is paused when A is done and resumes under the next version; every completion is
+    still the sampler's, and each token carries the version it was drawn with."""
+    eos = SPECIAL.im_end
+    scripts = [[7, eos], [9] * 10 + [eos], [8] * 11 + [eos], [6, 6, eos]]
+    model = ScriptedModel(scripts)
+    settings = scripted_settings(max_new_tokens=12, max_image_skips=0)
+    packs = [scripted_pack(4), scripted_pack(4)]
+    a_rows, b_rows = [0, 1], [2, 3]
+    want = sampler.sample(model, scripted_pack(4), jax.random.key(0), **settings)
+    engine = engine_lib.Engine(model, pool_size=2, chunk_steps=4, **settings)
+    rows_of = lambda pack, rows: engine_lib.Prompts(  # noqa: E731
+        len(rows), lambda i: jax.tree.map(lambda x: x[np.asarray(rows)[i]], pack)
+    )
+    a = engine.submit(rows_of(packs[0], a_rows), jax.random.key(0), row_ids=np.array(a_rows))
+    b = engine.submit(rows_of(packs[1], b_rows), jax.random.key(0), row_ids=np.array(b_rows))
+    engine.finish(a, version=0)
+    assert a.done and not b.done and engine.busy_slots == 1  # B's first row, paused
+    engine.swap(model)  # the next weights (the same script here)
+    engine.finish(b, version=1)
+    assert b.done and engine.busy_slots == 0 and engine._pool is None  # its cache freed
+    for batch, rows in ((a, a_rows), (b, b_rows)):
+        for j, r in enumerate(rows):
+            assert batch.out.row(j) == want.row(r), r
+    for j in range(2):  # A: all version 0; nothing past a completion's end
+        assert (a.versions[j, : a.out.lengths[j]] == 0).all()
+        assert (a.versions[j, a.out.lengths[j] :] == -1).all()
+    first = b.versions[0, : b.out.lengths[0]].tolist()  # begun under 0, resumed under 1
+    paused_at = first.count(0)
+    assert 0 < paused_at < len(first) and first == [0] * paused_at + [1] * (len(first) - paused_at)
+    assert (b.versions[1, : b.out.lengths[1]] == 1).all()  # inserted after the swap

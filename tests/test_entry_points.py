@@ -57,8 +57,13 @@ SMOKE_RUNS = {
         r"cache, 7B shape: 16 target tokens",
     ),
     "bench/rollout.py": (
-        ["--prompts", "6", "--slots", "2", "--cap", "12", "--means", "4", "--chunk-steps", "4"],
-        r"mean 4 .*: engine \d+ tok/s, static \d+ tok/s, [\d.]+x; .*same completions: True",
+        [
+            *("--prompts", "6", "--slots", "2", "--cap", "12", "--means", "4"),
+            *("--chunk-steps", "4", "--rollout-steps", "3"),
+        ],
+        r"mean 4 .*: engine \d+ tok/s, static \d+ tok/s, [\d.]+x; .*same completions: True\n"
+        r"mean 4 .*training rollout, 3 steps of 2: per step lookahead 0 \d+ ms .*lookahead 1 "
+        r"\d+ ms .*same completions: True",
     ),
     "bench/sampler.py": (
         ["--configs", "tiny", "--batch-sizes", "2", "--new-tokens", "4", "--repeats", "1"],

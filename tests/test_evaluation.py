@@ -5,13 +5,16 @@ import json
 from pathlib import Path
 
 import builders
+import jax
 import numpy as np
 import pytest
 
+from opsd_jax import run_config
 from opsd_jax.data.image_transform import VitImageInputs, vit_position_ids
 from opsd_jax.data.pipeline import Sample
 from opsd_jax.evaluation import answers
 from opsd_jax.evaluation import evaluate as evaluation
+from opsd_jax.sampling import sampler
 from opsd_jax.sampling.sampler import Completions
 from opsd_jax.toy import data as toy_data
 from opsd_jax.toy import model as toy_model
@@ -126,25 +129,29 @@ def fake_sample(pid, dataset, answer, num_vt=1):
     )
 
 
-def scripted_sampler(texts, tokenizer, seen):
-    """A drop-in for sampler.sample that 'generates' texts[row_id] for each prompt row."""
+def scripted_stream(texts, tokenizer, seen):
+    """A drop-in for engine.stream that 'generates' texts[row_id] for each prompt, packing the
+    prompts a pool at a time as the engine asks for them."""
 
-    def sample_fn(model, prompt_pack, rng, *, row_ids, max_new_tokens, **_):
-        seen.append((prompt_pack, list(row_ids)))
-        ids = [tokenizer.encode(texts[r])[:max_new_tokens] for r in row_ids]
-        tokens = np.zeros((len(ids), max_new_tokens), np.int32)
-        for b, row in enumerate(ids):
-            tokens[b, : len(row)] = row
-        lengths = np.array([len(row) for row in ids])
-        return Completions(
-            tokens=tokens,
-            lengths=lengths,
-            logprobs=np.zeros(tokens.shape, np.float32),
-            finished=lengths < max_new_tokens,
-            rounds=np.ones(len(ids), np.int32),
+    def stream_fn(model, prompts, rng, *, pool_size, row_ids, on_done, max_new_tokens, **_):
+        out = Completions(
+            tokens=np.zeros((prompts.count, max_new_tokens), np.int32),
+            lengths=np.zeros(prompts.count, np.int32),
+            logprobs=np.zeros((prompts.count, max_new_tokens), np.float32),
+            finished=np.zeros(prompts.count, bool),
+            rounds=np.ones(prompts.count, np.int32),
         )
+        for first in range(0, prompts.count, pool_size):
+            rows = list(range(first, min(first + pool_size, prompts.count)))
+            seen.append((prompts.pack(rows), [int(row_ids[r]) for r in rows]))
+            for r in rows:
+                ids = tokenizer.encode(texts[row_ids[r]])[:max_new_tokens]
+                out.tokens[r, : len(ids)] = ids
+                out.lengths[r], out.finished[r] = len(ids), len(ids) < max_new_tokens
+                on_done(r, out)
+        return out
 
-    return sample_fn
+    return stream_fn
 
 
 # ---------------------------------------------------------------------------------- scripted
@@ -171,7 +178,7 @@ def test_accuracy_of_scripted_outputs_is_exact(toy):
         tokenizer,
         max_new_tokens=64,
         batch_size=3,
-        sample_fn=scripted_sampler(texts, tokenizer, seen),
+        stream_fn=scripted_stream(texts, tokenizer, seen),
     )
     assert [r["correct"] for r in result.records] == [c for *_, c in script]
     assert [r["pid"] for r in result.records] == [s.pid for s in samples]
@@ -186,9 +193,9 @@ def test_accuracy_of_scripted_outputs_is_exact(toy):
     lengths = [len(tokenizer.encode(t)) for t in texts]
     assert overall["mean_completion_length"] == pytest.approx(np.mean(lengths))
     assert result.records[4]["extracted"] == "2" and result.records[5]["extracted"] is None
-    # Batches of 3 rows: the last (one real sample) padded by repeating it.
-    assert [rows for _, rows in seen] == [[0, 1, 2], [3, 4, 5], [6, 6, 6]]
-    assert all(pack.num_rows == 3 for pack, _ in seen)
+    # Packed as a pool of 3 slots frees up: each prompt once, in its own row.
+    assert [rows for _, rows in seen] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert [pack.num_rows for pack, _ in seen] == [3, 3, 1]
     scalars = result.scalars()
     assert scalars["eval/accuracy"] == pytest.approx(4 / 7)
     assert scalars["eval/maze/accuracy"] == pytest.approx(2 / 3)
@@ -209,7 +216,7 @@ def test_contexts_give_the_right_prompts(toy):
             max_new_tokens=4,
             batch_size=2,
             options=builders.prompt_options(noise_vt=noise),
-            sample_fn=scripted_sampler(["x", "y"], tokenizer, seen),
+            stream_fn=scripted_stream(["x", "y"], tokenizer, seen),
         )
         packs[context, noise] = seen[0][0]
     student, teacher, noisy = (
@@ -234,6 +241,35 @@ def test_contexts_give_the_right_prompts(toy):
 
 
 # ---------------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_streamed_evaluation_equals_one_static_batch(toy, do_sample):
+    """Through the engine (3 slots, 4 prompts: one waits for a slot) every sample's completion
+    is the one `sampler.sample` gives it in a single static batch of all prompts."""
+    samples, tokenizer = toy["samples"], toy["tokenizer"]
+    settings = dict(max_new_tokens=8, do_sample=do_sample, temperature=1.0, seed=5)
+    result = evaluation.evaluate(
+        toy["model"], samples, tokenizer, batch_size=3, cache_dtype="float32", **settings
+    )
+    special = tokenizer.special_tokens()
+    options = run_config.prompt_options({})
+    static = sampler.sample(
+        toy["model"],
+        evaluation.build_context_prompt_pack(
+            samples, tokenizer.encode, options, special, "student"
+        ),
+        jax.random.key(5),
+        special=special,
+        vocab_limit=tokenizer.vocab_length,
+        max_new_tokens=8,
+        do_sample=do_sample,
+        cache_dtype="float32",
+    )
+    assert len(samples) == 4
+    for row, record in enumerate(result.records):
+        assert record["generation"] == tokenizer.decode(static.row(row)), row
+        assert record["completion_length"] == static.lengths[row]
 
 
 def test_evaluate_runs_on_the_toy_model_and_writes_files(toy, tmp_path):

@@ -104,17 +104,23 @@ def test_averages_written_to_every_sink(tmp_path, clock, capsys):
     assert sum(fractions) == pytest.approx(1.0, abs=1e-6)
 
 
-def test_data_and_total_keys_take_latest_value(tmp_path, clock):
+def test_data_and_total_keys_take_latest_value_and_max_keys_the_largest(tmp_path, clock):
     logger = MetricsLogger(str(tmp_path), total_steps=100, log_every=5, progress_bar=False)
     skipped = [1, 1, 2, 3, 5]
     for step, count in enumerate(skipped, start=1):
         out = logger.log_step(
             step,
-            {"loss": float(step), "data/skipped/too_long": count, "tokens_total": 10 * step},
+            {
+                "loss": float(step),
+                "data/skipped/too_long": count,
+                "tokens_total": 10 * step,
+                "rollout/staleness_max": float(step == 2),  # a bound: the window's largest
+            },
         )
     logger.close()
     assert out["data/skipped/too_long"] == 5
     assert out["tokens_total"] == 50
+    assert out["rollout/staleness_max"] == 1.0
     assert out["loss"] == pytest.approx(3.0)
     assert _read_jsonl(tmp_path / "metrics.jsonl")[0]["data/skipped/too_long"] == 5
 

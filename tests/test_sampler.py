@@ -195,12 +195,11 @@ class ScriptedModel(nnx.Module):
 
     It reads its state from the sampler's own KV cache (the "values" are the fed token ids), so
     it also checks that rows see only their own slots and that appended tokens are written.
-    The prompt is `<|im_start|> r <|im_end|>` (3 slots); k counts the cached tokens after it
-    other than `<|im_start|>`: the completion so far plus each skip's appended `<|im_end|>`
-    (which stands for the EOS that ended the round, so the script continues past it).
+    The prompt is `<|im_start|> r ... <|im_end|>` (any tokens may follow r); k counts the
+    cached tokens after the prompt's `<|im_end|>` other than `<|im_start|>`: the completion so
+    far plus each skip's appended `<|im_end|>` (which stands for the EOS that ended the round,
+    so the script continues past it).
     """
-
-    PROMPT_SLOTS = 3
 
     def __init__(self, scripts: list[list[int]], vocab: int = 1024):
         table = np.full((len(scripts), 16), SPECIAL.im_end, np.int32)
@@ -220,7 +219,8 @@ class ScriptedModel(nnx.Module):
         cache = cache.at[0, rows, write_slots].set(fed, mode="drop")  # [1, B, S, 2, 1, 1]
         ids = cache[0, :, :, 1, 0, 0].astype(jnp.int32)  # [B, S], the values
         slots = jnp.arange(ids.shape[1])[None]
-        counted = (slots >= self.PROMPT_SLOTS) & (slots < kv_lengths[:, None])
+        prompt_end = jnp.argmax(ids == SPECIAL.im_end, axis=1)[:, None]  # the prompt's own
+        counted = (slots > prompt_end) & (slots < kv_lengths[:, None])
         position = jnp.sum(counted & (ids != SPECIAL.im_start), axis=1)
         next_token = self.table[...][ids[:, 1], position]
         return jax.nn.one_hot(next_token, self.vocab) * 30.0, cache

@@ -534,10 +534,16 @@ def _valid_config(tmp_path):
         ),
         ("sample_prompt_buckets", (512, 256), "sample_prompt_buckets=(512, 256): must be"),
         ("sample_prompt_buckets", (), "sample_prompt_buckets=(): must be"),
+        ("rollout_lookahead", 5, "rollout_lookahead=5: must be an integer in 0..4"),
+        ("mode", "sft", "rollout_lookahead=1 with mode='sft': only an OPSD run samples"),
     ],
 )
 def test_bad_configs_are_named(tmp_path, key, value, message):
     config = _valid_config(tmp_path)
+    if key == "mode":  # a lookahead, valid for OPSD, named when the mode samples nothing
+        with config.unlocked():
+            config.rollout_lookahead = 1
+            config.teacher_mode = "self"
     run_config.validate(config, num_devices=1)  # the base is valid
     with config.unlocked():
         config[key] = value

@@ -78,7 +78,12 @@ def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="teacher context: VT images replaced by Gaussian noise (control)",
     )
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument(
+        "--batch_size",
+        type=int,
+        default=8,
+        help="the engine's slots: rows decoding at once (each prompt takes the next free slot)",
+    )
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """Exact-match evaluation of a BAGEL-family model on held-out Visual-OPSD samples.
 
-What: sample one completion per problem with our batched sampler, pull the final answer out of
+What: sample one completion per problem, every prompt streamed through the continuous-batching
+engine (opsd_jax/sampling/engine.py), pull the final answer out of
 it (answers.py), compare it with the reference, and report exact-match accuracy per dataset and
 overall, the mean completion length and the share of completions that wrote an `<answer>` tag.
 Two contexts:
@@ -15,7 +16,7 @@ Why here and not in the trainer: the same code runs from `scripts/evaluate.py` (
 or a training checkpoint) and from the training loop every `eval_every` steps on the live
 student (`evaluate(model, samples, tokenizer, ...)`), so both report the same numbers.
 `answer(model, tokenizer, image, question)` puts one image and question through the same
-prompt and sampler (scripts/generate.py).
+prompt and engine (scripts/generate.py).
 
 One module of over 400 lines: loading the held-out samples, the prompts of both contexts, the
 batched decode, the scoring and the saved results are one flow, shared by the scripts and the
@@ -41,9 +42,8 @@ from opsd_jax import run_config
 from opsd_jax.data.opsd_packs import PromptOptions, build_prompt_pack, build_teacher_prompt_pack
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.evaluation.answers import extract_answer, has_answer_tag, is_correct
-from opsd_jax.parallel import distributed
-from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import decode_copy
+from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.sampling import sampler as sampler_lib
 
 CONTEXTS = ("student", "teacher")
@@ -128,7 +128,9 @@ def summarize(records: Sequence[Mapping[str, Any]], settings: Mapping[str, Any] 
     return {"overall": overall, "datasets": datasets, "settings": dict(settings or {})}
 
 
-SampleFn = Callable[..., sampler_lib.Completions]
+# What evaluation samples with: `engine.stream` or a drop-in with its signature (tests script
+# the completions): (model, prompts, rng, *, pool_size, row_ids, on_done, **engine settings).
+StreamFn = Callable[..., sampler_lib.Completions]
 
 
 def evaluate(
@@ -148,7 +150,7 @@ def evaluate(
     sampler_layout: str = "replicated",
     prompt_buckets: Sequence[int] | None = None,
     cache_dtype: str = "bfloat16",
-    sample_fn: SampleFn = sampler_lib.sample,
+    stream_fn: StreamFn = engine_lib.stream,
     log: Callable[[str], None] | None = None,
 ) -> EvalResult:
     """Sample a completion for every sample in `context` and score its extracted answer.
@@ -160,15 +162,17 @@ def evaluate(
       None = the defaults (configs/common.py).
     do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
       `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
-    mesh: shard the prompt rows over it (when `batch_size` divides) and sample on a decode copy
-      of the model over its devices (opsd_jax/sampling/decode_copy.py: compute dtype, `sampler_layout`;
-      made once here, freed at the end). Without a mesh the model samples as it is.
+    batch_size: the engine's slots (opsd_jax/sampling/engine.py): every prompt streams through
+      them, a finished row's slot taken by the next prompt, so no row waits for a longer one.
+    mesh: sample on a decode copy of the model over its devices
+      (opsd_jax/sampling/decode_copy.py: compute dtype, `sampler_layout`; made once here, freed
+      at the end). Without a mesh the model samples as it is.
     prompt_buckets: prompt lengths round up to one of these (default: powers of two).
-    sample_fn: `opsd_jax.sampling.sampler.sample` or a drop-in with its signature (tests script outputs).
-    log: called with a progress line after every batch (e.g. `print`).
+    stream_fn: `opsd_jax.sampling.engine.stream` or a drop-in (tests script outputs).
+    log: called with a progress line every `batch_size` finished samples (e.g. `print`).
 
-    Every batch has `batch_size` rows (the last is padded by repeating its final sample and
-    the padding is dropped), so the sampler compiles once per prompt-length bucket.
+    Prompts are packed as slots free up (a group's lengths rounded up to the buckets), so the
+    engine compiles once per bucket and never holds more than its slots' images.
     """
     if context not in CONTEXTS:
         raise ValueError(
@@ -179,57 +183,45 @@ def evaluate(
     if not samples:
         raise ValueError("evaluate(): no samples")
     options = run_config.prompt_options({}) if options is None else options
-    sampling = dict(
-        options=options,
-        context=context,
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature,
-        max_image_skips=max_image_skips,
-        rng=jax.random.key(seed),
-        mesh=mesh,
-        cache_dtype=cache_dtype,
-        prompt_buckets=prompt_buckets,
-        sample_fn=sample_fn,
-    )
-    records: list[dict[str, Any]] = []
+    special = tokenizer.special_tokens()
+
+    def pack_rows(rows):
+        chosen = [samples[i] for i in rows]
+        return build_context_prompt_pack(
+            chosen, tokenizer.encode, options, special, context, buckets=prompt_buckets
+        )
+
+    records: list[dict[str, Any] | None] = [None] * len(samples)
+    finished: list[dict[str, Any]] = []  # in the order rows finish, for the progress line
     start = time.perf_counter()
-    num_batches = -(-len(samples) // batch_size)
-    sampled = decode_model(model, mesh, sampler_layout)
-    for batch_index in range(num_batches):
-        first = batch_index * batch_size
-        batch = list(samples[first : first + batch_size])
-        real = len(batch)
-        batch += [batch[-1]] * (batch_size - real)
-        row_ids = np.minimum(np.arange(first, first + batch_size), len(samples) - 1)
-        completions = sample_prompts(sampled, batch, tokenizer, row_ids=row_ids, **sampling)
-        for row in range(real):
-            sample = batch[row]
-            text = tokenizer.decode(completions.row(row))
-            extracted = extract_answer(text)
-            records.append(
-                {
-                    "pid": sample.pid,
-                    "dataset": sample.dataset,
-                    "question": sample.question,
-                    "reference": sample.answer,
-                    "generation": text,
-                    "extracted": extracted,
-                    "correct": is_correct(extracted, sample.answer),
-                    "completion_length": int(completions.lengths[row]),
-                    "finished": bool(completions.finished[row]),
-                    "has_answer_tag": has_answer_tag(text),
-                }
-            )
-        if log is not None:
-            done = len(records)
-            accuracy = np.mean([r["correct"] for r in records])
+
+    def on_done(index: int, completions: sampler_lib.Completions) -> None:
+        records[index] = _record(samples[index], completions, index, tokenizer)
+        finished.append(records[index])
+        if log is not None and (len(finished) % batch_size == 0 or len(finished) == len(samples)):
+            accuracy = np.mean([r["correct"] for r in finished])
             log(
-                f"eval [{context}] {done}/{len(samples)} samples, running accuracy "
+                f"eval [{context}] {len(finished)}/{len(samples)} samples, running accuracy "
                 f"{accuracy:.1%}, {time.perf_counter() - start:.1f}s"
             )
-    if isinstance(sampled, decode_copy.DecodeCopy):
-        sampled.delete()
+
+    sampled = decode_model(model, mesh, sampler_layout)
+    try:
+        stream_fn(
+            sampled,
+            engine_lib.Prompts(len(samples), pack_rows),
+            jax.random.key(seed),
+            pool_size=batch_size,
+            row_ids=np.arange(len(samples)),
+            on_done=on_done,
+            **engine_settings(
+                tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
+            ),
+            prompt_buckets=prompt_buckets,
+        )
+    finally:
+        if isinstance(sampled, decode_copy.DecodeCopy):
+            sampled.delete()
     settings = {
         "context": context,
         "noise_vt": options.noise_vt,
@@ -241,6 +233,40 @@ def evaluate(
         "seed": seed,
     }
     return EvalResult(records, summarize(records, settings))
+
+
+def _record(sample, completions: sampler_lib.Completions, row: int, tokenizer) -> dict[str, Any]:
+    """One sample's record: its completion decoded, the answer extracted and scored."""
+    text = tokenizer.decode(completions.row(row))
+    extracted = extract_answer(text)
+    return {
+        "pid": sample.pid,
+        "dataset": sample.dataset,
+        "question": sample.question,
+        "reference": sample.answer,
+        "generation": text,
+        "extracted": extracted,
+        "correct": is_correct(extracted, sample.answer),
+        "completion_length": int(completions.lengths[row]),
+        "finished": bool(completions.finished[row]),
+        "has_answer_tag": has_answer_tag(text),
+    }
+
+
+def engine_settings(
+    tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
+) -> dict[str, Any]:
+    """The engine's sampling arguments for `tokenizer` (its special ids, length and decode)."""
+    return {
+        "special": tokenizer.special_tokens(),
+        "vocab_limit": tokenizer.vocab_length,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "do_sample": do_sample,
+        "max_image_skips": max_image_skips,
+        "decode_text": tokenizer.decode,
+        "cache_dtype": cache_dtype,
+    }
 
 
 def decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
@@ -257,86 +283,6 @@ def decode_model(model, mesh: jax.sharding.Mesh | None, sampler_layout: str):
         dtype=model.language_model.compute_dtype,
         model_config=getattr(model, "config", None),
     )
-
-
-def sample_prompts(
-    model,
-    samples: Sequence,
-    tokenizer,
-    *,
-    options: PromptOptions,
-    context: str,
-    max_new_tokens: int,
-    do_sample: bool,
-    temperature: float,
-    max_image_skips: int,
-    rng: jax.Array,
-    row_ids,
-    mesh: jax.sharding.Mesh | None = None,
-    cache_dtype: str = "bfloat16",
-    prompt_buckets: Sequence[int] | None = None,
-    sample_fn: SampleFn = sampler_lib.sample,
-) -> sampler_lib.Completions:
-    """One sampler call: a completion for each sample's prompt in `context`, one row each.
-
-    model: an nnx model or a `DecodeCopy` (which samples under its own mesh and rules).
-    row_ids: each row's id for its random stream (`evaluate` passes the sample's index).
-    prompt_buckets: prompt lengths round up to one of these (default: powers of two)."""
-    special = tokenizer.special_tokens()
-    prompt_pack = build_context_prompt_pack(
-        samples, tokenizer.encode, options, special, context, buckets=prompt_buckets
-    )
-    return sample_pack(
-        model,
-        prompt_pack,
-        tokenizer,
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature,
-        max_image_skips=max_image_skips,
-        rng=rng,
-        row_ids=row_ids,
-        mesh=mesh,
-        cache_dtype=cache_dtype,
-        sample_fn=sample_fn,
-    )
-
-
-def sample_pack(
-    model,
-    prompt_pack: Pack,
-    tokenizer,
-    *,
-    max_new_tokens: int,
-    do_sample: bool,
-    temperature: float,
-    max_image_skips: int,
-    rng: jax.Array,
-    row_ids,
-    mesh: jax.sharding.Mesh | None = None,
-    cache_dtype: str = "bfloat16",
-    sample_fn: SampleFn = sampler_lib.sample,
-) -> sampler_lib.Completions:
-    """One sampler call on prompts already packed one per row (`sample_prompts`, and the
-    benchmark evaluation's own prompts); on a mesh the rows are sharded over it."""
-    special = tokenizer.special_tokens()
-    sampling = {
-        "special": special,
-        "vocab_limit": tokenizer.vocab_length,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "do_sample": do_sample,
-        "max_image_skips": max_image_skips,
-        "decode_text": tokenizer.decode,
-        "row_ids": np.asarray(row_ids),
-        "cache_dtype": cache_dtype,
-    }
-    if mesh is None:
-        return sample_fn(model, prompt_pack, rng, **sampling)
-    with mesh_lib.use_mesh(mesh):
-        return sample_fn(
-            model, distributed.put_rows(prompt_pack, mesh, rows_are_global=True), rng, **sampling
-        )
 
 
 def answer(
@@ -383,24 +329,27 @@ def answer(
         thoughts=[],
         full_text_only_thought=None,
     )
-    sampled = decode_model(model, mesh, sampler_layout)
-    completions = sample_prompts(
-        sampled,
+    special = tokenizer.special_tokens()
+    prompt_pack = build_prompt_pack(
         [sample],
-        tokenizer,
-        options=run_config.prompt_options({}) if options is None else options,
-        context="student",
-        max_new_tokens=max_new_tokens,
-        do_sample=do_sample,
-        temperature=temperature,
-        max_image_skips=max_image_skips,
-        rng=jax.random.key(seed),
-        row_ids=[0],
-        mesh=mesh,
-        cache_dtype=cache_dtype,
+        tokenizer.encode,
+        run_config.prompt_options({}) if options is None else options,
+        special,
     )
-    if sampled is not model:
-        sampled.delete()
+    sampled = decode_model(model, mesh, sampler_layout)
+    try:
+        completions = engine_lib.stream(
+            sampled,
+            prompt_pack,
+            jax.random.key(seed),
+            pool_size=1,
+            **engine_settings(
+                tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
+            ),
+        )
+    finally:
+        if sampled is not model:
+            sampled.delete()
     return tokenizer.decode(completions.row(0)), completions
 
 

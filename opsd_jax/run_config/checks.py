@@ -57,6 +57,11 @@ _RANGES = (
     ("sample_max_new_tokens", lambda v: v >= 1, ">= 1"),
     ("sample_temperature", lambda v: v > 0, "> 0"),
     ("sample_max_image_skips", lambda v: v >= 0, ">= 0"),
+    (
+        "rollout_lookahead",
+        lambda v: isinstance(v, int) and 0 <= v <= 4,
+        "an integer in 0..4 (0 = exactly on-policy)",
+    ),
     ("max_forward_tokens", lambda v: v >= 16, ">= 16"),
     ("attention_block", lambda v: v >= 8, ">= 8"),
     ("max_reference_rounds", lambda v: v >= 1, ">= 1"),
@@ -137,6 +142,11 @@ def validate(
         problems.append(
             f"teacher_mode={config.teacher_mode!r} with mode='offline': the teacher is "
             "the cache; allowed value is 'self' (no EMA / fixed copy is kept)"
+        )
+    if config.mode != "opsd" and config.rollout_lookahead:
+        problems.append(
+            f"rollout_lookahead={config.rollout_lookahead} with mode={config.mode!r}: only an "
+            "OPSD run samples (set it to 0)"
         )
     if config.mode == "offline" or not need_cache:
         manifest = os.path.join(config.offline_cache_dir, offline_cache.MANIFEST)

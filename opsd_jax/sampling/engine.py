@@ -15,12 +15,17 @@ sit finished while one runs to the cap. The engine keeps B slots busy instead:
   appended and starts its next round in the same slot (BAGEL's image-skip rounds, as
   `sampler.sample` runs them).
 
+Prompts come as a `Pack` (one prompt per row) or as `Prompts`, rows packed on demand when
+slots are free: an evaluation over thousands of image prompts never holds more than a pool's
+patches on the host. Without a `prompt_length` the pool's cache grows, in the prompt buckets,
+to the longest prompt inserted so far.
+
 Same draws as `sampler.sample`: a token of a sample is drawn with
 `fold_in(fold_in(fold_in(rng, round), sample id), step within the round)`, so a completion does
 not depend on its slot, the pool size or the order prompts arrive in
 (tests/test_engine.py compares the two). Compiled shapes are fixed per run: the pool (B slots
 of `prompt_length + max_new_tokens + rounds` cache slots), the insert groups (powers of two up
-to B) and the prompt buckets.
+to B, and B) and the prompt buckets.
 """
 
 from __future__ import annotations
@@ -62,21 +67,25 @@ class PoolState:
     step: jax.Array  # [B] tokens drawn in the slot's current round
     round: jax.Array  # [B] the round (0, then 1 per image skip)
     sample_id: jax.Array  # [B] the global sample id of the slot's row
+    key: jax.Array  # [B, ...] the key data of the rng the slot's row draws from (its batch's)
 
 
 def _pinned(state: PoolState) -> PoolState:
-    rows = lambda x: constrain(x, ("act_batch",))  # noqa: E731
+    rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
     return PoolState(
         decode=sampler.pinned(state.decode),
         feed=rows(state.feed),
         step=rows(state.step),
         round=rows(state.round),
         sample_id=rows(state.sample_id),
+        key=rows(state.key),
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _empty_pool(pool_size: int, cache_shape: tuple, new_tokens: int, cache_dtype, rules=()):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _empty_pool(
+    pool_size: int, cache_shape: tuple, new_tokens: int, cache_dtype, key_shape: tuple, rules=()
+):
     del rules  # in the cache key only
     zeros = lambda dtype, *shape: jnp.zeros((pool_size, *shape), dtype)  # noqa: E731
     decode = DecodeState(
@@ -91,13 +100,14 @@ def _empty_pool(pool_size: int, cache_shape: tuple, new_tokens: int, cache_dtype
         finished=zeros(bool),
     )
     i32 = zeros(jnp.int32)
-    return _pinned(PoolState(decode=decode, feed=i32, step=i32, round=i32, sample_id=i32))
+    key = zeros(jnp.uint32, *key_shape)
+    return _pinned(PoolState(decode=decode, feed=i32, step=i32, round=i32, sample_id=i32, key=key))
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5), donate_argnums=(0,))
-def _insert_rows(pool: PoolState, rows: DecodeState, slots, sample_ids, bos_id: int, rules=()):
+@functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(0,))
+def _insert_rows(pool: PoolState, rows: DecodeState, slots, sample_ids, key, bos_id: int, rules=()):
     """Prefilled `rows` into the pool's `slots` (a slot past the pool: a padding row, dropped),
-    each starting its first round."""
+    each starting its first round, drawing from `key` (key data)."""
     del rules
     put = lambda x, new: x.at[slots].set(new.astype(x.dtype), mode="drop")  # noqa: E731
     decode = pool.decode
@@ -107,6 +117,7 @@ def _insert_rows(pool: PoolState, rows: DecodeState, slots, sample_ids, bos_id: 
         if f.name != "cache"
     }
     cache = decode.cache.at[:, slots].set(rows.cache.astype(decode.cache.dtype), mode="drop")
+    keys = jnp.broadcast_to(key, (slots.shape[0], *key.shape))
     return _pinned(
         PoolState(
             decode=DecodeState(cache=cache, **fields),
@@ -114,6 +125,7 @@ def _insert_rows(pool: PoolState, rows: DecodeState, slots, sample_ids, bos_id: 
             step=put(pool.step, jnp.zeros(slots.shape, jnp.int32)),
             round=put(pool.round, jnp.zeros(slots.shape, jnp.int32)),
             sample_id=put(pool.sample_id, sample_ids),
+            key=put(pool.key, keys),
         )
     )
 
@@ -144,7 +156,7 @@ def _next_round(graphdef, params, pool: PoolState, rows, settings: RoundSettings
 
 @functools.partial(
     jax.jit,
-    static_argnums=(0, 4, 5, 7),
+    static_argnums=(0, 3, 4, 5, 7),
     donate_argnums=(2,),
     compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
@@ -152,30 +164,33 @@ def decode_chunk(
     graphdef,
     params,
     pool: PoolState,
-    rng,
+    key_impl: str,
     settings: RoundSettings,
     chunk_steps: int,
     stop_when_a_row_ends,
     rules=(),
 ):
     """Decode every active slot until `chunk_steps` tokens are done, no slot is active, or (with
-    `stop_when_a_row_ends`, while prompts wait for a slot) a slot has stopped."""
+    `stop_when_a_row_ends`, while prompts wait for a slot) a slot has stopped. key_impl: the
+    PRNG implementation of the slots' key data. Returns the pool, the decode steps run and the
+    slot-steps that drew a token (their ratio over the pool size: the slots' occupancy)."""
     del rules
 
     def keys_of(pool):  # the sampler's draw: rng, then round, then sample id, then step
-        def one(round_, sample_id, step):
+        def one(key_data, round_, sample_id, step):
+            rng = jax.random.wrap_key_data(key_data, impl=key_impl)
             key = jax.random.fold_in(jax.random.fold_in(rng, round_), sample_id)
             return jax.random.fold_in(key, step)
 
-        return jax.vmap(one)(pool.round, pool.sample_id, pool.step)
+        return jax.vmap(one)(pool.key, pool.round, pool.sample_id, pool.step)
 
     def cond(carry):
-        _, pool, done, some_stopped = carry
+        _, pool, done, _, some_stopped = carry
         waiting_for_a_slot = stop_when_a_row_ends & some_stopped
         return (done < chunk_steps) & jnp.any(pool.decode.active) & ~waiting_for_a_slot
 
     def body(carry):
-        params, pool, done, some_stopped = carry
+        params, pool, done, busy, some_stopped = carry
         model = nnx.merge(graphdef, params)
         active = pool.decode.active
         token, logprob, decode = sampler.sample_step(
@@ -187,23 +202,67 @@ def decode_chunk(
             feed=jnp.where(active, token, pool.feed),
             step=pool.step + active,
         )
-        return params, _pinned(pool), done + 1, some_stopped | jnp.any(stopped)
+        busy = busy + jnp.sum(active, dtype=jnp.int32)
+        return params, _pinned(pool), done + 1, busy, some_stopped | jnp.any(stopped)
 
-    start = (params, pool, jnp.zeros((), jnp.int32), jnp.zeros((), bool))
-    _, pool, done, _ = jax.lax.while_loop(cond, body, start)
-    return pool, done
+    zero = jnp.zeros((), jnp.int32)
+    _, pool, done, busy, _ = jax.lax.while_loop(cond, body, (params, pool, zero, zero, False))
+    return pool, done, busy
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """`count` prompt rows, packed on demand: `pack(indices)` is a Pack of those rows (one
+    left-aligned prompt per row, lengths rounded up as the caller's buckets round them)."""
+
+    count: int
+    pack: Callable[[list[int]], Pack]
+
+    @classmethod
+    def of_pack(cls, prompt_pack: Pack) -> Prompts:
+        """The rows of a prompt pack (brought to the host once)."""
+        sampler.check_prompt_pack(prompt_pack)
+        host = jax.tree.map(to_host, prompt_pack)
+        return cls(host.num_rows, lambda rows: jax.tree.map(lambda x: x[np.asarray(rows)], host))
+
+
+@dataclasses.dataclass
+class Batch:
+    """Prompts submitted together (a step's, an evaluation's): their completions as rows
+    finish, and the policy version each completion token was drawn with."""
+
+    prompts: Prompts
+    key: np.ndarray  # the key data of the rng its rows draw from
+    key_impl: str
+    row_ids: np.ndarray  # each row's global sample id
+    out: Completions
+    versions: np.ndarray  # [rows, max_new_tokens] the version of each token, -1 past the end
+    remaining: int  # rows not yet finished
+    on_done: Callable[[int, Completions], None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
 
 
 @dataclasses.dataclass
 class _Row:
     """A prompt row's progress on the host."""
 
-    index: int  # its row in the prompt pack (the order completions are returned in)
+    batch: Batch
+    index: int  # its row in the batch's prompts (the order completions are returned in)
     round_start: int = 0  # completion tokens before its current round
+    # (version, completion tokens before it): where each policy version's tokens begin.
+    versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 class Engine:
-    """B slots over one KV cache; `run(prompt_pack, rng)` samples one completion per row."""
+    """B slots over one KV cache; `run(prompts, rng)` samples one completion per row.
+
+    Across calls (the training rollout's lookahead): `submit` queues a batch, `finish(batch,
+    version)` decodes until that batch is done; rows of batches submitted after it take the
+    slots its rows free and, when it is done, stay in their slots, paused, until a later
+    `finish` continues them, with the weights `swap` gave it by then."""
 
     def __init__(
         self,
@@ -213,7 +272,7 @@ class Engine:
         special: SpecialTokens,
         vocab_limit: int,
         max_new_tokens: int,
-        prompt_length: int,
+        prompt_length: int | None = None,
         temperature: float = 1.0,
         do_sample: bool = True,
         max_image_skips: int = 0,
@@ -224,83 +283,157 @@ class Engine:
     ):
         """model: a `DecodeCopy` (run under its mesh and rules) or an nnx model (run as it is).
         prompt_length: the longest prompt row the pool takes (its cache has
-        `sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)` slots a row).
+        `sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)` slots a row);
+        None: the cache grows to the longest (bucketed) prompt inserted so far.
         chunk_steps: decode steps per chunk at most (the host looks at the pool between chunks).
         prompt_buckets: row lengths a prefill group is cut to (default: powers of two)."""
         sampler.check_settings(max_new_tokens, temperature, do_sample, max_image_skips, decode_text)
         if pool_size < 1 or chunk_steps < 1:
             raise ValueError(f"pool_size and chunk_steps must be >= 1: {pool_size}, {chunk_steps}")
-        self.graphdef, self.params, self._context = sampler.model_parts(model)
+        self.swap(model)
         self.pool_size, self.special, self.chunk_steps = pool_size, special, chunk_steps
         self.max_new_tokens, self.max_image_skips = max_new_tokens, max_image_skips
         self.decode_text, self.cache_dtype = decode_text, jnp.dtype(cache_dtype)
         self.prompt_length = prompt_length
-        self.cache_slots = sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)
+        self.cache_slots = (
+            0
+            if prompt_length is None
+            else sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)
+        )
         self.buckets = sorted(prompt_buckets) if prompt_buckets else None
         self.settings = sampler.round_settings(
             special, vocab_limit, max_new_tokens, temperature, do_sample
         )
         self.shapes: set[tuple] = set()  # (group rows, row length, patches) prefilled so far
+        self.pool_shapes: set[int] = set()  # cache slots per row the pool has had
         self.decode_steps = 0  # decode steps run (each advances every active slot by a token)
+        self.busy_slot_steps = 0  # of them, slot-steps that drew a token (occupied slots)
+        self._pool = None  # made at an insert into an empty engine, dropped when it empties
+        self._slots: list[_Row | None] = [None] * pool_size
+        self._waiting: collections.deque[tuple[Batch, int]] = collections.deque()
+
+    def swap(self, model: nnx.Module | DecodeCopy) -> None:
+        """Decode with `model` from now on (new weights; rows in the pool keep their cache)."""
+        self.graphdef, self.params, self._context = sampler.model_parts(model)
+
+    @property
+    def busy_slots(self) -> int:
+        """Slots holding a row (decoding, or paused between `finish` calls)."""
+        return sum(row is not None for row in self._slots)
 
     # ---- the host loop ---------------------------------------------------------------------
 
-    def run(self, prompt_pack: Pack, rng: jax.Array, row_ids=None) -> Completions:
+    def run(
+        self,
+        prompts: Pack | Prompts,
+        rng: jax.Array,
+        row_ids=None,
+        on_done: Callable[[int, Completions], None] | None = None,
+    ) -> Completions:
         """One completion per prompt row, in row order (the same as `sampler.sample`'s for the
-        same rng and row ids; row_ids: each row's global sample id, default 0..R-1)."""
-        sampler.check_prompt_pack(prompt_pack)
-        pack = jax.tree.map(to_host, prompt_pack)
-        rows = pack.num_rows
+        same rng and row ids; row_ids: each row's global sample id, default 0..R-1).
+        on_done(index, completions): called as each row's completion is written into the
+        returned `Completions` (rows finish in any order)."""
+        return self.finish(self.submit(prompts, rng, row_ids, on_done)).out
+
+    def submit(
+        self,
+        prompts: Pack | Prompts,
+        rng: jax.Array,
+        row_ids=None,
+        on_done: Callable[[int, Completions], None] | None = None,
+    ) -> Batch:
+        """Queue `prompts` (after every batch submitted before); they decode in `finish`."""
+        if isinstance(prompts, Pack):
+            prompts = Prompts.of_pack(prompts)
+        rows = prompts.count
+        if rows < 1:
+            raise ValueError("Engine.submit(): no prompts")
         row_ids = np.arange(rows) if row_ids is None else np.asarray(row_ids)
         if row_ids.shape != (rows,):
             raise ValueError(f"row_ids has shape {row_ids.shape}, expected ({rows},)")
-        lengths = (pack.segment_ids > 0).sum(axis=1)
-        if lengths.max() > self.prompt_length:
-            raise ValueError(
-                f"a prompt of {lengths.max()} tokens is longer than the engine's prompt_length "
-                f"{self.prompt_length}"
-            )
-        out = Completions(
-            tokens=np.zeros((rows, self.max_new_tokens), np.int32),
-            lengths=np.zeros(rows, np.int32),
-            logprobs=np.zeros((rows, self.max_new_tokens), np.float32),
-            finished=np.zeros(rows, bool),
-            rounds=np.ones(rows, np.int32),
+        if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            rng = jax.random.wrap_key_data(rng)  # a raw uint32 key (jax.random.PRNGKey)
+        batch = Batch(
+            prompts=prompts,
+            key=np.asarray(jax.random.key_data(rng)),
+            key_impl=str(jax.random.key_impl(rng)),
+            row_ids=row_ids,
+            out=Completions(
+                tokens=np.zeros((rows, self.max_new_tokens), np.int32),
+                lengths=np.zeros(rows, np.int32),
+                logprobs=np.zeros((rows, self.max_new_tokens), np.float32),
+                finished=np.zeros(rows, bool),
+                rounds=np.ones(rows, np.int32),
+            ),
+            versions=np.full((rows, self.max_new_tokens), -1, np.int32),
+            remaining=rows,
+            on_done=on_done,
         )
+        self._waiting.extend((batch, i) for i in range(rows))
+        return batch
+
+    def finish(self, batch: Batch, version: int = 0) -> Batch:
+        """Decode until every row of `batch` has finished, with the current weights (policy
+        `version`); rows queued after it fill the slots its rows free, and pause when it is done."""
         with self._context():
             rules = tuple(spmd.get_logical_axis_rules())
-            pool = None  # made at the first insert, from the prefilled cache's shape
-            waiting = collections.deque(range(rows))
-            slots: list[_Row | None] = [None] * self.pool_size
-            while waiting or any(slots):
-                free = [s for s, row in enumerate(slots) if row is None]
-                if waiting and free:
-                    group = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                    pool = self._insert(pool, pack, group, free, row_ids, rules)
-                    for slot, index in zip(free, group):
-                        slots[slot] = _Row(index)
-                pool, steps = decode_chunk(
+            self._continue_paused(version)
+            while not batch.done:
+                free = [s for s, row in enumerate(self._slots) if row is None]
+                if self._waiting and free:
+                    self._insert(free, version, rules)
+                self._pool, steps, busy = decode_chunk(
                     self.graphdef,
                     self.params,
-                    pool,
-                    rng,
+                    self._pool,
+                    batch.key_impl,
                     self.settings,
                     self.chunk_steps,
-                    np.bool_(bool(waiting)),
+                    np.bool_(bool(self._waiting)),
                     rules,
                 )
                 self.decode_steps += int(to_host(steps))
-                pool = self._retire(pool, slots, out, rules)
-        return out
+                self.busy_slot_steps += int(to_host(busy))
+                self._retire(rules)
+            if not self.busy_slots:
+                self._pool = None  # nothing paused: its cache is freed until the next insert
+        return batch
 
-    def _insert(self, pool, pack: Pack, group, free, row_ids, rules):
-        """Prefill the prompts of `group` (pack rows) into the first free slots: a power of two
-        of rows (padding rows repeat the first and are dropped), cut to the group's bucket."""
-        size = 1 << (len(group) - 1).bit_length()
-        rows = np.array(group + [group[0]] * (size - len(group)))
-        sub = jax.tree.map(lambda x: x[rows], pack)
-        sub = _cut_to_bucket(sub, self.buckets)
+    def _continue_paused(self, version: int) -> None:
+        """Rows left in their slots by an earlier `finish`: their next tokens are `version`'s."""
+        if not self.busy_slots:
+            return
+        lengths = to_host(self._pool.decode.length)
+        for s, row in enumerate(self._slots):
+            if row is not None and row.versions[-1][0] != version:
+                row.versions.append((version, int(lengths[s])))
+
+    def _check_length(self, longest: int) -> None:
+        if self.prompt_length is not None and longest > self.prompt_length:
+            raise ValueError(
+                f"a prompt of {longest} tokens is longer than the engine's prompt_length "
+                f"{self.prompt_length}"
+            )
+
+    def _insert(self, free, version: int, rules) -> None:
+        """Prefill waiting prompts of one batch into the first free slots: a power of two of
+        rows or the whole pool (padding rows repeat the first and are dropped), cut to the
+        group's bucket."""
+        batch = self._waiting[0][0]
+        group = []
+        while self._waiting and self._waiting[0][0] is batch and len(group) < len(free):
+            group.append(self._waiting.popleft()[1])
+        size = min(1 << (len(group) - 1).bit_length(), self.pool_size)
+        built = jax.tree.map(to_host, batch.prompts.pack(group))
+        sampler.check_prompt_pack(built)
+        pad = np.array(list(range(len(group))) + [0] * (size - len(group)))
+        sub = _cut_to_bucket(jax.tree.map(lambda x: x[pad], built), self.buckets)
+        self._check_length(int((sub.segment_ids > 0).sum(axis=1).max()))
         self.shapes.add((size, sub.row_length, sub.vit_patches.shape[1] if sub.has_images else 0))
+        needed = sampler.cache_slots_for(sub.row_length, self.max_new_tokens, self.max_image_skips)
+        grow = self._pool is not None and needed > self.cache_slots
+        self.cache_slots = max(self.cache_slots, needed)
         prefilled = sampler.prefill_rows(
             self.graphdef,
             self.params,
@@ -310,43 +443,84 @@ class Engine:
             self.cache_dtype,
             rules,
         )
-        if pool is None:
+        if self._pool is None:  # the cache's layout read from the prefilled rows'
             layers, _, cache_slots, two, kv_heads, head_dim = prefilled.cache.shape
             shape = (layers, self.pool_size, cache_slots, two, kv_heads, head_dim)
-            pool = _empty_pool(self.pool_size, shape, self.max_new_tokens, self.cache_dtype, rules)
+            self._pool = _empty_pool(
+                self.pool_size, shape, self.max_new_tokens, self.cache_dtype, batch.key.shape, rules
+            )
+        elif grow:  # rows in the pool keep their cache: a row reads its first kv_length slots
+            self._pool = _grown(self._pool, self.cache_slots, rules)
+        self.pool_shapes.add(self.cache_slots)
         slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
         slots[: len(group)] = free[: len(group)]
-        ids = np.asarray(row_ids)[rows].astype(np.int32)
-        return _insert_rows(pool, prefilled, slots, ids, self.special.im_start, rules)
+        ids = batch.row_ids[np.asarray(group)[pad]].astype(np.int32)
+        self._pool = _insert_rows(
+            self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules
+        )
+        for slot, index in zip(free, group):
+            self._slots[slot] = _Row(batch, index, versions=[(version, 0)])
 
-    def _retire(self, pool, slots: list, out: Completions, rules):
+    def _retire(self, rules) -> None:
         """Rows that stopped in the last chunk: the next image-skip round in their slot, or
-        their completion out and the slot freed."""
+        their completion out (with its tokens' versions) and the slot freed."""
+        pool = self._pool
         decode = pool.decode
         active, finished, length, budget, rounds = map(
             to_host, (decode.active, decode.finished, decode.length, decode.budget, pool.round)
         )
-        stopped = [s for s, row in enumerate(slots) if row is not None and not active[s]]
+        stopped = [s for s, row in enumerate(self._slots) if row is not None and not active[s]]
         if not stopped:
-            return pool
+            return
         tokens, logprobs = to_host(decode.tokens), to_host(decode.logprobs)
         skip = np.zeros(self.pool_size, bool)
         for s in stopped:
-            row = slots[s]
+            row = self._slots[s]
             if rounds[s] < self.max_image_skips and sampler.wants_image_skip(
                 finished[s], budget[s], tokens[s, row.round_start : length[s]], self.decode_text
             ):
                 skip[s] = True
                 row.round_start = int(length[s])
                 continue
-            i = row.index
+            i, batch = row.index, row.batch
+            out = batch.out
             out.tokens[i], out.logprobs[i] = tokens[s], logprobs[s]
             out.lengths[i], out.finished[i] = length[s], finished[s]
             out.rounds[i] = rounds[s] + 1
-            slots[s] = None
+            for (version, begin), (_, end) in zip(row.versions, row.versions[1:] + [(0, None)]):
+                batch.versions[i, begin : length[s] if end is None else end] = version
+            batch.remaining -= 1
+            self._slots[s] = None
+            if batch.on_done is not None:
+                batch.on_done(i, out)
         if skip.any():
-            pool = _next_round(self.graphdef, self.params, pool, skip, self.settings, rules)
-        return pool
+            self._pool = _next_round(self.graphdef, self.params, pool, skip, self.settings, rules)
+
+
+def stream(
+    model: nnx.Module | DecodeCopy,
+    prompts: Pack | Prompts,
+    rng: jax.Array,
+    *,
+    pool_size: int,
+    row_ids=None,
+    on_done: Callable[[int, Completions], None] | None = None,
+    **settings,
+) -> Completions:
+    """A completion for every prompt through an engine of `pool_size` slots (fewer when there
+    are fewer prompts); `settings`: the `Engine`'s other arguments. The evaluation's sampler."""
+    count = prompts.num_rows if isinstance(prompts, Pack) else prompts.count
+    engine = Engine(model, pool_size=max(1, min(pool_size, count)), **settings)
+    return engine.run(prompts, rng, row_ids=row_ids, on_done=on_done)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))  # a new cache shape: nothing to donate to
+def _grown(pool: PoolState, cache_slots: int, rules=()):
+    del rules
+    cache = pool.decode.cache
+    extra = cache_slots - cache.shape[2]
+    cache = jnp.pad(cache, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (cache.ndim - 3))
+    return _pinned(pool.replace(decode=pool.decode.replace(cache=cache)))
 
 
 def _cut_to_bucket(pack: Pack, buckets: Sequence[int] | None) -> Pack:

@@ -1,5 +1,6 @@
 """The held-out evaluation during training: every eval_every steps (and at the last; at step 0
-with eval_at_start), greedy, on the live student, in each of eval_contexts.
+with eval_at_start), greedy, on the live student, in each of eval_contexts, every prompt through the engine in the
+rollout's decode layout and KV-cache dtype.
 
 Each evaluation's accuracy goes to the log as a note and to the run's summary, its records
 under <results_dir>/eval/ (opsd_jax/evaluation/run_summary.py names them), and its scalars are
@@ -13,7 +14,6 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from opsd_jax import run_config
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
 from opsd_jax.io import disk_errors
@@ -24,8 +24,9 @@ from opsd_jax.training import train_step
 class HeldOut:
     """The run's held-out samples and their evaluation (no samples when eval_every is 0)."""
 
-    def __init__(self, config, mesh, start, data_config, options, layout: str, say: Callable):
-        self.config, self.mesh, self.options, self.layout = config, mesh, options, layout
+    def __init__(self, config, mesh, start, data_config, options, rollout, say: Callable):
+        """rollout: the run's `Rollout`, whose decode layout and KV-cache dtype it decodes in."""
+        self.config, self.mesh, self.options, self.rollout = config, mesh, options, rollout
         self.graphdef, self.rest, self.tokenizer = start.graphdef, start.rest, start.tokenizer
         self.samples, self.contexts = [], [c for c in config.eval_contexts.split(",") if c]
         if config.eval_every:
@@ -64,9 +65,9 @@ class HeldOut:
                 max_image_skips=config.sample_max_image_skips,
                 seed=config.global_seed,
                 mesh=self.mesh,
-                sampler_layout=self.layout,
+                sampler_layout=self.rollout.layout,
                 prompt_buckets=config.sample_prompt_buckets,
-                cache_dtype=run_config.cache_dtype_for(config.compute_dtype),
+                cache_dtype=self.rollout.cache_dtype,
             )
             prefix = "eval" if context == "student" else f"eval_{context}"
             scalars.update(result.scalars(prefix))

@@ -102,6 +102,12 @@ def _is_latest_value(key: str) -> bool:
     return key.startswith("data/") or key.endswith("_total")
 
 
+def _is_window_max(key: str) -> bool:
+    """A bound (e.g. rollout/staleness_max) is reported as its largest value over the window,
+    not its mean: a mean would hide the step that came closest to it."""
+    return key.endswith("_max")
+
+
 def format_number(value: float) -> str:
     """Compact rendering: about 4 significant digits, scientific only for tiny or huge values."""
     if math.isnan(value) or math.isinf(value):
@@ -410,7 +416,12 @@ class MetricsLogger:
                     self._warned_non_numeric.add(key)
                     self._print(f"WARNING: metric {key!r} is not numeric; not logged.")
                 continue
-            record[key] = floats[-1] if _is_latest_value(key) else sum(floats) / len(floats)
+            if _is_latest_value(key):
+                record[key] = floats[-1]
+            elif _is_window_max(key):
+                record[key] = max(floats)
+            else:
+                record[key] = sum(floats) / len(floats)
 
         samples = sum(_to_float(s) or 0.0 for s in host_samples)
         tokens = sum(_to_float(t) or 0.0 for t in host_tokens)

@@ -1,5 +1,5 @@
 """Evaluating a model on the paper's benchmarks: read each dataset's TSV, prompt every row,
-decode in batches (on the run's mesh, through the trainer's sampler), score without a judge,
+stream them through the continuous-batching engine (on the run's mesh, as evaluation does), score without a judge,
 and summarise as the paper's table (per benchmark, the average, output tokens and seconds per
 sample, and the share of answers the rules could not read, which the harness would have sent
 to its judge). Several seeds run the whole evaluation again and are averaged. ChartQA's tagged
@@ -32,13 +32,14 @@ from opsd_jax.evaluation.benchmarks import prompts, scoring
 from opsd_jax.evaluation.benchmarks.registry import PAPER_AVERAGES, Benchmark, Dataset
 from opsd_jax.evaluation.benchmarks.tsv import BenchmarkRow, read_tsv
 from opsd_jax.sampling import decode_copy
-from opsd_jax.sampling import sampler as sampler_lib
+from opsd_jax.sampling import engine as engine_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSettings:
     """How every row is decoded: greedy with 1024 new tokens (the paper's protocol) by default;
-    the harness's own setting is `do_sample=True, temperature=0.3, max_new_tokens=4096`."""
+    the harness's own setting is `do_sample=True, temperature=0.3, max_new_tokens=4096`.
+    batch_size: the engine's slots (rows decoding at once)."""
 
     max_new_tokens: int = 1024
     do_sample: bool = False
@@ -158,7 +159,7 @@ def evaluate_benchmarks(
     mesh: jax.sharding.Mesh | None = None,
     sampler_layout: str = "replicated",
     cache_dtype: str = "bfloat16",
-    sample_fn=sampler_lib.sample,
+    stream_fn: evaluation.StreamFn = engine_lib.stream,
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """{'records': one dict per (seed, row), 'summary': the table's figures}; `limit`: the
@@ -200,9 +201,8 @@ def evaluate_benchmarks(
                         (transform, pre_resize),
                         seed,
                         chartqa_parse,
-                        mesh,
                         cache_dtype,
-                        sample_fn,
+                        stream_fn,
                         log,
                     )
     finally:
@@ -225,77 +225,83 @@ def _run_dataset(
     images,
     seed,
     chartqa_parse,
-    mesh,
     cache_dtype,
-    sample_fn,
+    stream_fn,
     log,
 ):
-    """Every row of one dataset, decoded in batches of `decode.batch_size` (the last padded by
-    repeating its final row, the padding dropped) and scored."""
+    """Every row of one dataset streamed through the engine (`decode.batch_size` slots; a
+    row's images prepared when a slot is free for it) and scored; `seconds` per row is the
+    dataset's time over its rows."""
     special, encode = tokenizer.special_tokens(), tokenizer.encode
     vit = model.config.vit
     transform, pre_resize = images
-    records, start = [], time.perf_counter()
-    for first in range(0, len(rows), decode.batch_size):
-        batch = list(rows[first : first + decode.batch_size])
-        real = len(batch)
-        items = []
-        for row in batch:
-            order, text = prompts.model_input(prompts.message(row, dataset))
-            pictures = row.images()
-            vit_images = [
-                prepare_vit_image(
-                    pictures[i],
-                    transform,
-                    pre_resize=pre_resize,
-                    patch_size=vit.patch_size,
-                    max_patches_per_side=model.config.vit_max_num_patch_per_side,
-                )
-                for i in order
-            ]
-            items.append(prompts.prompt_items(vit_images, text, encode, options))
-        items += [items[-1]] * (decode.batch_size - real)  # padding rows: the last one again
-        t0 = time.perf_counter()
-        completions = evaluation.sample_pack(
-            sampled,
-            prompt_pack_of(items, special),
-            tokenizer,
-            max_new_tokens=decode.max_new_tokens,
-            do_sample=decode.do_sample,
-            temperature=decode.temperature,
-            max_image_skips=decode.max_image_skips,
-            rng=jax.random.fold_in(jax.random.key(seed), zlib.crc32(dataset.name.encode()) >> 1),
-            row_ids=np.minimum(np.arange(first, first + decode.batch_size), len(rows) - 1),
-            mesh=mesh,
-            cache_dtype=cache_dtype,
-            sample_fn=sample_fn,
-        )
-        seconds = (time.perf_counter() - t0) / real
-        for j, row in enumerate(batch):
-            prediction = tokenizer.decode(completions.row(j))
-            score = score_row(row, dataset, prediction, chartqa_parse)
-            records.append(
-                {
-                    "seed": seed,
-                    "benchmark": benchmark.name,
-                    "dataset": dataset.name,
-                    "index": row.index,
-                    "question": row.question,
-                    "answer": row.answer,
-                    "prediction": prediction,
-                    "extracted": score.extracted,
-                    "hit": score.hit,
-                    "judge_fallback": not score.ruled,
-                    "output_tokens": int(completions.lengths[j]),
-                    "seconds": seconds,
-                }
+
+    def prompt_items(row):
+        order, text = prompts.model_input(prompts.message(row, dataset))
+        pictures = row.images()
+        vit_images = [
+            prepare_vit_image(
+                pictures[i],
+                transform,
+                pre_resize=pre_resize,
+                patch_size=vit.patch_size,
+                max_patches_per_side=model.config.vit_max_num_patch_per_side,
             )
-        if log is not None:
-            hits = [r["hit"] for r in records]
+            for i in order
+        ]
+        return prompts.prompt_items(vit_images, text, encode, options)
+
+    def pack_rows(indices):
+        return prompt_pack_of([prompt_items(rows[i]) for i in indices], special)
+
+    scored, start = {}, time.perf_counter()  # row index -> (prediction, score), as rows finish
+
+    def on_done(index, completions):
+        prediction = tokenizer.decode(completions.row(index))
+        scored[index] = prediction, score_row(rows[index], dataset, prediction, chartqa_parse)
+        if log is not None and (len(scored) % decode.batch_size == 0 or len(scored) == len(rows)):
+            hits = np.mean([score.hit for _, score in scored.values()])
             log(
-                f"{dataset.name} (seed {seed}): {len(records)}/{len(rows)} rows, running hit "
-                f"rate {np.mean(hits):.1%}, {time.perf_counter() - start:.1f}s"
+                f"{dataset.name} (seed {seed}): {len(scored)}/{len(rows)} rows, running hit "
+                f"rate {hits:.1%}, {time.perf_counter() - start:.1f}s"
             )
+
+    completions = stream_fn(
+        sampled,
+        engine_lib.Prompts(len(rows), pack_rows),
+        jax.random.fold_in(jax.random.key(seed), zlib.crc32(dataset.name.encode()) >> 1),
+        pool_size=decode.batch_size,
+        row_ids=np.arange(len(rows)),
+        on_done=on_done,
+        **evaluation.engine_settings(
+            tokenizer,
+            decode.max_new_tokens,
+            decode.do_sample,
+            decode.temperature,
+            decode.max_image_skips,
+            cache_dtype,
+        ),
+    )
+    seconds = (time.perf_counter() - start) / len(rows)
+    records = []
+    for j, row in enumerate(rows):
+        prediction, score = scored[j]
+        records.append(
+            {
+                "seed": seed,
+                "benchmark": benchmark.name,
+                "dataset": dataset.name,
+                "index": row.index,
+                "question": row.question,
+                "answer": row.answer,
+                "prediction": prediction,
+                "extracted": score.extracted,
+                "hit": score.hit,
+                "judge_fallback": not score.ruled,
+                "output_tokens": int(completions.lengths[j]),
+                "seconds": seconds,
+            }
+        )
     return records
 
 
