@@ -928,6 +928,7 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         launch_s = plain_launch_s = sync_s = 0.0
     token_s = bytes_s + decode.collective_s + launch_s + sync_s
     copy_bytes, cache_bytes = hbm["copy_bytes"], hbm["cache_bytes"]
+    local_rows = decode.cache.sharding.shard_shape(decode.cache.shape)[1]
     row = dict(
         token_s=token_s,
         bytes_s=bytes_s,
@@ -936,6 +937,8 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         plain_launch_s=plain_launch_s,
         sync_s=sync_s,
         floor_s=hbm["floor"] / run.hbm_bw,
+        # One more row's KV cache read per decode step, half full on average.
+        cache_s_per_row=cache_bytes / local_rows / 2 / run.hbm_bw,
         rollout_s=token_s * run.new_tokens,
         refresh_s=refresh_moved / run.link_bw,
         prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
@@ -1103,7 +1106,55 @@ def step_time(run: Run, layouts: dict, update_s: float, grad_time: GradTime) -> 
         f"work): step {old_low:.2f} .. {old_high:.2f} s, recipe {hours(old_low):.2f} .. "
         f"{hours(old_high):.2f} h"
     )
+    rollout_lengths(run, chosen, layouts.get("replicated", chosen), step_low, step_high)
     return layout_used
+
+
+def rollout_lengths(
+    run: Run, chosen: dict, replicated: dict, step_low: float, step_high: float
+) -> None:
+    """The rollout and the recipe at completion lengths below the cap: ThinkMorph's completions
+    average 452 tokens before Visual-OPSD and 201 after (the paper's Appendix G), drawn here as
+    exponential with that mean, capped at the recipe's budget (bench/rollout_schedule.py counts
+    the engine's decode steps from the lengths). Exact on-policy (the engine, one slot per
+    row: each step's longest row), with rollout_lookahead 1 and 2, beside the all-cap worst
+    case above; and evaluation on one GPU, static batches against the engine's stream."""
+    import rollout_schedule  # bench/rollout_schedule.py, beside this script
+
+    recipe, token_s = run.recipe, chosen["token_s"]
+    rows, cap, steps = run.samples * run.accum, run.new_tokens, 1000
+    fixed_low, fixed_high = step_low - chosen["rollout_s"], step_high - chosen["rollout_s"]
+    hours = lambda s: s * recipe.total_steps / 3600  # noqa: E731
+    print(
+        f"  at the paper's lengths (exponential, capped at {cap}; {steps} steps of {rows} rows "
+        f"simulated, a decode step {token_s * 1e3:.1f} ms as above):"
+    )
+    for mean in (452, 201):
+        lengths = rollout_schedule.exponential_lengths(steps * rows, mean, cap, seed=0)
+        parts = []
+        for lookahead in (0, 1, 2):
+            decode = rollout_schedule.training_steps(lengths, rows, lookahead).mean()
+            low, high = fixed_low + decode * token_s, fixed_high + decode * token_s
+            name = "exact on-policy" if lookahead == 0 else f"lookahead {lookahead}"
+            parts.append(
+                f"{name} {decode:.0f} decode steps, rollout {decode * token_s:.1f} s, recipe "
+                f"{hours(low):.2f} .. {hours(high):.2f} h"
+            )
+        print(f"    mean {mean} (drawn {lengths.mean():.1f}): " + "; ".join(parts))
+    # Evaluation: one GPU decoding `rows` at a time reads every weight per decode step, as each
+    # device of the 'replicated' copy does; its KV cache is that of all the rows, not of its
+    # share (the difference counted as bytes over the HBM).
+    extra_cache_s = replicated["cache_s_per_row"] * max(rows - rows / run.n, 0)
+    eval_token_s = replicated["token_s"] + extra_cache_s
+    for mean in (452, 201):
+        lengths = rollout_schedule.exponential_lengths(1000, mean, cap, seed=1)
+        static = rollout_schedule.static_steps(lengths, rows) * eval_token_s
+        stream = rollout_schedule.stream_steps(lengths, rows) * eval_token_s
+        print(
+            f"    evaluation on one {run.gpu.upper()}, 1000 samples at mean {mean}, "
+            f"greedy, {rows} rows at a time, decode only: static batches {static / 60:.1f} min, "
+            f"the engine {stream / 60:.1f} min ({static / stream:.2f}x)"
+        )
 
 
 # ---- memory ------------------------------------------------------------------------------------

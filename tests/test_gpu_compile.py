@@ -33,6 +33,7 @@ from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target, hbm_traffic, hlo_stats, thunk_launches
 from opsd_jax.sampling import decode_copy, sampler
+from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.training import train_step
 
 SPECIAL = SpecialTokens(1020, 1021, 1022, 1023)  # the toy vocabulary's structural ids
@@ -163,6 +164,7 @@ class SamplerPrograms:
     decode_inputs: tuple  # decode_round's arguments after the graphdef (abstract)
     layer_cache_elements: int  # one layer's K (or V) cache on one device
     layers: int
+    copy_graphdef: object  # the decode copy's
 
 
 @pytest.fixture(scope="module")
@@ -241,6 +243,7 @@ def h100_sampler() -> SamplerPrograms:
         inputs,
         int(np.prod(local_cache[1:])) // 2,  # a layer's keys and values side by side
         llm.num_hidden_layers,
+        copy_graphdef,
     )
 
 
@@ -477,6 +480,37 @@ def test_decode_round_is_one_graph_launch(h100_sampler):
     unbuffered = launches_per_token(plain)
     assert unbuffered.graph_launches == 0 and unbuffered.host_syncs == 1, unbuffered
     assert unbuffered.launches >= 20 * h100_sampler.layers, unbuffered
+
+
+@pytest.mark.slow
+def test_the_engine_decode_chunk_is_one_graph_launch_and_moves_no_weight(h100_sampler):
+    """The engine's decode chunk (opsd_jax/sampling/engine.py: the sampler's step over a pool of
+    slots, each drawing from its own row's key) compiled for two H100s as the sampler's round
+    is: one CUDA graph per token, nothing launched and no host sync per token, no weight moved
+    between devices, and the pool's state written in place (donated)."""
+    copy, decode_state, _, feed, settings, rules = h100_sampler.decode_inputs
+    rows = feed.shape[0]
+    spec = feed.sharding.spec
+    key_data = jax.ShapeDtypeStruct(
+        (rows, 2),
+        jnp.uint32,
+        sharding=jax.sharding.NamedSharding(feed.sharding.mesh, P(*spec, None)),
+    )
+    watched = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=feed.sharding)
+    pool = engine_lib.PoolState(
+        decode=decode_state, feed=feed, step=feed, round=feed, sample_id=feed, key=key_data
+    )
+    view = feed.sharding.mesh
+    with mesh_lib.use_mesh(view, rules):
+        lowered = engine_lib.decode_chunk.lower(
+            h100_sampler.copy_graphdef, copy, pool, "threefry2x32", settings, 64, watched, rules
+        )
+        program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
+    launches = launches_per_token(program)
+    assert launches.launches == 0 and launches.host_syncs == 0, launches
+    assert launches.graph_kernels >= 20 * h100_sampler.layers, launches
+    assert not big(hlo_stats.collectives(program.partitioned))
+    assert "input_output_alias" in program.compiled.as_text()  # the pool, donated
 
 
 @pytest.fixture(scope="module")

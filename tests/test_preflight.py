@@ -21,10 +21,16 @@ def train(*args, timeout=600):
 def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
     run_dir = tmp_path / "run"
     result = train(
-        "--config", "configs/tiny.py", f"--config.results_dir={run_dir}", "--compile_only=h100:1"
+        "--config",
+        "configs/tiny.py",
+        f"--config.results_dir={run_dir}",
+        "--config.rollout_lookahead=1",
+        "--compile_only=h100:1",
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    # The lookahead's paused rows keep their KV cache through the train step: counted there.
+    assert re.search(r"^rollout_lookahead 1: [\d.]+ GiB per device of paused rows' KV", out, re.M)
     assert "1 compile-only H100 device(s) (79.1 GiB each, 85% of it usable: 67.2 GiB)" in out
     # Every program train.py compiles for the tiny run: its one length bucket's step, the
     # rollout's refresh, prefill and decode round, the evaluation's prefill and decode round.

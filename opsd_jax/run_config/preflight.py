@@ -193,11 +193,20 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         local_rows=config.rows_per_micro_batch,
         sample_offset=0,
     )
+    # With rollout_lookahead the engine's pool (the paused rows' KV cache, at capacity, split
+    # over the devices) stays on the devices through the train step: counted beside it.
+    paused = 0
+    if config.mode == "opsd" and config.rollout_lookahead:
+        paused = builds.rollout_cache_bytes(config, model_config, shapes) // count
+        say(
+            f"rollout_lookahead {config.rollout_lookahead}: {paused / GIB:.2f} GiB per device of "
+            "paused rows' KV cache held through the train step"
+        )
     for bucket in range(config.pack_length_buckets):
         with mesh_lib.use_mesh(mesh):
             lowered = step_fn.lower(state, batches.abstract_batch(bucket))
         compile_and_report(
-            f"train step ({batches.describe(bucket)})", lowered, mesh, 0
+            f"train step ({batches.describe(bucket)})", lowered, mesh, paused
         )  # its arguments are the state
 
     # ---- the sampler (OPSD rollouts) and the evaluation ---------------------------------------

@@ -167,11 +167,12 @@ def decode_chunk(
     key_impl: str,
     settings: RoundSettings,
     chunk_steps: int,
-    stop_when_a_row_ends,
+    watched,
     rules=(),
 ):
-    """Decode every active slot until `chunk_steps` tokens are done, no slot is active, or (with
-    `stop_when_a_row_ends`, while prompts wait for a slot) a slot has stopped. key_impl: the
+    """Decode every active slot until `chunk_steps` tokens are done, no slot is active, or a
+    `watched` slot ([B] bool: every slot while prompts wait for one, else those of the batch
+    being finished) has stopped. key_impl: the
     PRNG implementation of the slots' key data. Returns the pool, the decode steps run and the
     slot-steps that drew a token (their ratio over the pool size: the slots' occupancy)."""
     del rules
@@ -185,12 +186,11 @@ def decode_chunk(
         return jax.vmap(one)(pool.key, pool.round, pool.sample_id, pool.step)
 
     def cond(carry):
-        _, pool, done, _, some_stopped = carry
-        waiting_for_a_slot = stop_when_a_row_ends & some_stopped
-        return (done < chunk_steps) & jnp.any(pool.decode.active) & ~waiting_for_a_slot
+        _, pool, done, _, watched_stopped = carry
+        return (done < chunk_steps) & jnp.any(pool.decode.active) & ~watched_stopped
 
     def body(carry):
-        params, pool, done, busy, some_stopped = carry
+        params, pool, done, busy, watched_stopped = carry
         model = nnx.merge(graphdef, params)
         active = pool.decode.active
         token, logprob, decode = sampler.sample_step(
@@ -203,7 +203,8 @@ def decode_chunk(
             step=pool.step + active,
         )
         busy = busy + jnp.sum(active, dtype=jnp.int32)
-        return params, _pinned(pool), done + 1, busy, some_stopped | jnp.any(stopped)
+        watched_stopped = watched_stopped | jnp.any(stopped & watched)
+        return params, _pinned(pool), done + 1, busy, watched_stopped
 
     zero = jnp.zeros((), jnp.int32)
     _, pool, done, busy, _ = jax.lax.while_loop(cond, body, (params, pool, zero, zero, False))
@@ -390,7 +391,7 @@ class Engine:
                     batch.key_impl,
                     self.settings,
                     self.chunk_steps,
-                    np.bool_(bool(self._waiting)),
+                    self._watched(batch),
                     rules,
                 )
                 self.decode_steps += int(to_host(steps))
@@ -399,6 +400,16 @@ class Engine:
             if not self.busy_slots:
                 self._pool = None  # nothing paused: its cache is freed until the next insert
         return batch
+
+    def _watched(self, batch: Batch) -> np.ndarray:
+        """The slots whose row's end sends the chunk back to the host: any while a prompt waits
+        for a slot; `batch`'s while later batches' rows share the pool (they pause when it is
+        done); none when the pool holds `batch` alone (it ends when its rows have)."""
+        if self._waiting:
+            return np.ones(self.pool_size, bool)
+        mine = np.array([row is not None and row.batch is batch for row in self._slots])
+        others = any(row is not None and row.batch is not batch for row in self._slots)
+        return mine if others else np.zeros(self.pool_size, bool)
 
     def _continue_paused(self, version: int) -> None:
         """Rows left in their slots by an earlier `finish`: their next tokens are `version`'s."""
