@@ -210,3 +210,26 @@ def test_a_later_batch_fills_freed_slots_pauses_and_resumes_with_the_next_versio
     paused_at = first.count(0)
     assert 0 < paused_at < len(first) and first == [0] * paused_at + [1] * (len(first) - paused_at)
     assert (b.versions[1, : b.out.lengths[1]] == 1).all()  # inserted after the swap
+
+
+def test_a_finish_returns_when_its_last_row_ends_not_at_the_chunks_end():
+    """Nothing waits and a later batch's row shares the pool: the chunk returns at the step the
+    finishing batch's last row ends (11 draws), not after `chunk_steps`, so the paused row has
+    drawn exactly the tokens of those steps with the finishing version."""
+    eos = SPECIAL.im_end
+    scripts = [[7, eos], [9] * 10 + [eos], [8] * 14 + [eos]]
+    model = ScriptedModel(scripts)
+    settings = scripted_settings(max_new_tokens=16, max_image_skips=0)
+    pack = scripted_pack(3)
+    engine = engine_lib.Engine(model, pool_size=2, chunk_steps=64, **settings)
+    rows_of = lambda rows: engine_lib.Prompts(  # noqa: E731
+        len(rows), lambda i: jax.tree.map(lambda x: x[np.asarray(rows)[i]], pack)
+    )
+    a = engine.submit(rows_of([0, 1]), jax.random.key(0), row_ids=np.array([0, 1]))
+    b = engine.submit(rows_of([2]), jax.random.key(0), row_ids=np.array([2]))
+    engine.finish(a, version=0)
+    # Row 0 drew 2 (7, then its end), row 1 eleven; row 2 entered after step 2: 9 draws.
+    assert engine.decode_steps == 11, engine.decode_steps
+    engine.finish(b, version=1)
+    assert b.out.row(0) == [8] * 14
+    assert b.versions[0, :14].tolist() == [0] * 9 + [1] * 5
