@@ -43,6 +43,8 @@ from opsd_jax.data.packing import SpecialTokens, Text, pack_samples
 from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.sampling import sampler
 
+import rollout_schedule  # bench/rollout_schedule.py, beside this script  # isort: skip
+
 SPECIAL = SpecialTokens(im_start=1000, im_end=1001, vision_start=1002, vision_end=1003)
 VOCAB_LIMIT = 1004  # the tiny model's 1024 embedding rows past the special ids are padding
 FIRST_KEY = 10  # prompt i is `<|im_start|> (FIRST_KEY + i) <|im_end|>`
@@ -80,11 +82,6 @@ class ForcedLengths(nnx.Module):
             done[:, None], jnp.where(is_eos, big, -big), jnp.where(is_eos, -big, logits)
         )
         return logits, jnp.concatenate([inner, cache[-1:]])
-
-
-def draw_lengths(count: int, mean: float, cap: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.clip(np.rint(rng.exponential(mean, count)), 1, cap).astype(np.int32)
 
 
 def static_batches(model, pack, rows: int, settings: dict) -> list[list[int]]:
@@ -167,7 +164,7 @@ def main() -> int:
         f"{args.prompts} prompts, B = {args.slots}, cap {args.cap}, greedy, exponential lengths"
     )
     for mean in args.means:
-        lengths = draw_lengths(args.prompts, mean, args.cap, args.seed)
+        lengths = rollout_schedule.exponential_lengths(args.prompts, mean, args.cap, args.seed)
         table = np.ones(1024, np.int32)
         table[keys] = lengths
         model = ForcedLengths(base, table, SPECIAL.im_end)
@@ -194,10 +191,7 @@ def main() -> int:
         got = [len(r) for r in results["engine"]]
         assert got == lengths.tolist(), "the forced lengths were not decoded"
         same = results["engine"] == results["static"]
-        static_steps = sum(
-            int(lengths[first : first + args.slots].max()) + 1
-            for first in range(0, args.prompts, args.slots)
-        )
+        static_steps = rollout_schedule.static_steps(lengths, args.slots)
         rate = {name: useful / seconds for name, seconds in timings.items()}
         print(
             f"mean {mean:g} (drawn {lengths.mean():.1f}, max {lengths.max()}): "
@@ -207,7 +201,9 @@ def main() -> int:
             f"same completions: {same}"
         )
         if args.rollout_steps:
-            step_lengths = draw_lengths(args.rollout_steps * args.slots, mean, args.cap, args.seed)
+            step_lengths = rollout_schedule.exponential_lengths(
+                args.rollout_steps * args.slots, mean, args.cap, args.seed
+            )
             table = np.ones(1024, np.int32)
             table[FIRST_KEY + np.arange(len(step_lengths))] = step_lengths
             model = ForcedLengths(base, table, SPECIAL.im_end)

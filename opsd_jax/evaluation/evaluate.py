@@ -214,7 +214,7 @@ def evaluate(
             pool_size=batch_size,
             row_ids=np.arange(len(samples)),
             on_done=on_done,
-            **engine_settings(
+            **engine_lib.settings_for(
                 tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
             ),
             prompt_buckets=prompt_buckets,
@@ -250,22 +250,6 @@ def _record(sample, completions: sampler_lib.Completions, row: int, tokenizer) -
         "completion_length": int(completions.lengths[row]),
         "finished": bool(completions.finished[row]),
         "has_answer_tag": has_answer_tag(text),
-    }
-
-
-def engine_settings(
-    tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
-) -> dict[str, Any]:
-    """The engine's sampling arguments for `tokenizer` (its special ids, length and decode)."""
-    return {
-        "special": tokenizer.special_tokens(),
-        "vocab_limit": tokenizer.vocab_length,
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "do_sample": do_sample,
-        "max_image_skips": max_image_skips,
-        "decode_text": tokenizer.decode,
-        "cache_dtype": cache_dtype,
     }
 
 
@@ -343,7 +327,7 @@ def answer(
             prompt_pack,
             jax.random.key(seed),
             pool_size=1,
-            **engine_settings(
+            **engine_lib.settings_for(
                 tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
             ),
         )

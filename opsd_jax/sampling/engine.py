@@ -508,6 +508,23 @@ class Engine:
             self._pool = _next_round(self.graphdef, self.params, pool, skip, self.settings, rules)
 
 
+def settings_for(
+    tokenizer, max_new_tokens, do_sample, temperature, max_image_skips, cache_dtype
+) -> dict:
+    """The `Engine`'s sampling arguments for a `BagelTokenizer` (its special ids, its length as
+    the vocabulary limit, its decode for image skips) and the given settings."""
+    return {
+        "special": tokenizer.special_tokens(),
+        "vocab_limit": tokenizer.vocab_length,
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "do_sample": do_sample,
+        "max_image_skips": max_image_skips,
+        "decode_text": tokenizer.decode,
+        "cache_dtype": cache_dtype,
+    }
+
+
 def stream(
     model: nnx.Module | DecodeCopy,
     prompts: Pack | Prompts,

@@ -214,19 +214,19 @@ class Rollout:
         if self.engine is not None:
             self.engine.swap(student)
             return self.engine
-        config, tokenizer = self.config, self.start.tokenizer
+        config = self.config
         self.engine = engine_lib.Engine(
             student,
             pool_size=self.rows,
-            special=self.special,
-            vocab_limit=tokenizer.vocab_length,
-            max_new_tokens=config.sample_max_new_tokens,
-            temperature=config.sample_temperature,
-            do_sample=config.sample_do_sample,
-            max_image_skips=config.sample_max_image_skips,
-            decode_text=tokenizer.decode,
-            cache_dtype=self.cache_dtype,
             prompt_buckets=config.sample_prompt_buckets,
+            **engine_lib.settings_for(
+                self.start.tokenizer,
+                config.sample_max_new_tokens,
+                config.sample_do_sample,
+                config.sample_temperature,
+                config.sample_max_image_skips,
+                self.cache_dtype,
+            ),
         )
         return self.engine
 

@@ -273,7 +273,7 @@ def _run_dataset(
         pool_size=decode.batch_size,
         row_ids=np.arange(len(rows)),
         on_done=on_done,
-        **evaluation.engine_settings(
+        **engine_lib.settings_for(
             tokenizer,
             decode.max_new_tokens,
             decode.do_sample,
