@@ -109,7 +109,9 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             run_config.config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
-    distributed.initialize(config)
+    one_process = distributed.initialize(config)
+    if one_process:
+        say(one_process)
     # JAX's persistent compilation cache, before anything compiles.
     cache_dir = compile_cache.resolve(config.compilation_cache_dir)
     if cache_dir:

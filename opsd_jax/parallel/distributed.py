@@ -45,16 +45,40 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def initialize(config) -> None:
+def settings_without_distributed(config) -> list[str]:
+    """The multi-host settings given while `distributed` is off, as 'key=value' words.
+
+    Each would be ignored: N hosts launched that way train N separate runs, each believing it is
+    the whole job. The run config refuses them (run_config/checks.py) instead of running alone.
+    """
+    if config.distributed:
+        return []
+    given = [
+        f"{key}={config[key]!r}"
+        for key, unset in (("coordinator_address", ""), ("num_processes", -1), ("process_id", -1))
+        if config[key] != unset
+    ]
+    given += [
+        f"${name}={os.environ[name]!r}"
+        for name in (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+        if os.environ.get(name)
+    ]
+    return given
+
+
+def initialize(config) -> str | None:
     """`jax.distributed.initialize` when `config.distributed` is set; call before any device use.
 
     The coordinator address, process count and process id come from the config keys
     `coordinator_address`, `num_processes`, `process_id`, else from the environment variables
     JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, else from JAX's cluster
     auto-detection (SLURM, Open MPI, Kubernetes, Cloud TPU).
+
+    Returns a line for the console when the runtime started with one process only (legal, and
+    what a one-host test wants, but on a cluster it means the launch did not reach the others).
     """
     if not config.distributed:
-        return
+        return None
     address = config.coordinator_address or os.environ.get(ENV_COORDINATOR) or None
     num_processes = config.num_processes if config.num_processes > 0 else None
     num_processes = num_processes or _env_int(ENV_NUM_PROCESSES)
@@ -62,6 +86,12 @@ def initialize(config) -> None:
     jax.distributed.initialize(
         coordinator_address=address, num_processes=num_processes, process_id=process_id
     )
+    if jax.process_count() == 1:
+        return (
+            "distributed=True with 1 process: JAX's distributed runtime started, and this run "
+            "trains alone (num_processes=1)"
+        )
+    return None
 
 
 def is_main() -> bool:

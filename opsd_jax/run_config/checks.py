@@ -16,7 +16,7 @@ import re
 from models import attention, configs
 from opsd_jax.data import pack_shapes
 from opsd_jax.io import hf_load
-from opsd_jax.parallel import mesh
+from opsd_jax.parallel import distributed, mesh
 from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, train_step
 from opsd_jax.training.offline import cache as offline_cache
@@ -187,6 +187,12 @@ def validate(
             "trains only lm_head, which freeze_llm freezes)"
         )
     problems += _lora_problems(config)
+    ignored = distributed.settings_without_distributed(config)
+    if ignored:
+        problems.append(
+            f"{', '.join(ignored)} without distributed=True: these are ignored and this "
+            "process would train alone; set --config.distributed=True (or drop them)"
+        )
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if check_files and config.resume_from and not os.path.exists(config.resume_from):
