@@ -56,7 +56,7 @@ forced CPU devices), so the script is known to start and to reach its table; no 
 means anything, so no timing threshold is applied (the row says so), but every comparison runs.
 The last line counts the checks passed, not run and not applied, and names what failed.
 
-One script of over 600 lines: what a session with a GPU runs first, as one command (parity,
+One script of over 900 lines: what a session with a GPU runs first, as one command (parity,
 kernel timings, memory, the table), so a short lease is spent in one call.
 """
 

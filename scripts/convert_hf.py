@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load, lora_export
+from opsd_jax.io import checkpoint, hf_export, hf_layout, hf_load, lora_export, saved_items
 from opsd_jax.io.safetensors_io import SafetensorsError, WeightDirectory
 from opsd_jax.parallel.mesh import make_mesh
 
@@ -50,7 +50,7 @@ def hf_to_jax(args) -> None:
     params = hf_export.flat_params(model)
     count = sum(value.size for value in params.values())
     trainable = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    item = checkpoint.save_model_params(nnx.state(model, nnx.Param), args.out)
+    item = saved_items.save_model_params(nnx.state(model, nnx.Param), args.out)
     if jax.process_index() == 0:
         with open(os.path.join(args.out, "bagel_config.json"), "w") as f:
             json.dump(dataclasses.asdict(config), f, indent=2)

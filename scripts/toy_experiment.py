@@ -189,7 +189,7 @@ class Evaluator:
         """Held-out accuracy; with `save_as` (a path prefix) also the generations and summary."""
         from flax import nnx
 
-        from opsd_jax.io.checkpoint import restore_model_params
+        from opsd_jax.io.saved_items import restore_model_params
 
         params = restore_model_params(step_dir, self.abstract, which="params")
         model = nnx.merge(self.graphdef, params, self.rest)
@@ -434,9 +434,9 @@ def main(argv=None) -> dict:
         run.wait()
 
     # ---- evaluation ----------------------------------------------------------------------------
-    from opsd_jax.io import checkpoint
+    from opsd_jax.io import saved_items
 
-    sft_config = checkpoint.saved_config(sft_last)
+    sft_config = saved_items.saved_config(sft_last)
     evaluator = Evaluator(os.path.join(toy_dir, "model"), sft_config, mode["eval_samples"])
     log(f"evaluating on {len(evaluator.samples)} held-out samples")
     generations = os.path.join(out, "eval")  # per-sample generations of the final models
@@ -457,7 +457,7 @@ def main(argv=None) -> dict:
     arms = {}
     for arm in stage2_arms:
         checkpoints = step_dirs(arm_dirs[arm])
-        config = checkpoint.saved_config(checkpoints[max(checkpoints)])
+        config = saved_items.saved_config(checkpoints[max(checkpoints)])
         curve = [(0, stage1["student"])]
         last = checkpoints[max(checkpoints)]
         for step, step_dir in checkpoints.items():

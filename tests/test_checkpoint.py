@@ -21,6 +21,7 @@ from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
 from opsd_jax.io import checkpoint as ckpt_lib
+from opsd_jax.io import saved_items
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 
@@ -156,9 +157,9 @@ def test_restore_onto_another_mesh_shape(saved):
 def test_restore_model_params(saved):
     abstract = saved["abstract"]
     step_dir = saved["dir"] / str(SAVE_STEP)
-    params = ckpt_lib.restore_model_params(saved["dir"], abstract.params)
+    params = saved_items.restore_model_params(saved["dir"], abstract.params)
     _assert_same(_host(params), saved["expected"].params)
-    ema = ckpt_lib.restore_model_params(step_dir, abstract.params, which="ema_params")
+    ema = saved_items.restore_model_params(step_dir, abstract.params, which="ema_params")
     _assert_same(_host(ema), saved["expected"].teacher_params)
     assert not np.array_equal(  # the two items really are different arrays
         params["language_model"]["lm_head"].get_value(),
@@ -175,7 +176,7 @@ def test_mismatched_target_names_the_difference(saved):
         (head.shape[0], 2 * head.shape[1]), head.dtype, sharding=head.sharding
     )
     with pytest.raises(ckpt_lib.CheckpointError) as error:
-        ckpt_lib.restore_model_params(saved["dir"], params)
+        saved_items.restore_model_params(saved["dir"], params)
     message = str(error.value)
     assert "missing in the checkpoint: ['extra']" in message
     assert "not in the target: ['connector/fc1/bias'" in message
@@ -225,7 +226,7 @@ def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"5 is an incomplete checkpoint"):
         checkpointer.restore(abstract, step=5)
     with pytest.raises(FileNotFoundError, match=r"incomplete"):
-        ckpt_lib.restore_model_params(directory / "5", abstract.params)
+        saved_items.restore_model_params(directory / "5", abstract.params)
     checkpointer.close()
 
     # A restarted run sees the same latest step.
@@ -241,7 +242,7 @@ def test_errors_name_the_directory_and_the_steps(tmp_path, saved):
             checkpointer.restore(saved["abstract"])
     missing = tmp_path / "missing"
     with pytest.raises(FileNotFoundError, match=f"{missing} does not exist"):
-        ckpt_lib.restore_model_params(missing, saved["abstract"].params)
+        saved_items.restore_model_params(missing, saved["abstract"].params)
     with pytest.raises(FileNotFoundError, match=rf"no checkpoint for step 7; .*\[{SAVE_STEP}\]"):
         saved["checkpointer"].restore(saved["abstract"], step=7)
     # A teacher-less target restores from a checkpoint with a teacher (the item is skipped)...
@@ -257,5 +258,5 @@ def test_errors_name_the_directory_and_the_steps(tmp_path, saved):
         with pytest.raises(ckpt_lib.CheckpointError, match="no 'ema_params' item"):
             checkpointer.restore(target.replace(teacher_params=target.params))
     with pytest.raises(FileNotFoundError, match=r"no 'ema_params' item; it holds"):
-        ckpt_lib.restore_model_params(small, target.params, which="ema_params")
+        saved_items.restore_model_params(small, target.params, which="ema_params")
     assert os.path.isdir(small / "1" / "params")

@@ -20,7 +20,7 @@ from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.packing import Text
 from opsd_jax.sampling import engine as engine_lib
-from opsd_jax.sampling import sampler
+from opsd_jax.sampling import pool_programs, sampler
 
 from flax import nnx  # isort: skip
 
@@ -100,13 +100,13 @@ def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
         assert out.row(index) == want.row(index)  # written before the call
         done.append(index)
 
-    grown = engine_lib._grown
+    grown = pool_programs.grown
 
     def spy(pool, *args):
         active_when_grown.append(np.asarray(pool.decode.active).tolist())
         return grown(pool, *args)
 
-    monkeypatch.setattr(engine_lib, "_grown", spy)
+    monkeypatch.setattr(pool_programs, "grown", spy)
     engine = engine_lib.Engine(model, pool_size=2, chunk_steps=4, **settings)
     got = engine.run(engine_lib.Prompts(3, pack_rows), jax.random.key(0), on_done=on_done)
     assert [got.row(r) for r in range(3)] == [want.row(r) for r in range(3)]

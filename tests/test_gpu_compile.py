@@ -32,8 +32,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target, hbm_traffic, hlo_stats, thunk_launches
-from opsd_jax.sampling import decode_copy, sampler
-from opsd_jax.sampling import engine as engine_lib
+from opsd_jax.sampling import decode_copy, pool_programs, sampler
 from opsd_jax.training import train_step
 
 SPECIAL = SpecialTokens(1020, 1021, 1022, 1023)  # the toy vocabulary's structural ids
@@ -497,12 +496,12 @@ def test_the_engine_decode_chunk_is_one_graph_launch_and_moves_no_weight(h100_sa
         sharding=jax.sharding.NamedSharding(feed.sharding.mesh, P(*spec, None)),
     )
     watched = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=feed.sharding)
-    pool = engine_lib.PoolState(
+    pool = pool_programs.PoolState(
         decode=decode_state, feed=feed, step=feed, round=feed, sample_id=feed, key=key_data
     )
     view = feed.sharding.mesh
     with mesh_lib.use_mesh(view, rules):
-        lowered = engine_lib.decode_chunk.lower(
+        lowered = pool_programs.decode_chunk.lower(
             h100_sampler.copy_graphdef, copy, pool, "threefry2x32", settings, 64, watched, rules
         )
         program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))

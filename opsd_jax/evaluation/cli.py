@@ -11,7 +11,7 @@ from opsd_jax import run_config
 from opsd_jax.data.sources import SPLITS
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.model_loader import load_model as load_model_from
-from opsd_jax.io import checkpoint
+from opsd_jax.io import saved_items
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -155,9 +155,9 @@ def image_transform_arg(text: str | None):
 
 
 def step_dir_of(path) -> str:
-    """`--checkpoint`'s step directory (checkpoint.step_dir_of), its errors naming the flag."""
+    """`--checkpoint`'s step directory (saved_items.step_dir_of), its errors naming the flag."""
     try:
-        return checkpoint.step_dir_of(path)
+        return saved_items.step_dir_of(path)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"--checkpoint {path}: {e}") from None
 
@@ -175,7 +175,7 @@ def load_config(args):
     file_config = run_config.load_config_file(args.config) if args.config else None
     saved_config = None
     if args.checkpoint:
-        saved_config = checkpoint.saved_config(step_dir_of(args.checkpoint))
+        saved_config = saved_items.saved_config(step_dir_of(args.checkpoint))
     return file_config, file_config if file_config is not None else saved_config
 
 

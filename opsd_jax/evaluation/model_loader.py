@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from opsd_jax import run_config as run_config_lib
-from opsd_jax.io import checkpoint as checkpoint_lib
+from opsd_jax.io import saved_items
 from opsd_jax.io.hf_load import load_hf
 
 
@@ -34,8 +34,8 @@ def load_model(
     run_config = None
     step_dir = None
     if checkpoint:
-        step_dir = checkpoint_lib.step_dir_of(checkpoint)
-        run_config = checkpoint_lib.saved_config(step_dir)
+        step_dir = saved_items.step_dir_of(checkpoint)
+        run_config = saved_items.saved_config(step_dir)
         if model_dir is None:
             model_dir = run_config_lib.model_dir(run_config or {})
             if model_dir is None:
@@ -60,7 +60,7 @@ def load_model(
     )
     if step_dir is not None:
         graphdef, abstract, rest = nnx.split(model, nnx.Param, ...)
-        params = checkpoint_lib.restore_model_params(step_dir, abstract, which=which)
+        params = saved_items.restore_model_params(step_dir, abstract, which=which)
         model = nnx.merge(graphdef, params, rest)
     if log is not None:
         source = f"{which} of {step_dir} on " if step_dir else ""

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from models.bagel import Bagel
-from opsd_jax.io import checkpoint
+from opsd_jax.io import checkpoint, saved_items
 from opsd_jax.io.hf_layout import LLM_CONFIG, HFCheckpointError, Rule, dotted, hf_shape, match_key
 from opsd_jax.io.hf_load import open_weights, read_config
 from opsd_jax.io.safetensors_io import DTYPES, WEIGHT_STEMS, index_name, write_file
@@ -266,11 +266,11 @@ def restore_for_export(
     like the model on `mesh` (one device when None), ready for `save_hf`.
 
     `ckpt` is a training step, a checkpoints root (its latest complete step) or a params-only
-    export (`checkpoint.save_model_params`). Whether the gen expert was trained and a vocabulary
+    export (`saved_items.save_model_params`). Whether the gen expert was trained and a vocabulary
     grown at load time are read from the saved shapes; the restore itself is the checkpoint
     module's.
     """
-    shapes = checkpoint.saved_param_shapes(ckpt, which=which)
+    shapes = saved_items.saved_param_shapes(ckpt, which=which)
     changes: dict[str, Any] = {
         "build_gen_expert": any(p.startswith("language_model.layers.gen.") for p in shapes)
     }
@@ -281,7 +281,7 @@ def restore_for_export(
         mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     make_model = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
     _, abstract_state = mesh_lib.abstract_model(make_model, mesh, rules)
-    params = checkpoint.restore_model_params(
+    params = saved_items.restore_model_params(
         ckpt, nnx.filter_state(abstract_state, nnx.Param), which=which
     )
     return flat_params(params)

@@ -31,7 +31,8 @@ import jax
 from flax import nnx
 
 from opsd_jax.io import hf_load, weights_digest
-from opsd_jax.io.checkpoint import EMA_PARAMS, PARAMS, restore_model_params, saved_teacher_mode
+from opsd_jax.io.checkpoint_format import EMA_PARAMS, PARAMS
+from opsd_jax.io.saved_items import restore_model_params, saved_teacher_mode
 from opsd_jax.io.tokenizer import BagelTokenizer
 
 

@@ -26,7 +26,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from models import lora
-from opsd_jax.io import checkpoint, hf_load, weights_digest
+from opsd_jax.io import checkpoint, hf_load, saved_items, weights_digest
 from opsd_jax.io.checkpoint_format import CheckpointError, abstract_like
 from opsd_jax.io.hf_layout import MAPPING
 
@@ -38,12 +38,12 @@ def lora_checkpoint(ckpt: str | os.PathLike) -> tuple[dict, dict] | None:
     """(the base identity, the saved config) of a LoRA training checkpoint (a step or a
     checkpoints root); None for anything else (a full fine-tune, a params-only export)."""
     try:
-        base = checkpoint.saved_lora_base(ckpt)
+        base = saved_items.saved_lora_base(ckpt)
     except (CheckpointError, FileNotFoundError, ValueError):
         return None
     if base is None:
         return None
-    return base, checkpoint.saved_config(ckpt) or {}
+    return base, saved_items.saved_config(ckpt) or {}
 
 
 def _adapted_model(ckpt, source, mesh, which: str):
@@ -69,7 +69,7 @@ def _adapted_model(ckpt, source, mesh, which: str):
     adapters = nnx.state(model, nnx.LoRAParam)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     adapters = jax.tree.map(lambda x: jax.device_put(x, replicated), adapters)
-    nnx.update(model, checkpoint.restore_model_params(ckpt, abstract_like(adapters), which=which))
+    nnx.update(model, saved_items.restore_model_params(ckpt, abstract_like(adapters), which=which))
     return model, base, saved
 
 

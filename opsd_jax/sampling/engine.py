@@ -6,8 +6,8 @@ sit finished while one runs to the cap. The engine keeps B slots busy instead:
 
 - `insert`: waiting prompts are prefilled (images through the ViT) in the prompt buckets, a
   group of rows at a time (a power of two up to the free slots), and their cache rows and
-  per-row state are written into free slots only (`_insert_rows`);
-- a decode chunk (`decode_chunk`, one jitted while loop, a CUDA graph on the GPU as the
+  per-row state are written into free slots only (`pool_programs.insert_rows`);
+- a decode chunk (`pool_programs.decode_chunk`, one jitted while loop, a CUDA graph on the GPU as the
   sampler's rounds are) runs until `chunk_steps` tokens are done, every slot has stopped, or a
   slot has stopped while prompts wait;
 - on the host, a stopped row either leaves with its tokens, log-probs and rounds, or, when it
@@ -26,16 +26,18 @@ not depend on its slot, the pool size or the order prompts arrive in
 (tests/test_engine.py compares the two). Compiled shapes are fixed per run: the pool (B slots
 of `prompt_length + max_new_tokens + rounds` cache slots), the insert groups (powers of two up
 to B, and B) and the prompt buckets.
+
+This module is the host's bookkeeping (which prompt goes into which slot, when a row leaves or
+starts its next round, which batch a chunk waits for); the device programs it calls are
+pool_programs.py.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,172 +45,12 @@ from flax import nnx
 from flax.core import spmd
 
 from models.pack import Pack
-from models.sharding import constrain
 from opsd_jax.data.opsd_packs import bucket, bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import to_host
-from opsd_jax.sampling import sampler
+from opsd_jax.sampling import pool_programs, sampler
 from opsd_jax.sampling.decode_copy import DecodeCopy
-from opsd_jax.sampling.sampler import (
-    SAMPLER_COMPILER_OPTIONS,
-    Completions,
-    DecodeState,
-    RoundSettings,
-)
-
-
-@flax.struct.dataclass
-class PoolState:
-    """The pool's device state: the sampler's per-row decode state over B slots, and what a
-    slot needs to continue its row's draws wherever the row sits."""
-
-    decode: DecodeState
-    feed: jax.Array  # [B] the token each slot feeds next (<|im_start|> at a round's start)
-    step: jax.Array  # [B] tokens drawn in the slot's current round
-    round: jax.Array  # [B] the round (0, then 1 per image skip)
-    sample_id: jax.Array  # [B] the global sample id of the slot's row
-    key: jax.Array  # [B, ...] the key data of the rng the slot's row draws from (its batch's)
-
-
-def _pinned(state: PoolState) -> PoolState:
-    rows = lambda x: constrain(x, ("act_batch",) + (None,) * (x.ndim - 1))  # noqa: E731
-    return PoolState(
-        decode=sampler.pinned(state.decode),
-        feed=rows(state.feed),
-        step=rows(state.step),
-        round=rows(state.round),
-        sample_id=rows(state.sample_id),
-        key=rows(state.key),
-    )
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _empty_pool(
-    pool_size: int, cache_shape: tuple, new_tokens: int, cache_dtype, key_shape: tuple, rules=()
-):
-    del rules  # in the cache key only
-    zeros = lambda dtype, *shape: jnp.zeros((pool_size, *shape), dtype)  # noqa: E731
-    decode = DecodeState(
-        cache=jnp.zeros(cache_shape, cache_dtype),
-        kv_length=zeros(jnp.int32),
-        rope=zeros(jnp.int32),
-        tokens=zeros(jnp.int32, new_tokens),
-        logprobs=zeros(jnp.float32, new_tokens),
-        length=zeros(jnp.int32),
-        budget=zeros(jnp.int32),
-        active=zeros(bool),
-        finished=zeros(bool),
-    )
-    i32 = zeros(jnp.int32)
-    key = zeros(jnp.uint32, *key_shape)
-    return _pinned(PoolState(decode=decode, feed=i32, step=i32, round=i32, sample_id=i32, key=key))
-
-
-@functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(0,))
-def _insert_rows(pool: PoolState, rows: DecodeState, slots, sample_ids, key, bos_id: int, rules=()):
-    """Prefilled `rows` into the pool's `slots` (a slot past the pool: a padding row, dropped),
-    each starting its first round, drawing from `key` (key data)."""
-    del rules
-    put = lambda x, new: x.at[slots].set(new.astype(x.dtype), mode="drop")  # noqa: E731
-    decode = pool.decode
-    fields = {
-        f.name: put(getattr(decode, f.name), getattr(rows, f.name))
-        for f in dataclasses.fields(decode)
-        if f.name != "cache"
-    }
-    cache = decode.cache.at[:, slots].set(rows.cache.astype(decode.cache.dtype), mode="drop")
-    keys = jnp.broadcast_to(key, (slots.shape[0], *key.shape))
-    return _pinned(
-        PoolState(
-            decode=DecodeState(cache=cache, **fields),
-            feed=put(pool.feed, jnp.full(slots.shape, bos_id, jnp.int32)),
-            step=put(pool.step, jnp.zeros(slots.shape, jnp.int32)),
-            round=put(pool.round, jnp.zeros(slots.shape, jnp.int32)),
-            sample_id=put(pool.sample_id, sample_ids),
-            key=put(pool.key, keys),
-        )
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnums=(0, 4, 5),
-    donate_argnums=(2,),
-    compiler_options=SAMPLER_COMPILER_OPTIONS,
-)
-def _next_round(graphdef, params, pool: PoolState, rows, settings: RoundSettings, rules=()):
-    """Image skip: append <|im_end|> to the cache of `rows` (it counts against their budget)
-    and start their next round (<|im_start|> fed first, step 0)."""
-    del rules
-    model = nnx.merge(graphdef, params)
-    end = jnp.full(rows.shape, settings.eos_id, jnp.int32)
-    _, decode = sampler.feed_tokens(model, pool.decode, end, rows)
-    decode = decode.replace(budget=decode.budget - rows, active=pool.decode.active | rows)
-    return _pinned(
-        pool.replace(
-            decode=decode,
-            feed=jnp.where(rows, settings.bos_id, pool.feed),
-            step=jnp.where(rows, 0, pool.step),
-            round=pool.round + rows,
-        )
-    )
-
-
-@functools.partial(
-    jax.jit,
-    static_argnums=(0, 3, 4, 5, 7),
-    donate_argnums=(2,),
-    compiler_options=SAMPLER_COMPILER_OPTIONS,
-)
-def decode_chunk(
-    graphdef,
-    params,
-    pool: PoolState,
-    key_impl: str,
-    settings: RoundSettings,
-    chunk_steps: int,
-    watched,
-    rules=(),
-):
-    """Decode every active slot until `chunk_steps` tokens are done, no slot is active, or a
-    `watched` slot ([B] bool: every slot while prompts wait for one, else those of the batch
-    being finished) has stopped. key_impl: the
-    PRNG implementation of the slots' key data. Returns the pool, the decode steps run and the
-    slot-steps that drew a token (their ratio over the pool size: the slots' occupancy)."""
-    del rules
-
-    def keys_of(pool):  # the sampler's draw: rng, then round, then sample id, then step
-        def one(key_data, round_, sample_id, step):
-            rng = jax.random.wrap_key_data(key_data, impl=key_impl)
-            key = jax.random.fold_in(jax.random.fold_in(rng, round_), sample_id)
-            return jax.random.fold_in(key, step)
-
-        return jax.vmap(one)(pool.key, pool.round, pool.sample_id, pool.step)
-
-    def cond(carry):
-        _, pool, done, _, watched_stopped = carry
-        return (done < chunk_steps) & jnp.any(pool.decode.active) & ~watched_stopped
-
-    def body(carry):
-        params, pool, done, busy, watched_stopped = carry
-        model = nnx.merge(graphdef, params)
-        active = pool.decode.active
-        token, logprob, decode = sampler.sample_step(
-            model, pool.decode, pool.feed, keys_of(pool) if settings.do_sample else None, settings
-        )
-        stopped = active & ~decode.active
-        pool = pool.replace(
-            decode=decode,
-            feed=jnp.where(active, token, pool.feed),
-            step=pool.step + active,
-        )
-        busy = busy + jnp.sum(active, dtype=jnp.int32)
-        watched_stopped = watched_stopped | jnp.any(stopped & watched)
-        return params, _pinned(pool), done + 1, busy, watched_stopped
-
-    zero = jnp.zeros((), jnp.int32)
-    _, pool, done, busy, _ = jax.lax.while_loop(cond, body, (params, pool, zero, zero, False))
-    return pool, done, busy
+from opsd_jax.sampling.sampler import Completions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -384,7 +226,7 @@ class Engine:
                 free = [s for s, row in enumerate(self._slots) if row is None]
                 if self._waiting and free:
                     self._insert(free, version, rules)
-                self._pool, steps, busy = decode_chunk(
+                self._pool, steps, busy = pool_programs.decode_chunk(
                     self.graphdef,
                     self.params,
                     self._pool,
@@ -457,16 +299,16 @@ class Engine:
         if self._pool is None:  # the cache's layout read from the prefilled rows'
             layers, _, cache_slots, two, kv_heads, head_dim = prefilled.cache.shape
             shape = (layers, self.pool_size, cache_slots, two, kv_heads, head_dim)
-            self._pool = _empty_pool(
+            self._pool = pool_programs.empty_pool(
                 self.pool_size, shape, self.max_new_tokens, self.cache_dtype, batch.key.shape, rules
             )
         elif grow:  # rows in the pool keep their cache: a row reads its first kv_length slots
-            self._pool = _grown(self._pool, self.cache_slots, rules)
+            self._pool = pool_programs.grown(self._pool, self.cache_slots, rules)
         self.pool_shapes.add(self.cache_slots)
         slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
         slots[: len(group)] = free[: len(group)]
         ids = batch.row_ids[np.asarray(group)[pad]].astype(np.int32)
-        self._pool = _insert_rows(
+        self._pool = pool_programs.insert_rows(
             self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules
         )
         for slot, index in zip(free, group):
@@ -505,7 +347,9 @@ class Engine:
             if batch.on_done is not None:
                 batch.on_done(i, out)
         if skip.any():
-            self._pool = _next_round(self.graphdef, self.params, pool, skip, self.settings, rules)
+            self._pool = pool_programs.next_round(
+                self.graphdef, self.params, pool, skip, self.settings, rules
+            )
 
 
 def settings_for(
@@ -540,15 +384,6 @@ def stream(
     count = prompts.num_rows if isinstance(prompts, Pack) else prompts.count
     engine = Engine(model, pool_size=max(1, min(pool_size, count)), **settings)
     return engine.run(prompts, rng, row_ids=row_ids, on_done=on_done)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))  # a new cache shape: nothing to donate to
-def _grown(pool: PoolState, cache_slots: int, rules=()):
-    del rules
-    cache = pool.decode.cache
-    extra = cache_slots - cache.shape[2]
-    cache = jnp.pad(cache, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (cache.ndim - 3))
-    return _pinned(pool.replace(decode=pool.decode.replace(cache=cache)))
 
 
 def _cut_to_bucket(pack: Pack, buckets: Sequence[int] | None) -> Pack:

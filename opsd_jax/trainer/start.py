@@ -19,8 +19,7 @@ import jax
 from flax import nnx
 
 from opsd_jax import run_config
-from opsd_jax.io import checkpoint as checkpoint_lib
-from opsd_jax.io import hf_load, init_weights, weights_digest
+from opsd_jax.io import hf_load, init_weights, saved_items, weights_digest
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
@@ -63,14 +62,14 @@ def check_resume(config, resumed: str, say: Callable) -> str | None:
     adapters resumed onto another base than theirs. Returns the saved teacher mode."""
     try:
         for line in resume_changes.check(
-            checkpoint_lib.saved_config(resumed), config.to_dict(), resumed
+            saved_items.saved_config(resumed), config.to_dict(), resumed
         ):
             say(line)
     except resume_changes.ResumeConfigError as e:
         run_config.config_error(e)
-    saved_teacher = checkpoint_lib.saved_teacher_mode(resumed)
+    saved_teacher = saved_items.saved_teacher_mode(resumed)
     if config.lora_rank:  # the adapters apply to the base they were trained on, only
-        saved_base = checkpoint_lib.saved_lora_base(resumed)
+        saved_base = saved_items.saved_lora_base(resumed)
         now_base = init_weights.base_identity(config, full_resume=True)
         if saved_base is None or saved_base["digest"] != now_base["digest"]:
             run_config.config_error(
