@@ -14,19 +14,29 @@ cache buffer itself (no slice exists), and each program loops over the key block
 row up to that row's length, so the bytes a step reads grow with the filled length.
 
 Grid (B, Hkv, splits), flash-decoding: one program per row, kv head and split of the cache,
-holding that kv head's G = Hq / Hkv query heads as one [Gp, D] tile (G padded to 16, Triton's
-smallest dot, inside the kernel: its q block is 16 rows of the unpadded [B, Hkv, G, D] query, the
-rows past G masked off the load, so no padded copy of q exists). A decode step has few rows and
+holding that kv head's G = Hq / Hkv query heads as one [Gp, D] tile (G padded with zero rows to
+16, Triton's smallest dot, in registers: each head's [D] row loaded from the whole query, so no
+padded copy of q exists, which would be one more kernel a layer). A decode step has few rows and
 kv heads per device (the recipe under tensor 4 x data 2: 8 rows x 1 kv head), so a grid of
 (B, Hkv) alone ran 8 programs on a GPU of 132 SMs; the split axis cuts the key blocks into
 contiguous ranges so that the grid has at least MIN_PROGRAMS programs (`grid`). Each program
 loops over the key blocks of its range up to its row's length (`block_k` slots a step: scores in
-float32, an online softmax in the log2 domain, masked past the length) and writes the G real
-rows of its normalised partial output and its log2-sum-exp. A second kernel, grid (B, Hkv, G),
-combines the splits of one query head (weights 2^(lse - max lse)) and writes it in q's dtype:
+float32, an online softmax in the log2 domain, masked past the length) and stores the G real
+rows of its normalised partial output and its log2-sum-exp (a masked store into 16-row blocks).
+A second kernel, grid (B, Hkv, G), loads the splits of one query head (a masked load of a
+power-of-two block: the split axis is allocated that long, the splits past the real ones never
+written nor read), combines them (weights 2^(lse - max lse)) and writes it in q's dtype:
 two kernels a layer where the padding and XLA's combine took four (a pad, then an exp, a reduce
 and a convert fusion). A split wholly past the row's length runs no block and weighs 0; a row of
 length 0 returns 0.
+
+Correct by construction, on every jax the GPU path meets: every block divides the array it
+tiles and lies inside it at every program (tests/test_pallas_blocks.py traces both kernels at the
+recipes' shapes), and every partial tile (the G of 16 query rows, the real of a power of two of
+splits) is loaded or stored through an explicit mask. Nothing
+relies on the bounds mask jax 0.12's Triton lowering adds to an overhanging block and jax
+0.11's does not (there, the 16-row block over 7 heads wrote into the next split's rows and the
+last program past the end of the array: a parity error of 2.4 on the first H200).
 
 Requirements: S >= `block_k` (any S: the last block starts early enough to end at slot S - 1),
 D a power of two >= 16 (BAGEL: 128); `supported(...)` says whether a shape qualifies, and
@@ -110,11 +120,14 @@ def _kernel(
 ):
     row, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, length = layer_ref[0], length_ref[row]
-    # [Gp, D]: the G query heads of this kv head; the block's rows past G lie off the array
-    # (Pallas masks them off the load, leaving them undefined) and are set to 0.
-    q = q_ref[...]
-    rows, dim = q.shape
-    q = jnp.where((jnp.arange(rows) < group)[:, None], q, 0)
+    rows, dim = o_ref.shape
+    real = jnp.arange(rows) < group  # the padding rows: never stored nor read
+    # [Gp, D]: the G query heads of this kv head, one [D] load each from the whole [B, Hkv, G, D]
+    # query, placed in rows 0..G-1 of a zero tile (no padded copy of q, which would be one more
+    # kernel a layer, and no load of a block past the array's G rows).
+    q = jnp.zeros((rows, dim), q_ref.dtype)
+    for g in range(group):
+        q = jnp.where(jnp.arange(rows)[:, None] == g, q_ref[row, head, g, :][None, :], q)
 
     def key_block(kb, carry):
         acc, m, l = carry
@@ -146,18 +159,20 @@ def _kernel(
     last = jnp.minimum(first + split_blocks, pl.cdiv(length, block_k))
     acc, m, l = lax.fori_loop(first, jnp.maximum(first, last), key_block, init)
     seen = l > 0
-    o_ref[...] = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
-    lse_ref[...] = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+    out = jnp.where(seen[:, None], acc / jnp.where(seen, l, 1.0)[:, None], 0.0)
+    plgpu.store(o_ref, out, mask=real[:, None])
+    lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), -jnp.inf)
+    plgpu.store(lse_ref, lse, mask=real)
 
 
 def _combine_kernel(partial_ref, lse_ref, o_ref, *, splits):
     """One query head of one row and kv head: its [splits, D] normalised partial outputs and
-    [splits] log2-sum-exps (the split axis padded to a power of two by the block, read as empty
-    splits) -> the attention over all splits, [D] in the output's dtype (0 where none saw a
-    slot)."""
-    real = (jnp.arange(lse_ref.shape[0]) < splits)[:, None]  # [splits padded, 1]
-    lse = jnp.where(real[:, 0], lse_ref[...], -jnp.inf)
-    partial = jnp.where(real, partial_ref[...], 0.0)
+    [splits] log2-sum-exps (loaded from a power-of-two block; the stored splits past `splits`
+    are masked off the load, never read) -> the attention over all splits, [D] in the output's
+    dtype (0 where none saw a slot)."""
+    real = jnp.arange(lse_ref.shape[0]) < splits  # [splits, a power of two]
+    lse = plgpu.load(lse_ref, mask=real, other=-jnp.inf)
+    partial = plgpu.load(partial_ref, mask=real[:, None], other=0.0)
     top = jnp.max(lse)
     weight = jnp.exp2(lse - jnp.where(top > -jnp.inf, top, 0.0))  # 0 for empty splits
     total = jnp.sum(weight)
@@ -195,13 +210,13 @@ def filled_cache_attention(
         )
     group = q_heads // kv_heads
     rows = max(MIN_QUERY_ROWS, pl.next_power_of_2(group))
-    # Free reshape; the kernel pads the G heads to `rows` as it loads them.
+    # Free reshape; the kernel loads a program's G heads as `rows` (Triton's least dot) rows.
     grouped = q.reshape(batch, kv_heads, group, head_dim).astype(cache.dtype)
     split_blocks = blocks_per_split(batch, kv_heads, num_slots, block_k, min_programs)
     splits = grid(batch, kv_heads, num_slots, block_k, min_programs)[2]
-    # Blocks of `rows` query heads over arrays of G: Pallas masks the rows past G off every load
-    # and store of them.
-    tile = pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s: (b, h, 0, 0))
+    # The combine loads all of a head's splits as one power-of-two block, so the partials are
+    # allocated with that many; the kernel's grid writes the first `splits` of them.
+    stored_splits = pl.next_power_of_2(splits)
     whole = lambda x: pl.BlockSpec(x.shape, lambda b, h, s: (0,) * x.ndim)  # noqa: E731
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     lengths = jnp.asarray(kv_lengths, jnp.int32)
@@ -215,14 +230,14 @@ def filled_cache_attention(
             group=group,
         ),
         grid=(batch, kv_heads, splits),
-        in_specs=[whole(layer), whole(lengths), tile, whole(cache)],
+        in_specs=[whole(layer), whole(lengths), whole(grouped), whole(cache)],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, group, head_dim), _F32),
-            jax.ShapeDtypeStruct((batch, kv_heads, splits, group), _F32),
+            jax.ShapeDtypeStruct((batch, kv_heads, stored_splits, rows, head_dim), _F32),
+            jax.ShapeDtypeStruct((batch, kv_heads, stored_splits, rows), _F32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
@@ -230,14 +245,15 @@ def filled_cache_attention(
     )(layer, lengths, grouped, cache)
     # The combine: one program per row, kv head and query head, all its splits in one load,
     # with warps enough to hold them (64 floats a thread; 4 warps at the recipe's 38 splits).
-    padded = pl.next_power_of_2(splits)
-    combine_warps = min(32, max(4, padded * head_dim // (64 * 32)))
+    combine_warps = min(32, max(4, stored_splits * head_dim // (64 * 32)))
     out = pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits),
         grid=(batch, kv_heads, group),
         in_specs=[
-            pl.BlockSpec((None, None, padded, None, head_dim), lambda b, h, g: (b, h, 0, g, 0)),
-            pl.BlockSpec((None, None, padded, None), lambda b, h, g: (b, h, 0, g)),
+            pl.BlockSpec(
+                (None, None, stored_splits, None, head_dim), lambda b, h, g: (b, h, 0, g, 0)
+            ),
+            pl.BlockSpec((None, None, stored_splits, None), lambda b, h, g: (b, h, 0, g)),
         ],
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda b, h, g: (b, h, g, 0)),
         out_shape=jax.ShapeDtypeStruct((batch, kv_heads, group, head_dim), q.dtype),
