@@ -1,0 +1,235 @@
+"""The FLOPs of one OPSD grad step, counted as MaxText counts them, and the MFU they make.
+
+MFU (model FLOPs utilisation) is analytic model FLOPs per step over the step's time and the
+devices' dense bf16 peak. Model FLOPs are the matmuls the model needs, not what the program
+happens to execute: no remat recompute (a lighter remat makes the step faster and the MFU
+higher, never lower), attention only over the query-key pairs the masks allow. HFU (hardware
+FLOPs utilisation) counts what runs: the model FLOPs plus the remat re-forward.
+
+Per step, for a pack of R rows of T positions (every position, padding included, as MaxText
+counts a packed sequence: the step computes them all), with N the matmul weights a token or a
+patch passes through (2 FLOPs per weight per token forward):
+
+  LLM      forward 2·N·T per row; backward 2·N·T for the activations' gradient where a weight
+           below or inside trains, and 2·N·T for the weights' own gradient where they train
+           (full fine-tuning: 6·N per student token; LoRA's frozen base: 4·N; teacher: 2·N).
+  attention  4·Hq·D per allowed pair and layer forward (QK^T and PV), 8·Hq·D backward; a
+           pair is key j of query t with k_start[t] <= j < k_end[t] (causal text, whole
+           image blocks both ways), summed from the pack's own ranges.
+  lm_head  2·H·V per loss entry forward (logits only at the loss rows), as the LLM backward.
+  ViT      every patch slot through the encoder's layers (patch embedding: no input gradient),
+           its attention 4·Hv·Dv per pair within each image (every patch sees its image), the
+           connector to the LLM's width.
+
+The adapters' own matmuls (rank r) are not counted; embedding lookups, norms, RoPE and the loss
+are not matmuls. tests/test_step_flops.py checks the count against the matmul FLOPs of the
+compiled grad step (remat off, the dense attention backend, counted `dense`) on the tiny model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from models.configs import BagelConfig
+from models.pack import Pack
+
+# Dense bf16 FLOP/s by GPU (datasheets; SXM parts): the MFU's denominator, per device.
+DENSE_BF16_PEAK = {"h100": 989e12, "h200": 989e12, "h800": 989e12}
+
+
+def dense_peak(device_kind: str) -> float | None:
+    """The dense bf16 peak of a jax device kind ('NVIDIA H100 80GB HBM3'), None if unknown."""
+    kind = device_kind.lower()
+    return next((peak for name, peak in DENSE_BF16_PEAK.items() if name in kind), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """Which matmul weights get a gradient (`weights`) and which groups hold anything trained
+    (`any`): 'vit' (with the patch embedding), 'connector', 'llm' (the layers), 'lm_head'."""
+
+    weights: frozenset = frozenset({"vit", "connector", "llm", "lm_head"})
+    any: frozenset = frozenset({"vit", "connector", "llm", "lm_head"})
+
+    @classmethod
+    def of_config(cls, config) -> Trained:
+        """From a run config: frozen groups, freeze_und, LoRA (adapters on `lora_targets`)."""
+        if config.lora_rank:
+            held = {"vit": "vit_model", "connector": "connector", "llm": "layers"}
+            targets = str(config.lora_targets)
+            adapted = {g for g, name in held.items() if name in targets}
+            return cls(weights=frozenset(), any=frozenset(adapted))
+        if config.freeze_und:
+            return cls(weights=frozenset({"lm_head"}), any=frozenset({"lm_head"}))
+        groups = {"vit", "connector", "llm", "lm_head"}
+        if config.freeze_vit:
+            groups.discard("vit")
+        if config.freeze_llm:
+            groups -= {"llm", "lm_head"}
+        return cls(weights=frozenset(groups), any=frozenset(groups))
+
+
+# What lies below each group (nearer the input), whose training needs the group's input gradient;
+# the LLM's own group counts for itself (its embedding and lower layers lie below each layer).
+_BELOW = {
+    "vit": {"vit"},  # the layers above the patch embedding (which never needs one)
+    "connector": {"vit"},  # its first linear; the second has the first below it
+    "connector_fc2": {"vit", "connector"},
+    "llm": {"vit", "connector", "llm"},
+    "lm_head": {"vit", "connector", "llm"},
+}
+
+
+def _passes(trained: Trained | None, group: str) -> int:
+    """Multiples of a forward pass a group's matmuls run in the step: 1 (forward), + 1 for the
+    input gradient, + 1 for the weights' gradient. `trained` None: a forward alone."""
+    if trained is None:
+        return 1
+    weights = group.split("_fc")[0] in trained.weights
+    return 1 + bool(trained.any & _BELOW[group]) + weights
+
+
+def _attention_passes(trained: Trained | None, group: str) -> int:
+    """The attention has no weights: forward, and a backward of twice its FLOPs (dQ, dK, dV,
+    dP) whenever a gradient flows through it."""
+    return 1 if trained is None or not trained.any & _BELOW[group] else 3
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """A step's FLOPs by part (model FLOPs, no remat) and the remat re-forward on top."""
+
+    parts: dict  # name -> FLOPs
+    remat: float  # re-forward FLOPs the program runs on top (HFU's extra)
+
+    @property
+    def model(self) -> float:
+        return float(sum(self.parts.values()))
+
+    @property
+    def executed(self) -> float:
+        return self.model + self.remat
+
+    def __add__(self, other: StepFlops) -> StepFlops:
+        keys = self.parts.keys() | other.parts.keys()
+        parts = {k: self.parts.get(k, 0.0) + other.parts.get(k, 0.0) for k in keys}
+        return StepFlops(parts=parts, remat=self.remat + other.remat)
+
+
+def utilisation(flops: float, seconds: float, peak: float, devices: int = 1) -> float:
+    """MFU (model FLOPs) or HFU (executed FLOPs): FLOP/s over the devices' dense peak."""
+    return flops / seconds / (peak * devices)
+
+
+def attention_pairs(pack: Pack, dense: bool = False) -> tuple[int, int]:
+    """(LLM query-key pairs, ViT patch pairs) of a pack: the pairs its ranges allow (each real
+    query's [k_start, k_end); each image's patches with each other), or with `dense` every
+    [query, key] pair of a row and every patch pair of a row's patch slots (what the dense
+    `reference` backend computes)."""
+    segment = np.asarray(pack.segment_ids)
+    rows, length = segment.shape
+    if dense:
+        llm = rows * length * length
+    else:
+        span = np.asarray(pack.k_end, np.int64) - np.asarray(pack.k_start, np.int64)
+        llm = int(np.sum(np.where(segment > 0, np.maximum(span, 0), 0)))
+    vit = 0
+    if pack.has_images:
+        ids = np.asarray(pack.vit_image_ids)
+        if dense:
+            vit = ids.shape[0] * ids.shape[1] ** 2
+        else:
+            for row in ids:
+                _, counts = np.unique(row[row > 0], return_counts=True)
+                vit += int(np.sum(counts.astype(np.int64) ** 2))
+    return int(llm), int(vit)
+
+
+def forward_flops(
+    config: BagelConfig,
+    pack: Pack,
+    trained: Trained | None = None,
+    *,
+    remat: str = "none",
+    dense: bool = False,
+) -> StepFlops:
+    """One pack's FLOPs through the model: a forward alone (`trained` None: the teacher) or a
+    forward and the backward that `trained` asks for (the student). `remat`: the LLM's policy
+    ('none', or any other: the layers' forward runs again in the backward, counted apart)."""
+    llm, vit = config.llm, config.vit
+    rows, length = np.asarray(pack.segment_ids).shape
+    tokens = rows * length
+    heads_dim = llm.num_attention_heads * llm.head_dim
+    layer_weights = llm.hidden_size * (heads_dim * 2 + 2 * llm.num_key_value_heads * llm.head_dim)
+    layer_weights += 3 * llm.hidden_size * llm.intermediate_size
+    llm_pairs, vit_pairs = attention_pairs(pack, dense)
+    parts = {
+        "llm_matmul": 2.0
+        * layer_weights
+        * llm.num_hidden_layers
+        * tokens
+        * _passes(trained, "llm"),
+        "llm_attention": 4.0
+        * heads_dim
+        * llm.num_hidden_layers
+        * llm_pairs
+        * _attention_passes(trained, "llm"),
+    }
+    # Remat reruns each layer's forward in the backward (the ViT's too: it takes the LLM's
+    # policy), wherever a backward runs through the layers.
+    rerun = remat != "none" and trained is not None
+    remat_flops = 0.0
+    if rerun and _passes(trained, "llm") > 1:
+        remat_flops += parts["llm_matmul"] / _passes(trained, "llm")
+        remat_flops += parts["llm_attention"] / _attention_passes(trained, "llm")
+    if pack.loss_rows is not None:
+        entries = int(np.asarray(pack.loss_rows).size)
+        parts["lm_head"] = (
+            2.0 * llm.hidden_size * llm.vocab_size * entries * _passes(trained, "lm_head")
+        )
+    if pack.has_images:
+        patches = int(np.asarray(pack.vit_image_ids).size)
+        vit_width = vit.hidden_size
+        vit_layer = 4 * vit_width * vit_width + 2 * vit_width * vit.intermediate_size
+        embed = 3 * vit.patch_size**2 * vit_width
+        embed_passes = 1 if trained is None else 1 + ("vit" in trained.weights)
+        parts["vit_matmul"] = (
+            2.0
+            * patches
+            * (vit_layer * vit.num_hidden_layers * _passes(trained, "vit") + embed * embed_passes)
+        )
+        parts["vit_attention"] = (
+            4.0 * vit_width * vit.num_hidden_layers * vit_pairs * _attention_passes(trained, "vit")
+        )
+        parts["connector"] = (
+            2.0
+            * patches
+            * llm.hidden_size
+            * (
+                vit_width * _passes(trained, "connector")
+                + llm.hidden_size * _passes(trained, "connector_fc2")
+            )
+        )
+        if rerun and _passes(trained, "vit") > 1:
+            remat_flops += 2.0 * patches * vit_layer * vit.num_hidden_layers
+            remat_flops += parts["vit_attention"] / _attention_passes(trained, "vit")
+    return StepFlops(parts=parts, remat=remat_flops)
+
+
+def opsd_step_flops(
+    config: BagelConfig,
+    student: Pack,
+    teacher: Pack | None,
+    trained: Trained = Trained(),
+    *,
+    remat: str = "none",
+    dense: bool = False,
+) -> StepFlops:
+    """One OPSD micro-batch: the student's forward and backward, the teacher's forward (None:
+    a teacher that needs no forward, e.g. an offline cache)."""
+    flops = forward_flops(config, student, trained, remat=remat, dense=dense)
+    if teacher is not None:
+        flops = flops + forward_flops(config, teacher, None, dense=dense)
+    return flops
