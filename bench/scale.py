@@ -1009,6 +1009,31 @@ def grad_step_time(run: Run, model: Model, grad: Grad) -> GradTime:
         f"blocks of {args.student_patches} / {args.teacher_patches} patches; all causal: "
         f"{causal_attention:.4g})"
     )
+    # The same micro-batch in MaxText's count (opsd_jax/training/step_flops.py: no remat, the
+    # pairs above, the ViT with its attention), and the MFU the projection's time implies.
+    from opsd_jax.training import step_flops
+
+    def counts(length, patches):
+        return step_flops.PackCounts(
+            tokens=samples * length // n,
+            llm_pairs=int(samples * pairs(length, patches) / n),
+            patches=samples * patches // n,
+            vit_pairs=samples * patches * patches // n,
+            loss_entries=samples * args.loss_entries // n,
+        )
+
+    maxtext = step_flops.opsd_step_flops(
+        run.model_config,
+        counts(args.student_len, args.student_patches),
+        counts(args.teacher_len, args.teacher_patches),
+        step_flops.Trained.of_config(run.recipe),
+        remat=llm.remat,
+    )
+    print(
+        f"  grad step in MaxText's count: model FLOPs {maxtext.model:.4g} per device "
+        f"(executed, remat included: {maxtext.executed:.4g}); at the compute time below that is "
+        f"an MFU of {step_flops.utilisation(maxtext.model, compute_s, run.peak_flops):.1%}"
+    )
     print(
         f"  grad step: compute {compute_s:.2f} s at MFU {args.mfu}, communication "
         f"{comm_s:.2f} s -> {max(compute_s, comm_s):.2f} s (fully overlapped) .. "

@@ -467,9 +467,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Whether "auto" runs the decode kernel where it resolves to Pallas. No: on its first run on a
 # GPU (an H200, jax 0.11.2, bench/gpu_check.py's parity section, 2026-12-04) the kernel missed
 # XLA's decode attention by 2.4 (max abs error; outputs of order 1) at BAGEL's 28 / 4 heads and
-# 4160 slots, while the Pallas interpreter matches it to 1e-3 at the same shapes. Until a GPU
-# run passes, sampling by default takes the XLA path, and the kernel runs only where "pallas" is
-# named (its tests, bench/scale.py's kernel projections). docs/gpus.md has the figures.
+# 4160 slots, while the Pallas interpreter matches it to 1e-3 at the same shapes: its blocks
+# overhung their arrays, which jax 0.12's lowering masks and jax 0.11's does not. The kernel no
+# longer relies on that (tests/test_pallas_blocks.py), but until a GPU run passes, sampling by
+# default takes the XLA path, and the kernel runs only where "pallas" is named (its tests,
+# bench/scale.py's kernel projections). docs/gpus.md has the figures.
 DECODE_KERNEL_IN_AUTO = False
 
 

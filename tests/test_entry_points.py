@@ -78,14 +78,18 @@ SMOKE_RUNS = {
         r"new compilations after the 1-step warm-up: 0",
     ),
     "bench/vs_pytorch.py": (["--steps", "1", "--rounds", "1"], r"ours \(best round\): "),
-    # The kernels and the step, the decode round at the checked B = 8 only (B = 1 and 32 run
-    # the same code); the train section's dry run (train.py launches, several minutes of CPU)
-    # is left out of CI's budget: `python bench/gpu_check.py --dry-run --sections train` runs
-    # it (bench/gpu_check_train.py).
+    # The sections in their default order: the recipe (train.py launches, minutes of CPU) with a
+    # budget just under its estimate, so the run shows that a section is skipped, not started,
+    # when the time left is short; then the step's sweep at two layer counts, the kernels, the
+    # decode round at the checked B = 8 only (B = 1 and 32 run the same code). The train
+    # section's dry run is left out of CI's budget too: `python bench/gpu_check.py --dry-run
+    # --sections recipe train` runs both (bench/gpu_sections/recipe.py, train.py).
     "bench/gpu_check.py": (
-        ["--dry-run", "--repeats", "1", "--sections", "parity", "attention", "grad_step"]
-        + ["decode", "--decode-batches", "8"],
-        r"rows in \d+ s: .*nothing failed",
+        ["--dry-run", "--repeats", "1", "--sweep", "1", "2", "--results-dir", "{tmp}/gpu"]
+        + ["--sections", "recipe", "grad_step", "parity", "decode", "attention"]
+        + ["--decode-batches", "8", "--budget-s", "299"],
+        r"recipe +section +not run: budget[\s\S]*grad_step +fit over 1, 2 layers -> 28 layers"
+        r"[\s\S]*parity +decode .* run twice +bit-identical[\s\S]*rows in \d+ s: .*nothing failed",
     ),
     "scripts/crash_drill.py": (
         ["--kills", "1", "--steps", "2", "--out", "{tmp}/drill"],

@@ -56,8 +56,10 @@ def test_the_analytic_count_is_the_compiled_programs_matmuls():
 
 def test_allowed_pairs_are_fewer_than_dense_ones_and_follow_the_ranges():
     student, _ = two_packs()
-    allowed, dense = (step_flops.attention_pairs(student, d) for d in (False, True))
-    assert 0 < allowed[0] < dense[0] and 0 < allowed[1] <= dense[1]
+    allowed, dense = (step_flops.counts_of(student, d) for d in (False, True))
+    assert 0 < allowed.llm_pairs < dense.llm_pairs
+    assert 0 < allowed.vit_pairs <= dense.vit_pairs
+    assert allowed.tokens == dense.tokens == student.segment_ids.size
     # A causal row of n text tokens, by hand: n (n + 1) / 2 pairs.
     n = 6
     t = np.arange(8)[None]
@@ -68,7 +70,12 @@ def test_allowed_pairs_are_fewer_than_dense_ones_and_follow_the_ranges():
         k_start=np.zeros((1, 8), np.int32),
         k_end=t + 1,
     )
-    assert step_flops.attention_pairs(causal) == (n * (n + 1) // 2, 0)
+    assert step_flops.counts_of(causal) == step_flops.PackCounts(8, n * (n + 1) // 2)
+    # Micro-batches stacked on a leading axis count as their sum.
+    stacked = causal.replace(
+        **{k: np.stack([v, v]) for k, v in vars(causal).items() if v is not None}
+    )
+    assert step_flops.counts_of(stacked) == step_flops.PackCounts(16, n * (n + 1))
 
 
 def test_remat_adds_the_re_forward_to_the_executed_count_only():
@@ -77,7 +84,7 @@ def test_remat_adds_the_re_forward_to_the_executed_count_only():
     full = step_flops.opsd_step_flops(TINY, student, teacher, remat="full")
     assert full.model == plain.model and full.executed > plain.executed == plain.model
     # The re-forward is one more forward of the student's layers (LLM and ViT).
-    once = step_flops.forward_flops(TINY, student, None)
+    once = step_flops.forward_flops(TINY, step_flops.counts_of(student), None)
     layers = once.parts["llm_matmul"] + once.parts["llm_attention"] + once.parts["vit_attention"]
     assert layers < full.remat < once.model
 

@@ -123,48 +123,62 @@ def utilisation(flops: float, seconds: float, peak: float, devices: int = 1) -> 
     return flops / seconds / (peak * devices)
 
 
-def attention_pairs(pack: Pack, dense: bool = False) -> tuple[int, int]:
-    """(LLM query-key pairs, ViT patch pairs) of a pack: the pairs its ranges allow (each real
-    query's [k_start, k_end); each image's patches with each other), or with `dense` every
-    [query, key] pair of a row and every patch pair of a row's patch slots (what the dense
-    `reference` backend computes)."""
+@dataclasses.dataclass(frozen=True)
+class PackCounts:
+    """What a pack's FLOPs depend on: its positions (rows x row length: every one computed), the
+    LLM's query-key pairs, the ViT's patch slots and patch pairs, the loss entries."""
+
+    tokens: int
+    llm_pairs: int
+    patches: int = 0
+    vit_pairs: int = 0
+    loss_entries: int = 0
+
+
+def counts_of(pack: Pack, dense: bool = False) -> PackCounts:
+    """A pack's counts (any leading axes: micro-batches stacked are counted together). The pairs
+    are those its ranges allow (each real query's [k_start, k_end); each image's patches with
+    each other), or with `dense` every [query, key] pair of a row and every patch pair of a
+    row's patch slots (what the dense `reference` backend computes)."""
     segment = np.asarray(pack.segment_ids)
+    segment = segment.reshape(-1, segment.shape[-1])
     rows, length = segment.shape
     if dense:
-        llm = rows * length * length
+        llm_pairs = rows * length * length
     else:
         span = np.asarray(pack.k_end, np.int64) - np.asarray(pack.k_start, np.int64)
-        llm = int(np.sum(np.where(segment > 0, np.maximum(span, 0), 0)))
-    vit = 0
+        span = span.reshape(segment.shape)
+        llm_pairs = int(np.sum(np.where(segment > 0, np.maximum(span, 0), 0)))
+    patches = vit_pairs = 0
     if pack.has_images:
         ids = np.asarray(pack.vit_image_ids)
+        ids = ids.reshape(-1, ids.shape[-1])
+        patches = ids.size
         if dense:
-            vit = ids.shape[0] * ids.shape[1] ** 2
+            vit_pairs = ids.shape[0] * ids.shape[1] ** 2
         else:
             for row in ids:
-                _, counts = np.unique(row[row > 0], return_counts=True)
-                vit += int(np.sum(counts.astype(np.int64) ** 2))
-    return int(llm), int(vit)
+                _, sizes = np.unique(row[row > 0], return_counts=True)
+                vit_pairs += int(np.sum(sizes.astype(np.int64) ** 2))
+    entries = 0 if pack.loss_rows is None else int(np.asarray(pack.loss_rows).size)
+    return PackCounts(rows * length, int(llm_pairs), int(patches), int(vit_pairs), entries)
 
 
 def forward_flops(
     config: BagelConfig,
-    pack: Pack,
+    counts: PackCounts,
     trained: Trained | None = None,
     *,
     remat: str = "none",
-    dense: bool = False,
 ) -> StepFlops:
     """One pack's FLOPs through the model: a forward alone (`trained` None: the teacher) or a
     forward and the backward that `trained` asks for (the student). `remat`: the LLM's policy
     ('none', or any other: the layers' forward runs again in the backward, counted apart)."""
     llm, vit = config.llm, config.vit
-    rows, length = np.asarray(pack.segment_ids).shape
-    tokens = rows * length
+    tokens, llm_pairs, vit_pairs = counts.tokens, counts.llm_pairs, counts.vit_pairs
     heads_dim = llm.num_attention_heads * llm.head_dim
     layer_weights = llm.hidden_size * (heads_dim * 2 + 2 * llm.num_key_value_heads * llm.head_dim)
     layer_weights += 3 * llm.hidden_size * llm.intermediate_size
-    llm_pairs, vit_pairs = attention_pairs(pack, dense)
     parts = {
         "llm_matmul": 2.0
         * layer_weights
@@ -184,13 +198,16 @@ def forward_flops(
     if rerun and _passes(trained, "llm") > 1:
         remat_flops += parts["llm_matmul"] / _passes(trained, "llm")
         remat_flops += parts["llm_attention"] / _attention_passes(trained, "llm")
-    if pack.loss_rows is not None:
-        entries = int(np.asarray(pack.loss_rows).size)
+    if counts.loss_entries:
         parts["lm_head"] = (
-            2.0 * llm.hidden_size * llm.vocab_size * entries * _passes(trained, "lm_head")
+            2.0
+            * llm.hidden_size
+            * llm.vocab_size
+            * counts.loss_entries
+            * _passes(trained, "lm_head")
         )
-    if pack.has_images:
-        patches = int(np.asarray(pack.vit_image_ids).size)
+    if counts.patches:
+        patches = counts.patches
         vit_width = vit.hidden_size
         vit_layer = 4 * vit_width * vit_width + 2 * vit_width * vit.intermediate_size
         embed = 3 * vit.patch_size**2 * vit_width
@@ -220,16 +237,17 @@ def forward_flops(
 
 def opsd_step_flops(
     config: BagelConfig,
-    student: Pack,
-    teacher: Pack | None,
+    student: Pack | PackCounts,
+    teacher: Pack | PackCounts | None,
     trained: Trained = Trained(),
     *,
     remat: str = "none",
     dense: bool = False,
 ) -> StepFlops:
-    """One OPSD micro-batch: the student's forward and backward, the teacher's forward (None:
-    a teacher that needs no forward, e.g. an offline cache)."""
-    flops = forward_flops(config, student, trained, remat=remat, dense=dense)
+    """One OPSD step's packs (micro-batches stacked or not): the student's forward and backward,
+    the teacher's forward (None: a teacher that needs no forward, e.g. an offline cache)."""
+    count = lambda p: p if isinstance(p, PackCounts) else counts_of(p, dense)  # noqa: E731
+    flops = forward_flops(config, count(student), trained, remat=remat)
     if teacher is not None:
-        flops = flops + forward_flops(config, teacher, None, dense=dense)
+        flops = flops + forward_flops(config, count(teacher), None)
     return flops

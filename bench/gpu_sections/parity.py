@@ -1,0 +1,139 @@
+"""bench/gpu_check.py's `parity` section: the GPU kernels against references, on the GPU.
+
+The range kernel (models/attention_pallas.py) against the dense `reference` backend, forward
+and dq / dk / dv, at BAGEL's LLM shapes (28 query / 4 kv heads, head dim 128) and SigLIP's
+(16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows; the sampler's decode
+kernel (models/decode_attention_pallas.py) against XLA's decode attention, run twice and the
+two outputs compared bit for bit. Fails on an error above PARITY_MAX_ERROR or two runs that
+differ.
+"""
+
+from __future__ import annotations
+
+from gpu_sections.common import emit, setup_jax
+
+# Largest error (relative to max(1, |reference|); the decode kernel's outputs are averages of V
+# rows, of order 1); bf16 inputs with fp32 accumulation round the output to 2^-8, so an error
+# past 2e-2 is a wrong kernel, not rounding.
+PARITY_MAX_ERROR = 2e-2
+
+
+def run(args):
+    """Pallas vs reference, forward and gradients, LLM and SigLIP head layouts; the decode
+    kernel against XLA's, twice, the two outputs compared bit for bit."""
+    jax = setup_jax(args.dry_run)
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.attention import attention
+    from models.attention_pallas import range_attention
+
+    rng = np.random.default_rng(0)
+    cases = [
+        ("LLM 28q/4kv/128", 28, 4, 128, 256 if args.dry_run else 4096),
+        ("SigLIP 16/16/72", 16, 16, 72, 128 if args.dry_run else 4900),
+    ]
+    if args.dry_run:  # fewer heads (the interpreter is slow), the same head dims and grouping
+        cases = [(cases[0][0], 4, 1, 128, cases[0][4]), (cases[1][0], 2, 2, 72, cases[1][4])]
+    for name, hq, hkv, d, length in cases:
+        # Packed rows: samples of 1024 tokens opening with a 256-token image block (LLM), or
+        # whole images attending within themselves (SigLIP: one segment per image).
+        seg = np.zeros(length, np.int32)
+        k_start = np.zeros(length, np.int32)
+        k_end = np.arange(1, length + 1, dtype=np.int32)
+        sample = 1024 if "LLM" in name else 1225
+        for i, start in enumerate(range(0, length, sample)):
+            end = min(start + sample, length)
+            seg[start:end], k_start[start:end] = i + 1, start
+            k_end[start : end if "SigLIP" in name else min(start + 256, end)] = (
+                end if "SigLIP" in name else min(start + 256, end)
+            )
+        ids = [jnp.asarray(x[None]) for x in (seg, seg, k_start, k_end)]
+        q = jnp.asarray(rng.normal(size=(1, length, hq, d)), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.normal(size=(1, length, hkv, d)), jnp.bfloat16) for _ in "kv")
+        cot = jnp.asarray(rng.normal(size=(1, length, hq, d)), jnp.float32)
+
+        def run(fn):
+            def loss(q, k, v):
+                return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
+
+            out = jax.jit(fn)(q, k, v)
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+        def pallas(q, k, v):
+            return range_attention(
+                q,
+                k,
+                v,
+                q_segment_ids=ids[0],
+                kv_segment_ids=ids[1],
+                k_start=ids[2],
+                k_end=ids[3],
+                interpret=args.dry_run,
+            )
+
+        def reference(q, k, v):
+            return attention(
+                q.astype(jnp.float32),
+                k.astype(jnp.float32),
+                v.astype(jnp.float32),
+                q_segment_ids=ids[0],
+                kv_segment_ids=ids[1],
+                k_start=ids[2],
+                k_end=ids[3],
+                backend="reference",
+            )
+
+        got, want = run(pallas), run(reference)
+        errors = [
+            float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+            for a, b in zip(got, want)
+        ]
+        ok = max(errors) <= PARITY_MAX_ERROR
+        emit(
+            section="parity",
+            case=f"{name}, T={length}",
+            value=" / ".join(f"{e:.1e}" for e in errors),
+            unit=f"max error out / dq / dk / dv (vs reference), "
+            f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+            ok=bool(ok),
+            kind="check",
+        )
+
+    # The sampler's decode attention kernel on the stacked cache against XLA's on the layer's
+    # slice, rows of lengths from 1 to the whole cache.
+    from models.attention import decode_attention
+    from models.decode_attention_pallas import filled_cache_attention
+
+    layers, rows, slots, hq, hkv = (2, 4, 256, 7, 1) if args.dry_run else (2, 8, 4160, 28, 4)
+    q = jnp.asarray(rng.normal(size=(rows, hq, 128)), jnp.bfloat16)
+    cache = jnp.asarray(rng.normal(size=(layers, rows, slots, 2, hkv, 128)), jnp.bfloat16)
+    lengths = jnp.asarray(np.linspace(1, slots, rows).astype(np.int32))
+    decode = jax.jit(lambda *a: filled_cache_attention(*a, interpret=args.dry_run))
+    got = decode(q, cache, jnp.int32(1), lengths)
+    # A kernel that reads or writes past its blocks reads whatever lies there: the same inputs
+    # twice in one process give different outputs (jax 0.11's Triton lowering, the old kernel).
+    again = decode(q, cache, jnp.int32(1), lengths)
+    same = bool(np.array_equal(np.asarray(got), np.asarray(again)))
+    k, v = (cache[1, :, :, i].astype(jnp.float32) for i in (0, 1))
+    want = decode_attention(q.astype(jnp.float32), k, v, lengths)
+    error = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+    ok = error <= PARITY_MAX_ERROR
+    emit(
+        section="parity",
+        case=f"decode {hq}q/{hkv}kv/128, {slots} slots",
+        value=f"{error:.1e}",
+        unit=f"max error out (vs XLA decode attention, fp32), "
+        f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+        ok=bool(ok),
+        kind="check",
+    )
+    emit(
+        section="parity",
+        case=f"decode {hq}q/{hkv}kv/128, {slots} slots, run twice",
+        value="bit-identical" if same else "DIFFERENT",
+        unit="the second run's output against the first's, bit for bit",
+        ok=same,
+        kind="check",
+    )
