@@ -48,6 +48,7 @@ from opsd_jax.trainer.rollout import Rollout
 from opsd_jax.trainer.run_end import RunEnd, chance_of, next_commands
 from opsd_jax.trainer.step_log import DispatchedStep, TooManyBadSteps
 from opsd_jax.trainer.step_samples import SampleQueue
+from opsd_jax.training import step_flops
 from opsd_jax.training.metrics import wandb_run_id
 from opsd_jax.training.offline import cache as offline_cache
 from opsd_jax.training.stop_request import StopRequest
@@ -206,6 +207,8 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         with logger.phase("eval"):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
+    # Each step's model FLOPs as MaxText counts them, for the MFU the log prints on a GPU.
+    trained, remat = step_flops.Trained.of_config(config), start.model_config.llm.remat
     # Each step's samples, read rollout_lookahead steps early (step_samples.py).
     queue = SampleQueue(
         data, accum * program.local_per_micro, rollout.lookahead, config.total_steps
@@ -219,12 +222,17 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         with logger.phase("step"):  # dispatched, not awaited
             state, metrics = program.compiled[packed.bucket](state, packed.batch)
         scalars = dict(packed.scalars, **taken.data_metrics, **sampled.scalars)
+        flops = step_flops.step_model_flops(
+            config.mode, start.model_config, packed.counts, trained, remat=remat
+        )
+        tokens, model_flops = distributed.all_processes([packed.tokens, flops.model]).sum(axis=0)
         done = DispatchedStep(
             step=step + 1,
             metrics=metrics,
             scalars=scalars,
             pids=[s.pid for s in taken.samples],
-            tokens=int(distributed.all_processes(packed.tokens).sum()),
+            tokens=int(tokens),
+            model_flops=float(model_flops),
             data_state=taken.data_state,
             completion=sampled.first(),
         )

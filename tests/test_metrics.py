@@ -104,6 +104,24 @@ def test_averages_written_to_every_sink(tmp_path, clock, capsys):
     assert sum(fractions) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_the_mfu_is_the_windows_model_flops_over_its_time_and_the_peak(tmp_path, clock, capsys):
+    """On a GPU whose peak is known: MaxText's MFU over the window's wall time, on the console
+    and in every sink; without a peak (a CPU) no MFU is logged."""
+    logger = MetricsLogger(
+        str(tmp_path), total_steps=4, log_every=2, progress_bar=False, peak_flops=1e12
+    )
+    for step in (1, 2):
+        clock.t += 0.5
+        logger.log_step(step, {"loss": 1.0}, model_flops=1.5e11)
+    logger.close()
+    row = _read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert row["perf/mfu"] == pytest.approx(3e11 / 1.0 / 1e12)  # 2 steps in 1 s
+    assert "| MFU 30.0% |" in capsys.readouterr().out
+    plain = MetricsLogger(None, total_steps=2, log_every=2, progress_bar=False)
+    clock.t += 1.0
+    assert "perf/mfu" not in plain.log_step(2, {"loss": 1.0}, model_flops=1.5e11, force=True)
+
+
 def test_data_and_total_keys_take_latest_value_and_max_keys_the_largest(tmp_path, clock):
     logger = MetricsLogger(str(tmp_path), total_steps=100, log_every=5, progress_bar=False)
     skipped = [1, 1, 2, 3, 5]

@@ -11,6 +11,7 @@ from test_sft import OPTIONS, SAMPLES
 from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.training import step_flops
 from opsd_jax.training.step_batches import OpsdBatches, SftBatches, step_batches_for
 
 SIZES = dict(
@@ -59,6 +60,12 @@ def test_packed_batches_have_the_compiled_shapes(mode, kind):
     assert shapes_of(packed.batch) == shapes_of(batches.abstract_batch(0))
     assert all(x.shape[0] == 2 for x in jax.tree.leaves(packed.batch))  # [micro-batch, rows, ...]
     assert any(key.endswith("_padding") for key in packed.scalars)
+    # What the step's FLOPs are counted from: each pack's positions, pairs and loss entries,
+    # over both micro-batches, read from the very arrays put on the devices.
+    assert len(packed.counts) == len(batches.pack_names)
+    for counts, part in zip(packed.counts, packed.batch):
+        assert counts == step_flops.counts_of(jax.device_get(part))
+        assert counts.tokens == part.segment_ids.size and counts.llm_pairs > 0
 
 
 def test_every_micro_batch_of_a_step_shares_the_longest_ones_bucket():

@@ -17,6 +17,7 @@ from absl import logging
 from opsd_jax.data import pack_shapes
 from opsd_jax.evaluation.run_summary import RunSummary
 from opsd_jax.parallel import distributed
+from opsd_jax.training import step_flops
 from opsd_jax.training.metrics import MetricsLogger
 
 
@@ -30,6 +31,7 @@ class DispatchedStep:
     scalars: dict  # host-side figures: packing, data, completions
     pids: list  # the samples it trained on (named when the step is non-finite)
     tokens: int  # real tokens packed, over all processes
+    model_flops: float  # the step's analytic model FLOPs (step_flops), over all processes
     data_state: Any  # the data iterator after this step (saved with it)
     completion: Any  # the first sampled completion's token ids (OPSD), for the text log
     eval_scalars: dict = dataclasses.field(default_factory=dict)  # held-out evaluation at it
@@ -49,7 +51,10 @@ class TooManyBadSteps(RuntimeError):
 
 
 def open_logger(config, start_step: int) -> MetricsLogger:
-    """The run's metrics logger (its files under results_dir, W&B if wandb_project is set)."""
+    """The run's metrics logger (its files under results_dir, W&B if wandb_project is set; on
+    GPUs whose dense peak is known, the MFU)."""
+    device = jax.devices()[0]
+    peak = step_flops.dense_peak(device.device_kind) if device.platform == "gpu" else None
     return MetricsLogger(
         config.results_dir,
         total_steps=config.total_steps,
@@ -69,6 +74,7 @@ def open_logger(config, start_step: int) -> MetricsLogger:
             else None
         ),
         config=config.to_dict(),
+        peak_flops=peak * jax.device_count() if peak else None,
     )
 
 
@@ -164,7 +170,9 @@ class StepLog:
             self.last_good_step = done.step
         scalars = dict(done.scalars, **done.eval_scalars, **metrics)
         samples = config.gradient_accumulation_steps * config.samples_per_micro_batch
-        logged = self.logger.log_step(done.step, scalars, samples=samples, tokens=done.tokens)
+        logged = self.logger.log_step(
+            done.step, scalars, samples=samples, tokens=done.tokens, model_flops=done.model_flops
+        )
         self.report_cut_samples(done.step, scalars, logged)
         if logged is not None:
             self.summary.add_logged(done.step, logged)

@@ -226,8 +226,12 @@ class MetricsLogger:
         progress_bar: bool = True,
         wandb: dict | None = None,
         config: dict | None = None,
+        peak_flops: float | None = None,
     ) -> None:
+        """`peak_flops`: the devices' dense peak FLOP/s together (step_flops.dense_peak x the
+        device count); with it and each step's model FLOPs, the window's MFU is logged."""
         self.logdir = logdir
+        self.peak_flops = peak_flops
         self.total_steps = int(total_steps)
         self.log_every = int(log_every)
         self.is_main = (jax.process_index() == 0) if is_main is None else bool(is_main)
@@ -293,6 +297,7 @@ class MetricsLogger:
         self._values: dict[str, list[Any]] = {}  # raw per-step values, converted at log time
         self._samples: list[Any] = []
         self._tokens: list[Any] = []
+        self._model_flops = 0.0
         self._phase_secs: dict[str, float] = {}
         self._window_steps = 0
 
@@ -318,10 +323,12 @@ class MetricsLogger:
         *,
         samples: int = 0,
         tokens: int = 0,
+        model_flops: float = 0.0,
         force: bool = False,
     ) -> dict[str, float] | None:
         """Record one optimizer step; on logging steps write every sink and return the logged
-        record (tag -> float), else return None."""
+        record (tag -> float), else return None. `model_flops`: the step's analytic model FLOPs
+        (opsd_jax/training/step_flops.py), for the MFU."""
         if not self.is_main or self._closed:
             return None
         for key, value in scalars.items():
@@ -331,6 +338,7 @@ class MetricsLogger:
                 self._values.setdefault(key, []).append(value)
         self._samples.append(samples)
         self._tokens.append(tokens)
+        self._model_flops += float(model_flops)
         self._window_steps += 1
         if self._bar is not None:
             self._bar.update(1)
@@ -432,6 +440,10 @@ class MetricsLogger:
         record["perf/steps_per_sec"] = steps_per_sec
         record["perf/samples_per_sec"] = samples / elapsed
         record["perf/tokens_per_sec"] = tokens / elapsed
+        if self.peak_flops and self._model_flops:
+            # MaxText's MFU over the window's wall time: the rollout, packing and evaluation
+            # count as time, not as FLOPs (a step's end-to-end efficiency on these devices).
+            record["perf/mfu"] = self._model_flops / elapsed / self.peak_flops
         record["perf/eta_sec"] = eta
         phase_total = sum(self._phase_secs.values())
         for name, secs in self._phase_secs.items():
@@ -460,6 +472,8 @@ class MetricsLogger:
             parts.append(f"{format_number(record['perf/samples_per_sec'])} samples/s")
         if show_tokens:
             parts.append(f"{format_number(record['perf/tokens_per_sec'])} tok/s")
+        if "perf/mfu" in record:
+            parts.append(f"MFU {100 * record['perf/mfu']:.1f}%")
         phases = [
             f"{k[len('time/') : -len('_fraction')]} {round(100 * v)}%"
             for k, v in record.items()

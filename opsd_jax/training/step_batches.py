@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from models.pack import Pack
 from opsd_jax.data import sft_packs
 from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
 from opsd_jax.parallel import distributed
+from opsd_jax.training import step_flops
 from opsd_jax.training.offline import views as offline_views
 from opsd_jax.training.pack_memory import PackMemory, StepMemory
 
@@ -34,6 +36,9 @@ class PackedStep:
     batch: tuple  # one entry per pack: its micro-batches stacked [micro, rows, ...], on the mesh
     scalars: dict[str, float]  # what packing did: padding shares (means), cut / dropped (sums)
     tokens: int  # real tokens this process packed
+    # What each pack's FLOPs depend on (step_flops.counts_of; None for a part that is no Pack,
+    # the offline cache), over this process's micro-batches.
+    counts: tuple = ()
 
 
 class StepBatches:
@@ -74,7 +79,12 @@ class StepBatches:
         )
         if self.packs_in_place:  # the next step's memory, made while this step runs
             self.memory.prepare(bucket)
-        return PackedStep(bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens))
+        counts = tuple(
+            step_flops.counts_of(part) if isinstance(part, Pack) else None for part in stacked
+        )
+        return PackedStep(
+            bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens), counts=counts
+        )
 
     def host_pack(self, step: int, samples: list, completions: list | None = None):
         """`pack` up to the device put: (bucket, each part's micro-batches stacked [micro, rows,

@@ -251,3 +251,19 @@ def opsd_step_flops(
     if teacher is not None:
         flops = flops + forward_flops(config, count(teacher), None)
     return flops
+
+
+def step_model_flops(
+    mode: str,
+    config: BagelConfig,
+    counts: tuple,
+    trained: Trained,
+    *,
+    remat: str = "none",
+) -> StepFlops:
+    """A training step's FLOPs from its packs' counts (`StepBatches.pack`'s, in its packs'
+    order): OPSD's student and teacher, SFT's one pack, offline's text-only pack (its teacher
+    is the cache: no forward)."""
+    if mode == "opsd":
+        return opsd_step_flops(config, counts[0], counts[1], trained, remat=remat)
+    return forward_flops(config, counts[0], trained, remat=remat)
