@@ -218,7 +218,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             taken = queue.take(step)
         sampled = rollout.sample(state, taken, queue.upcoming())  # packed while the last runs
         with logger.phase("pack"):  # offline: the cache read too
-            packed = program.batches.pack(step, taken.samples, sampled.own)
+            packed = program.batches.pack(step, taken.samples, sampled.own, sampled.own_logprobs)
         with logger.phase("step"):  # dispatched, not awaited
             state, metrics = program.compiled[packed.bucket](state, packed.batch)
         scalars = dict(packed.scalars, **taken.data_metrics, **sampled.scalars)

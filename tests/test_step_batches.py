@@ -56,14 +56,17 @@ def test_packed_batches_have_the_compiled_shapes(mode, kind):
     completions = [[7, 8, 9], [7], [7, 7, 7, 7], [9]] if mode == "opsd" else None
     packed = batches.pack(0, samples, completions)
     assert packed.bucket == 0 and packed.tokens > 0
-    assert len(packed.batch) == len(batches.pack_names)
+    # OPSD adds a third part: the rollout's log-probs at the student's entries (none given: NaN).
+    assert len(packed.batch) == len(batches.pack_names) + (mode == "opsd")
     assert shapes_of(packed.batch) == shapes_of(batches.abstract_batch(0))
     assert all(x.shape[0] == 2 for x in jax.tree.leaves(packed.batch))  # [micro-batch, rows, ...]
     assert any(key.endswith("_padding") for key in packed.scalars)
     # What the step's FLOPs are counted from: each pack's positions, pairs and loss entries,
     # over both micro-batches, read from the very arrays put on the devices.
-    assert len(packed.counts) == len(batches.pack_names)
-    for counts, part in zip(packed.counts, packed.batch):
+    assert len(packed.counts) == len(packed.batch)
+    if mode == "opsd":
+        assert packed.counts[2] is None and np.isnan(np.asarray(packed.batch[2])).all()
+    for counts, part in zip(packed.counts, packed.batch[: len(batches.pack_names)]):
         assert counts == step_flops.counts_of(jax.device_get(part))
         assert counts.tokens == part.segment_ids.size and counts.llm_pairs > 0
 

@@ -143,6 +143,9 @@ def test_tiny_config_trains_saves_logs_and_counts_bad_rows(straight):
     assert "eval/accuracy" in records[0] and "loss" not in records[0]
     records = records[1:]
     assert all(r["loss"] == r["loss"] and r["completion_length"] > 0 for r in records)
+    # The rollout's log-probs against the trained student's (a float32 run: rounding only).
+    assert all(0 <= r["rollout/logprob_gap_max"] <= 1e-4 for r in records), records[-1]
+    assert all(r["rollout/mismatch_kl"] < 1e-8 for r in records), records[-1]
     assert sum(v for k, v in records[-1].items() if k.startswith("data/skipped/")) > 0
     assert "step 6/6" in result.stdout and "done: 6 steps" in result.stdout
     # A float32 run's rollouts decode with a float32 KV cache, as its evaluation does.

@@ -44,6 +44,16 @@ def split(rows: list[dict], step: int) -> str:
     return f"{total:.2f} s = " + " + ".join(f"{name} {s:.2f}" for name, s in parts.items())
 
 
+def mismatch(rows: list[dict]) -> str:
+    """The rollout's log-prob gap against the trained policy, the largest over the logged steps
+    (train_step.rollout_mismatch): a wrong decode path shows here as a number."""
+    gaps = [r["rollout/logprob_gap_max"] for r in rows if "rollout/logprob_gap_max" in r]
+    means = [r["rollout/logprob_gap_mean"] for r in rows if "rollout/logprob_gap_mean" in r]
+    if not gaps:
+        return "rollout gap not logged"
+    return f"rollout log-prob gap mean {max(means):.2g}, max {max(gaps):.2g}"
+
+
 def memory_line(stdout: str) -> str | None:
     found = re.search(r"device memory: peak ([\d.]+) GiB", stdout)
     return found.group(1) if found else None

@@ -18,7 +18,7 @@ import re
 import tempfile
 
 from gpu_sections.common import emit, target_name
-from gpu_sections.launches import launch_env, logged, memory_line, split, train, why
+from gpu_sections.launches import launch_env, logged, memory_line, mismatch, split, train, why
 
 RECIPE_STEPS = 3  # the step reported: the second
 RECIPE = "configs/thinkmorph_7b_1gpu.py"
@@ -103,7 +103,7 @@ def recipe_at_7b(args, workdir: str, env: dict, target: str) -> None:
     emit(
         section="recipe",
         case=f"one-GPU LoRA recipe: {where}, {RECIPE_STEPS} steps",
-        value=problem or f"step {split(rows, 2)}",
+        value=problem or f"step {split(rows, 2)}; {mismatch(rows)}",
         unit="FAILED"
         if problem
         else f"step 2; launch {seconds:.0f} s; bench/scale.py projects {SCALE_STEP_S} s a step "

@@ -15,7 +15,7 @@ import os
 import tempfile
 
 from gpu_sections.common import emit
-from gpu_sections.launches import launch_env, logged, split, train, why
+from gpu_sections.launches import launch_env, logged, mismatch, split, train, why
 
 # The first launch runs TRAIN_STEPS (saving at its last), the resumed one RESUMED_STEPS more. A
 # launch's first step compiles (or reads from the cache) the sampler and its last is logged
@@ -92,7 +92,7 @@ def launches(args, workdir: str, env: dict) -> None:
         emit(
             section="train",
             case=f"{name}: {layers}, {TRAIN_STEPS} steps + save + resume + {RESUMED_STEPS}",
-            value=problem or f"step {split(rows, TRAIN_STEPS + 2)}",
+            value=problem or f"step {split(rows, TRAIN_STEPS + 2)}; {mismatch(rows)}",
             unit=(
                 "FAILED"
                 if problem

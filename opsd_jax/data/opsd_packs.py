@@ -209,6 +209,24 @@ class TrainingPacks:
     bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
+def sampled_logprobs(packs: TrainingPacks, logprobs: Sequence[np.ndarray] | None) -> np.ndarray:
+    """[rows, C] float32, the student pack's loss entries: at each completion token's entry,
+    the log-prob the rollout drew it with (`logprobs[i]`: sample i's, one per completion token
+    as sampled, before any cut); NaN at the closing <|im_end|> (its draw is not recorded), at
+    empty entries, and everywhere without `logprobs`. The train step compares them with the
+    student's own log-probs of the same tokens (the rollout's mismatch with the policy)."""
+    student = packs.student
+    drawn = np.full(student.loss_mask.shape, np.nan, np.float32)
+    if logprobs is None:
+        return drawn
+    for k, (index, completion) in enumerate(zip(packs.kept, packs.completions)):
+        # A sample's entries lie in one row, in sequence order: its completion, then <|im_end|>.
+        rows, cols = np.nonzero((student.loss_sample == k) & student.loss_mask)
+        values = np.asarray(logprobs[index], np.float32)[: len(completion)]
+        drawn[rows[: len(values)], cols[: len(values)]] = values
+    return drawn
+
+
 def build_training_packs(
     samples,
     completions: Sequence[Sequence[int]],

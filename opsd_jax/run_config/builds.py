@@ -129,6 +129,7 @@ def loss_settings(config, vocab_limit: int | None = None) -> train_step.LossSett
         kd_temperature=config.kd_temperature,
         kd_use_vt_weights=config.kd_use_vt_weights,
         kd_student_norm=config.kd_student_norm,
+        sample_temperature=config.sample_temperature if config.sample_do_sample else 1.0,
     )
 
 

@@ -46,11 +46,13 @@ from opsd_jax.training import train_step
 @dataclasses.dataclass(frozen=True)
 class StepCompletions:
     """A step's rollout: every row's completions (None when nothing is sampled), this process's
-    samples' own (what the packs train on), and the step's rollout scalars for the log."""
+    samples' own (what the packs train on) with the log-prob each token was drawn with, and
+    the step's rollout scalars for the log."""
 
     every: Completions | None = None
     own: list[list[int]] | None = None
     scalars: dict[str, float] = dataclasses.field(default_factory=dict)
+    own_logprobs: list[np.ndarray] | None = None
 
     def first(self) -> list[int] | None:
         """The first row's completion (the step log shows it), or None."""
@@ -204,10 +206,13 @@ class Rollout:
             finally:
                 student.delete()
             completions = batch.out
-            own = [completions.row(first_row + j) for j in range(len(taken.samples))]
+            rows = range(first_row, first_row + len(taken.samples))
+            own = [completions.row(b) for b in rows]
+            drawn = [completions.logprobs[b, : completions.lengths[b]] for b in rows]
             steps = engine.decode_steps - steps_before
             busy = engine.busy_slot_steps - busy_before
-        return StepCompletions(completions, own, self._scalars(batch, step, steps, busy))
+        scalars = self._scalars(batch, step, steps, busy)
+        return StepCompletions(completions, own, scalars, own_logprobs=drawn)
 
     def _engine_for(self, student) -> engine_lib.Engine:
         """The run's engine, decoding with `student` from now on (made at the first step)."""

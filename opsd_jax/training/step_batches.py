@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
+
 from models.pack import Pack
 from opsd_jax.data import sft_packs
-from opsd_jax.data.opsd_packs import build_training_packs, shaped_pack
+from opsd_jax.data.opsd_packs import build_training_packs, sampled_logprobs, shaped_pack
 from opsd_jax.parallel import distributed
 from opsd_jax.training import step_flops
 from opsd_jax.training.offline import views as offline_views
@@ -69,10 +71,16 @@ class StepBatches:
         # Each step's host arrays, made on a background thread while the step before runs.
         self.memory = PackMemory(self.accum, self.empty_parts)
 
-    def pack(self, step: int, samples: list, completions: list | None = None) -> PackedStep:
+    def pack(
+        self,
+        step: int,
+        samples: list,
+        completions: list | None = None,
+        logprobs: list | None = None,
+    ) -> PackedStep:
         """Every micro-batch of the step in one length bucket (the first that fits all of them
         on every process: a micro-batch packed at a smaller one is packed again), on the mesh."""
-        bucket, stacked, sums, tokens = self.host_pack(step, samples, completions)
+        bucket, stacked, sums, tokens = self.host_pack(step, samples, completions, logprobs)
         batch = tuple(
             distributed.put_stacked_micro_batches(part, self.mesh, sample_offset=self.sample_offset)
             for part in stacked
@@ -86,17 +94,21 @@ class StepBatches:
             bucket=bucket, batch=batch, scalars=sums, tokens=sum(tokens), counts=counts
         )
 
-    def host_pack(self, step: int, samples: list, completions: list | None = None):
+    def host_pack(self, step: int, samples: list, completions: list | None = None, logprobs=None):
         """`pack` up to the device put: (bucket, each part's micro-batches stacked [micro, rows,
         ...] on the host, packing's scalars, tokens per micro-batch). Packs into the memory
         `self.memory` prepared, when there is some."""
         memory = self.memory.take()
-        packed, buckets, sums, tokens = self._pack_all(step, samples, completions, 0, memory)
+        packed, buckets, sums, tokens = self._pack_all(
+            step, samples, completions, logprobs, 0, memory
+        )
         bucket = max(buckets)
         if self.config.pack_length_buckets > 1:
             bucket = int(distributed.all_processes(bucket).max())
             if any(b != bucket for b in buckets):
-                packed, _, sums, tokens = self._pack_all(step, samples, completions, bucket, memory)
+                packed, _, sums, tokens = self._pack_all(
+                    step, samples, completions, logprobs, bucket, memory
+                )
         stacked = [
             memory.stack(i, list(parts))
             if memory is not None
@@ -142,13 +154,17 @@ class StepBatches:
         first_bucket: int,
         sums: dict,
         out: Callable[[int], list | None] | None = None,
+        logprobs: list | None = None,
     ) -> tuple[tuple, int, int]:
         """One micro-batch -> (its parts, the bucket it fits, tokens); adds to `sums`. `out`:
         the bucket chosen (an index from `first_bucket`) -> empty arrays to pack each part
-        into, or None (new ones)."""
+        into, or None (new ones). `logprobs`: each completion's tokens' log-probs as the
+        rollout drew them (OPSD), or None."""
         raise NotImplementedError
 
-    def _pack_all(self, step, samples, completions, first_bucket, memory: StepMemory | None):
+    def _pack_all(
+        self, step, samples, completions, logprobs, first_bucket, memory: StepMemory | None
+    ):
         sums: dict[str, float] = {}
         packed, buckets, tokens = [], [], []
         for m in range(self.accum):
@@ -161,6 +177,7 @@ class StepBatches:
                 first_bucket,
                 sums,
                 None if memory is None else (lambda b, m=m: memory.views(m, first_bucket + b)),
+                None if logprobs is None else logprobs[chunk],
             )
             packed.append(parts)
             buckets.append(bucket)
@@ -176,12 +193,20 @@ class StepBatches:
 
 
 class OpsdBatches(StepBatches):
-    """Visual-OPSD: the student's view and the teacher's (VT images before the completion)."""
+    """Visual-OPSD: the student's view and the teacher's (VT images before the completion), and
+    the log-probs the rollout drew the completion tokens with, at the student's loss entries
+    (opsd_packs.sampled_logprobs: the train step logs the rollout's mismatch with them)."""
 
     pack_names = ("student", "teacher")
     packs_in_place = True
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
+    def empty_parts(self, bucket):
+        entries = self.shapes["student"][bucket].loss_entries
+        return super().empty_parts(bucket) + [
+            np.full((self.local_rows, entries), np.nan, np.float32)
+        ]
+
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None, logprobs=None):
         del step, micro  # the packs depend only on the samples and their completions
 
         def given(bucket: int) -> dict | None:
@@ -204,7 +229,8 @@ class OpsdBatches(StepBatches):
             self._add_mean(sums, f"pack/{name}_padding", fraction)
         self._add(sums, "pack/truncated", packs.num_truncated)
         self._add(sums, "pack/dropped", packs.num_dropped)
-        return (packs.student, packs.teacher), first_bucket + packs.bucket, tokens
+        drawn = sampled_logprobs(packs, logprobs)
+        return (packs.student, packs.teacher, drawn), first_bucket + packs.bucket, tokens
 
 
 class SftBatches(StepBatches):
@@ -212,8 +238,8 @@ class SftBatches(StepBatches):
 
     pack_names = ("sft",)
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
-        del completions, out  # SFT samples nothing; it packs into new arrays
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None, logprobs=None):
+        del completions, out, logprobs  # SFT samples nothing; it packs into new arrays
         # Which samples train in the VT context: seeded by the micro-batch, so a resume agrees.
         use_vt = sft_packs.choose_vt(
             len(samples),
@@ -256,8 +282,8 @@ class OfflineBatches(StepBatches):
     def describe(self, bucket):
         return super().describe(bucket) + f", cached teacher top-{self.cache_reader.top_k}"
 
-    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None):
-        del step, micro, completions, out  # nothing is sampled; it packs into new arrays
+    def micro(self, step, micro, samples, completions, first_bucket, sums, out=None, logprobs=None):
+        del step, micro, completions, out, logprobs  # nothing is sampled; it packs into new arrays
         batch = offline_views.offline_batch(
             samples,
             self.cache_reader,

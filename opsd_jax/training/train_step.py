@@ -74,6 +74,9 @@ class LossSettings:
     # Ids >= vocab_limit (padded lm_head rows, past the tokenizer) are masked out of every loss,
     # as the sampler masks them (models/vocab.mask_vocab); None keeps the whole table.
     vocab_limit: int | None = None
+    # The temperature the rollout drew completions at (1 for greedy): the student's log-probs
+    # are compared with the rollout's under the same one (`rollout_mismatch`).
+    sample_temperature: float = 1.0
 
 
 @flax.struct.dataclass
@@ -269,11 +272,38 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
     return loss, metrics
 
 
+def rollout_mismatch(student_logits, pack: Pack, sampled, settings: LossSettings) -> dict:
+    """How far the rollout's policy was from the student the step trains: at each completion
+    token the rollout recorded (`sampled` [R, C], its log-prob as drawn; NaN elsewhere), the
+    student's log-prob of the same token in this forward, at the sampling temperature. The gap
+    |log p_student - log p_rollout| (mean and largest) and the per-token estimate of
+    KL(rollout || student), E[exp(r) - 1 - r] with r the log ratio (unbiased, never negative).
+    Any difference between the two programs shows here: the decode copy's precision, a wrong
+    decode kernel, a stale or badly merged copy, lookahead's older policy versions."""
+    valid = pack.loss_mask & jnp.isfinite(sampled)
+    student = losses.token_logprobs(
+        jax.lax.stop_gradient(student_logits),
+        pack.loss_targets,
+        valid,
+        temperature=settings.sample_temperature,
+        vocab_limit=settings.vocab_limit,
+    )
+    log_ratio = jnp.where(valid, student - jnp.where(valid, sampled, 0.0), 0.0)
+    count = jnp.maximum(jnp.sum(valid), 1)
+    return {
+        "rollout/logprob_gap_mean": jnp.sum(jnp.abs(log_ratio)) / count,
+        "rollout/logprob_gap_max": jnp.max(jnp.abs(log_ratio)),
+        "rollout/mismatch_kl": jnp.sum(jnp.expm1(log_ratio) - log_ratio) / count,
+    }
+
+
 Loss = Callable[[Any, Any, tuple], tuple[jax.Array, dict]]
 
 
 def make_opsd_loss(graphdef, rest, settings: LossSettings, teacher_mode: str) -> Loss:
-    """loss(params, teacher_params, (student_pack, teacher_pack)) -> (loss, metrics)."""
+    """loss(params, teacher_params, (student_pack, teacher_pack[, sampled])) -> (loss, metrics).
+    With `sampled` (the rollout's log-probs at the student's entries, OpsdBatches' third part)
+    the metrics hold the rollout's mismatch with the student (`rollout_mismatch`)."""
     if teacher_mode not in TEACHER_MODES:
         raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
 
@@ -287,15 +317,18 @@ def make_opsd_loss(graphdef, rest, settings: LossSettings, teacher_mode: str) ->
         return jax.lax.stop_gradient(forward(jax.lax.stop_gradient(teacher_params), pack))
 
     def loss_fn(params, teacher_params, packs):
-        student_pack, teacher_pack = packs
+        student_pack, teacher_pack = packs[:2]
         student = nnx.merge(graphdef, params, rest)
         student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
         source = params if teacher_mode == "self" else teacher_params
         if teacher_mode == "fixed":  # possibly stored in bf16: compute from fp32 copies
             source = jax.tree.map(lambda p, t: t.astype(p.dtype), params, teacher_params)
-        return completion_loss(
+        loss, metrics = completion_loss(
             student_logits, teacher_logits(source, teacher_pack), student_pack, settings
         )
+        if len(packs) > 2:
+            metrics.update(rollout_mismatch(student_logits, student_pack, packs[2], settings))
+        return loss, metrics
 
     return loss_fn
 
@@ -526,7 +559,10 @@ def make_train_step(
         grads, metrics = jax.lax.scan(accumulate, grads, micro_batches)
         num_micro = jax.tree.leaves(micro_batches)[0].shape[0]
         grads = jax.tree.map(lambda g: g / num_micro, grads)
-        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        # A micro-batch's largest (a `_max` metric) stays the largest; the rest are means.
+        metrics = {
+            k: (jnp.max if k.endswith("_max") else jnp.mean)(m, axis=0) for k, m in metrics.items()
+        }
         lr = applied_learning_rate(state.opt_state, schedule)
         state, update_metrics = _update(
             state,
