@@ -26,7 +26,10 @@ def host_pack(batches, completions, memory=None):
 
 def assert_same_arrays(got, want):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        assert a.dtype == b.dtype and np.array_equal(a, b), jax.tree_util.keystr(path)
+        nan = np.issubdtype(a.dtype, np.floating)  # the drawn log-probs: NaN where none
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=nan), jax.tree_util.keystr(
+            path
+        )
 
 
 def test_packing_into_prepared_memory_writes_in_place_what_new_arrays_hold():
@@ -35,8 +38,11 @@ def test_packing_into_prepared_memory_writes_in_place_what_new_arrays_hold():
     memory = batches.memory.make(0)
     got = host_pack(batches, SHORT + SHORT, memory)
     assert got[0] == want[0] == 0 and got[2] == want[2] and got[3] == want[3]
+    # The student's and teacher's packs, then the rollout's drawn log-probs (OPSD's third part).
+    assert len(got[1]) == len(memory.parts) == 3
     for part, prepared, reference in zip(got[1], memory.parts, want[1]):
-        assert isinstance(part, Pack) and part.vit_patches is not None
+        assert isinstance(part, Pack) == (part is not got[1][2])
+        assert not isinstance(part, Pack) or part.vit_patches is not None
         # Every array is the prepared one itself: nothing was stacked or copied.
         for (path, array), mine in zip(
             jax.tree_util.tree_leaves_with_path(part), jax.tree.leaves(prepared)
@@ -73,7 +79,8 @@ def test_the_next_steps_memory_is_made_after_a_step_is_packed():
     empty = batches.empty_parts(0)
     for prepared, part in zip(memory.parts, empty):  # every slice holds an empty pack
         for array, value in zip(jax.tree.leaves(prepared), jax.tree.leaves(part)):
-            assert array.shape == (2, *value.shape) and (array == value[None]).all()
+            assert array.shape == (2, *value.shape)  # NaN in the drawn log-probs: equal
+            np.testing.assert_array_equal(array, np.broadcast_to(value, array.shape))
     assert batches.memory.take() is None  # taken once
 
 

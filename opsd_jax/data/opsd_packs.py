@@ -209,14 +209,18 @@ class TrainingPacks:
     bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
 
 
-def sampled_logprobs(packs: TrainingPacks, logprobs: Sequence[np.ndarray] | None) -> np.ndarray:
+def sampled_logprobs(
+    packs: TrainingPacks, logprobs: Sequence[np.ndarray] | None, out: np.ndarray | None = None
+) -> np.ndarray:
     """[rows, C] float32, the student pack's loss entries: at each completion token's entry,
     the log-prob the rollout drew it with (`logprobs[i]`: sample i's, one per completion token
     as sampled, before any cut); NaN at the closing <|im_end|> (its draw is not recorded), at
     empty entries, and everywhere without `logprobs`. The train step compares them with the
-    student's own log-probs of the same tokens (the rollout's mismatch with the policy)."""
+    student's own log-probs of the same tokens (the rollout's mismatch with the policy). `out`:
+    an array to write them into (opsd_jax/training/pack_memory.py), else a new one."""
     student = packs.student
-    drawn = np.full(student.loss_mask.shape, np.nan, np.float32)
+    drawn = np.empty(student.loss_mask.shape, np.float32) if out is None else out
+    drawn[...] = np.nan
     if logprobs is None:
         return drawn
     for k, (index, completion) in enumerate(zip(packs.kept, packs.completions)):

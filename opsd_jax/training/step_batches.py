@@ -209,9 +209,14 @@ class OpsdBatches(StepBatches):
     def micro(self, step, micro, samples, completions, first_bucket, sums, out=None, logprobs=None):
         del step, micro  # the packs depend only on the samples and their completions
 
+        handed = {}  # the prepared array for the drawn log-probs, in the bucket chosen
+
         def given(bucket: int) -> dict | None:
             parts = None if out is None else out(bucket)
-            return None if parts is None else dict(zip(self.pack_names, parts))
+            if parts is None:
+                return None
+            handed["drawn"] = parts[len(self.pack_names)]
+            return dict(zip(self.pack_names, parts))
 
         packs = build_training_packs(
             samples,
@@ -229,7 +234,7 @@ class OpsdBatches(StepBatches):
             self._add_mean(sums, f"pack/{name}_padding", fraction)
         self._add(sums, "pack/truncated", packs.num_truncated)
         self._add(sums, "pack/dropped", packs.num_dropped)
-        drawn = sampled_logprobs(packs, logprobs)
+        drawn = sampled_logprobs(packs, logprobs, out=handed.get("drawn"))
         return (packs.student, packs.teacher, drawn), first_bucket + packs.bucket, tokens
 
 
