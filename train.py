@@ -208,7 +208,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
     # Each step's model FLOPs as MaxText counts them, for the MFU the log prints on a GPU.
-    trained, remat = step_flops.Trained.of_config(config), start.model_config.llm.remat
+    trained, llm = step_flops.Trained.of_config(config), start.model_config.llm
     # Each step's samples, read rollout_lookahead steps early (step_samples.py).
     queue = SampleQueue(
         data, accum * program.local_per_micro, rollout.lookahead, config.total_steps
@@ -223,7 +223,12 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             state, metrics = program.compiled[packed.bucket](state, packed.batch)
         scalars = dict(packed.scalars, **taken.data_metrics, **sampled.scalars)
         flops = step_flops.step_model_flops(
-            config.mode, start.model_config, packed.counts, trained, remat=remat
+            config.mode,
+            start.model_config,
+            packed.counts,
+            trained,
+            remat=llm.remat,
+            vit_remat=llm.vit_remat,
         )
         tokens, model_flops = distributed.all_processes([packed.tokens, flops.model]).sum(axis=0)
         done = DispatchedStep(

@@ -59,7 +59,7 @@ BUDGET_S = 10 * 60
 # estimate does not fit in the time left is skipped.
 ESTIMATE_S = {
     "recipe": 300,
-    "grad_step": 150,
+    "grad_step": 200,
     "profile": 90,
     "parity": 60,
     "decode": 150,
@@ -88,6 +88,13 @@ def parse_args():
         nargs="+",
         default=list(grad_step.SWEEP),
         help="LM layer counts of the grad step (the fit needs two or more)",
+    )
+    parser.add_argument(
+        "--remats",
+        nargs="+",
+        default=["full", "minimal_flash"],
+        help="the grad step's remat policies: the sweep runs under the first, each other is "
+        "timed at the sweep's largest layer count beside it",
     )
     parser.add_argument(
         "--train-layers", type=int, default=2, help="LM layers of the train section's model"
@@ -135,6 +142,8 @@ def section_command(name, args, *extra) -> list[str]:
         name,
         "--sweep",
         *map(str, args.sweep),
+        "--remats",
+        *args.remats,
         "--repeats",
         str(args.repeats),
         "--train-layers",

@@ -22,7 +22,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.compute_dtype = "bfloat16"  # params and optimizer state stay float32
     # auto (pallas on GPU else chunked) | chunked | dense (CPU, one sample per row) | pallas | cudnn
     c.attention_backend = "auto"
-    c.remat = "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch
+    c.remat = (
+        "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch | minimal_flash
+    )
+    c.vit_remat = "same"  # the ViT's own: 'same' (the LLM's) or any of remat's
     c.attention_block = 512  # the chunked attention's tile (tokens); 128 is faster on a CPU
     c.unroll_layers = False  # unroll the LM's layer loop: faster on a CPU, slow to compile at 7B
     # Unroll the decode step's layer loop: on a GPU the token loop becomes one CUDA graph

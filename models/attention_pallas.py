@@ -65,6 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from models.gpu_support import unsupported_reason
+from models.layers import ATTENTION_FORWARD_KERNEL
 
 _F32 = jnp.float32
 _LOG2_E = math.log2(math.e)
@@ -366,7 +367,7 @@ def _forward(q, k, v, q_seg, kv_seg, k_start, k_end, static):
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
         compiler_params=_compiler_params(bq, Dp),
         interpret=static.interpret,
-        name="range_attention_forward",
+        name=ATTENTION_FORWARD_KERNEL,  # what the 'minimal_flash' remat keeps
     )(lo, hi, q_seg, k_start, k_end, kv_seg, q, k, v)
 
 

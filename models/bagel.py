@@ -83,7 +83,7 @@ class Bagel(nnx.Module):
                 config.vit,
                 compute_dtype=llm.compute_dtype,
                 attention_backend=llm.attention_backend,
-                remat=llm.remat,
+                remat=llm.remat if llm.vit_remat == "same" else llm.vit_remat,
                 rngs=rngs,
             )
             self.connector = Connector(config.vit.hidden_size, llm.hidden_size, rngs)

@@ -35,6 +35,7 @@ RUNTIME_FIELDS = (
     "compute_dtype",
     "attention_backend",
     "remat",
+    "vit_remat",
     "unroll_layers",
     "unroll_decode_layers",
     "attention_block",
@@ -81,6 +82,10 @@ class Qwen2Config:
     compute_dtype: str = "bfloat16"
     attention_backend: str = "auto"
     remat: str = "full"
+    # The ViT's own remat policy ('same': the LLM's). Its layers are a fraction of a step's
+    # activations and a larger part of its recompute than their FLOPs suggest (16 heads of 72
+    # over whole images), so a lighter policy can pay there when the LLM's must stay 'full'.
+    vit_remat: str = "same"
     # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
     # deep models anywhere.
     unroll_layers: bool = False
@@ -131,6 +136,7 @@ class Qwen2Config:
                 f"{owner}.attention_block must be an integer >= 8, got {self.attention_block!r}"
             )
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
+        _check_choice(owner, "vit_remat", self.vit_remat, ("same",) + REMAT_CHOICES)
         if self.tie_word_embeddings:
             raise ValueError(
                 f"{owner}.tie_word_embeddings=True is not supported: BAGEL's lm_head is "

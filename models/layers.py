@@ -22,11 +22,27 @@ from models.sharding import constrain, in_use_names
 
 INIT_STD = 0.02  # HF's initializer_range; only matters for training from scratch.
 
+# The Pallas range kernel's forward (models/attention_pallas.py names its pallas_call so; it is
+# not imported here: a CPU never imports the kernel). Its outputs, the attention output and one
+# logsumexp per query row, are all its backward needs besides q, k and v.
+ATTENTION_FORWARD_KERNEL = "range_attention_forward"
+
+
+def _attention_kernel_saveable(prim, *_, **params) -> bool:
+    return prim.name == "pallas_call" and params.get("name") == ATTENTION_FORWARD_KERNEL
+
+
 # Per-layer rematerialisation policies by config name ("none" = keep every activation).
+# 'minimal_flash' is MaxText's policy of that name: the matmul outputs without batch dims and
+# the flash attention's output are kept, so the backward reruns neither the projections nor
+# the attention kernel, only the cheap elementwise work between them (norms, RoPE, gates).
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal_flash": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _attention_kernel_saveable
+    ),
 }
 
 

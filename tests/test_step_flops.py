@@ -14,7 +14,7 @@ from flax import nnx
 from test_train_step import COMPLETIONS, SAMPLES, packs_for
 
 from models.bagel import Bagel
-from models.configs import BagelConfig
+from models.configs import REMAT_CHOICES, BagelConfig
 from models.pack import Pack
 from opsd_jax.programs import hlo_stats
 from opsd_jax.training import step_flops, train_step
@@ -140,6 +140,21 @@ def _run_config(**flags):
     config = _Freezes(**flags)
     config.lora_rank, config.lora_targets = 0, ""
     return config
+
+
+def test_every_remat_policy_says_what_it_reruns():
+    assert set(step_flops.RERUN) == set(REMAT_CHOICES)
+    student, teacher = two_packs()
+    executed = {
+        remat: step_flops.opsd_step_flops(TINY, student, teacher, remat=remat).remat
+        for remat in REMAT_CHOICES
+    }
+    assert executed["none"] == executed["minimal_flash"] == 0
+    assert 0 < executed["dots_no_batch"] < executed["full"]
+    vit_only = step_flops.opsd_step_flops(
+        TINY, student, teacher, remat="minimal_flash", vit_remat="full"
+    ).remat
+    assert 0 < vit_only < executed["full"]
 
 
 def test_the_peak_is_known_by_jax_device_kind():

@@ -72,9 +72,9 @@ def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng
     return student, teacher
 
 
-def step_case(args, layers: int):
+def step_case(args, layers: int, remat: str = "full"):
     """(model config, student pack, teacher pack, loss settings) of the grad step at `layers`
-    LM layers (the dry run: the tiny model, short rows)."""
+    LM layers under `remat` (the dry run: the tiny model, short rows)."""
     import numpy as np
 
     from configs import thinkmorph_7b
@@ -83,7 +83,7 @@ def step_case(args, layers: int):
 
     llm = dict(
         compute_dtype="bfloat16",
-        remat="full",
+        remat=remat,
         attention_backend="pallas" if not args.dry_run else "chunked",
         num_hidden_layers=layers,
     )
@@ -100,9 +100,9 @@ def step_case(args, layers: int):
     return config, student, teacher, settings
 
 
-def build_step(args, layers: int, mesh):
-    """(the jitted grad step, its arguments on `mesh`, the case) at `layers` LM layers, with
-    random weights and an EMA teacher copy."""
+def build_step(args, layers: int, mesh, remat: str = "full"):
+    """(the jitted grad step, its arguments on `mesh`, the case) at `layers` LM layers under
+    `remat`, with random weights and an EMA teacher copy."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -111,7 +111,7 @@ def build_step(args, layers: int, mesh):
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.training import train_step
 
-    config, student, teacher, settings = step_case(args, layers)
+    config, student, teacher, settings = step_case(args, layers, remat)
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     step = train_step.make_grad_step(graphdef, rest, settings, "ema")
@@ -160,7 +160,12 @@ def step_flops_at(config, student, teacher, layers: int):
 
     config = config.replace(llm=dict(num_hidden_layers=layers))
     return step_flops.opsd_step_flops(
-        config, student, teacher, step_flops.Trained(), remat=config.llm.remat
+        config,
+        student,
+        teacher,
+        step_flops.Trained(),
+        remat=config.llm.remat,
+        vit_remat=config.llm.vit_remat,
     )
 
 
@@ -176,7 +181,7 @@ def run(args):
     sweep = sorted(set(args.sweep))
     seconds, case = {}, None
     for layers in sweep:
-        step, arguments, case = build_step(args, layers, mesh)
+        step, arguments, case = build_step(args, layers, mesh, args.remats[0])
         with mesh_lib.use_mesh(mesh):
             seconds[layers], _ = timed(step, *arguments, repeats=args.repeats)
         flops = step_flops_at(case[0], case[1], case[2], layers)
@@ -220,6 +225,21 @@ def run(args):
             ok=judge["ok"],
             kind=judge["kind"],
         )
+    # Each other remat policy at the largest layer count: the same step, before and after.
+    for remat in args.remats[1:]:
+        step, arguments, case = build_step(args, sweep[-1], mesh, remat)
+        with mesh_lib.use_mesh(mesh):
+            taken, _ = timed(step, *arguments, repeats=args.repeats)
+        flops = step_flops_at(case[0], case[1], case[2], sweep[-1])
+        emit(
+            section="grad_step",
+            case=f"{sweep[-1]} LM layer(s), remat {remat} (against {args.remats[0]})",
+            value=f"{taken * 1e3:.1f} ms, MFU {utilisation(flops.model, taken, peak_flops):.1%}",
+            unit=f"{seconds[sweep[-1]] / taken:.2f}x the {args.remats[0]} step; HFU "
+            f"{utilisation(flops.executed, taken, peak_flops):.1%}",
+            ok=True,
+        )
+        del step, arguments
     # After the timings, so that the allocator's peak is the largest step's own.
     predicted = predicted_step_peak(args, sweep[-1])
     measured = peak_bytes()

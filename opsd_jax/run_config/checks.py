@@ -35,6 +35,7 @@ _CHOICES = {
     "attention_backend": attention.BACKENDS,
     "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
+    "vit_remat": ("same",) + configs.REMAT_CHOICES,
     "weights": hf_load.WEIGHT_CHOICES,
     "kd_student_norm": losses.STUDENT_NORMS,
     "offline_logprob_dtype": offline_cache.LOGPROB_DTYPES,

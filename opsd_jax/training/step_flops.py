@@ -97,6 +97,18 @@ def _attention_passes(trained: Trained | None, group: str) -> int:
     return 1 if trained is None or not trained.any & _BELOW[group] else 3
 
 
+# What a remat policy (models/layers.REMAT_POLICIES) reruns of a layer's forward in the
+# backward: (its matmuls, its attention). 'dots' and 'dots_no_batch' keep the projections'
+# outputs but not the attention's (a kernel, or batched dots); 'minimal_flash' keeps both.
+RERUN = {
+    "none": (False, False),
+    "full": (True, True),
+    "dots": (False, True),
+    "dots_no_batch": (False, True),
+    "minimal_flash": (False, False),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
     """A step's FLOPs by part (model FLOPs, no remat) and the remat re-forward on top."""
@@ -170,10 +182,12 @@ def forward_flops(
     trained: Trained | None = None,
     *,
     remat: str = "none",
+    vit_remat: str = "same",
 ) -> StepFlops:
     """One pack's FLOPs through the model: a forward alone (`trained` None: the teacher) or a
-    forward and the backward that `trained` asks for (the student). `remat`: the LLM's policy
-    ('none', or any other: the layers' forward runs again in the backward, counted apart)."""
+    forward and the backward that `trained` asks for (the student). `remat`: the LLM's policy,
+    `vit_remat` the ViT's ('same': the LLM's); what each reruns in the backward is counted
+    apart (`RERUN`)."""
     llm, vit = config.llm, config.vit
     tokens, llm_pairs, vit_pairs = counts.tokens, counts.llm_pairs, counts.vit_pairs
     heads_dim = llm.num_attention_heads * llm.head_dim
@@ -191,13 +205,14 @@ def forward_flops(
         * llm_pairs
         * _attention_passes(trained, "llm"),
     }
-    # Remat reruns each layer's forward in the backward (the ViT's too: it takes the LLM's
-    # policy), wherever a backward runs through the layers.
-    rerun = remat != "none" and trained is not None
+    # Remat reruns part of each layer's forward in the backward, wherever a backward runs
+    # through the layers.
+    llm_rerun = RERUN[remat] if trained is not None else (False, False)
+    vit_rerun = RERUN[remat if vit_remat == "same" else vit_remat] if trained is not None else None
     remat_flops = 0.0
-    if rerun and _passes(trained, "llm") > 1:
-        remat_flops += parts["llm_matmul"] / _passes(trained, "llm")
-        remat_flops += parts["llm_attention"] / _attention_passes(trained, "llm")
+    if _passes(trained, "llm") > 1:
+        remat_flops += llm_rerun[0] * parts["llm_matmul"] / _passes(trained, "llm")
+        remat_flops += llm_rerun[1] * parts["llm_attention"] / _attention_passes(trained, "llm")
     if counts.loss_entries:
         parts["lm_head"] = (
             2.0
@@ -229,9 +244,9 @@ def forward_flops(
                 + llm.hidden_size * _passes(trained, "connector_fc2")
             )
         )
-        if rerun and _passes(trained, "vit") > 1:
-            remat_flops += 2.0 * patches * vit_layer * vit.num_hidden_layers
-            remat_flops += parts["vit_attention"] / _attention_passes(trained, "vit")
+        if vit_rerun is not None and _passes(trained, "vit") > 1:
+            remat_flops += vit_rerun[0] * 2.0 * patches * vit_layer * vit.num_hidden_layers
+            remat_flops += vit_rerun[1] * parts["vit_attention"] / _attention_passes(trained, "vit")
     return StepFlops(parts=parts, remat=remat_flops)
 
 
@@ -242,12 +257,13 @@ def opsd_step_flops(
     trained: Trained = Trained(),
     *,
     remat: str = "none",
+    vit_remat: str = "same",
     dense: bool = False,
 ) -> StepFlops:
     """One OPSD step's packs (micro-batches stacked or not): the student's forward and backward,
     the teacher's forward (None: a teacher that needs no forward, e.g. an offline cache)."""
     count = lambda p: p if isinstance(p, PackCounts) else counts_of(p, dense)  # noqa: E731
-    flops = forward_flops(config, count(student), trained, remat=remat)
+    flops = forward_flops(config, count(student), trained, remat=remat, vit_remat=vit_remat)
     if teacher is not None:
         flops = flops + forward_flops(config, count(teacher), None)
     return flops
@@ -260,10 +276,13 @@ def step_model_flops(
     trained: Trained,
     *,
     remat: str = "none",
+    vit_remat: str = "same",
 ) -> StepFlops:
     """A training step's FLOPs from its packs' counts (`StepBatches.pack`'s, in its packs'
     order): OPSD's student and teacher, SFT's one pack, offline's text-only pack (its teacher
     is the cache: no forward)."""
     if mode == "opsd":
-        return opsd_step_flops(config, counts[0], counts[1], trained, remat=remat)
-    return forward_flops(config, counts[0], trained, remat=remat)
+        return opsd_step_flops(
+            config, counts[0], counts[1], trained, remat=remat, vit_remat=vit_remat
+        )
+    return forward_flops(config, counts[0], trained, remat=remat, vit_remat=vit_remat)
