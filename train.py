@@ -146,7 +146,9 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             sources.check_dataset(spec, require_vt=data_check.require_vt)
     except (sources.DataError, FileNotFoundError) as e:
         run_config.config_error(e)
-    if config.lora_rank:  # the adapters' targets against the model's projections (shapes only)
+    if run_config.TrainedSplit.of_config(
+        config
+    ).lora:  # the adapters' targets against the projections
         try:
             run_config.lora_target_paths(config, read_config(config.model_path))
         except ValueError as e:
@@ -208,7 +210,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
     # Each step's model FLOPs as MaxText counts them, for the MFU the log prints on a GPU.
-    trained, llm = step_flops.Trained.of_config(config), start.model_config.llm
+    trained, llm = step_flops.Trained.of_split(start.split), start.model_config.llm
     # Each step's samples, read rollout_lookahead steps early (step_samples.py).
     queue = SampleQueue(
         data, accum * program.local_per_micro, rollout.lookahead, config.total_steps
@@ -229,6 +231,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             trained,
             remat=llm.remat,
             vit_remat=llm.vit_remat,
+            teacher_config=start.teacher.model_config if start.teacher else None,
         )
         tokens, model_flops = distributed.all_processes([packed.tokens, flops.model]).sum(axis=0)
         done = DispatchedStep(

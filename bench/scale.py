@@ -961,12 +961,15 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
 def grad_step_time(run: Run, model: Model, grad: Grad) -> GradTime:
     """The grad step's compute (counted matmuls + attention at --mfu) and communication time
     per micro-batch; prints the projection's header and the grad step's lines."""
+    from opsd_jax import run_config
+
     args, samples, n, llm = run.args, run.samples, run.n, run.llm
+    split = run_config.TrainedSplit.of_config(run.recipe)
     tokens_student = samples * args.student_len
     tokens_teacher = samples * args.teacher_len
     # The student's forward and backward: 6·N·tokens, or 4·N·tokens with LoRA (a frozen base
     # has no weight gradient; the adapters' matmuls are negligible).
-    train_factor = 4 if run.recipe.lora_rank else 6
+    train_factor = 4 if split.lora else 6
     lm_matmul = model.lm_matmul
     analytic = (
         train_factor * lm_matmul * tokens_student
@@ -1026,7 +1029,7 @@ def grad_step_time(run: Run, model: Model, grad: Grad) -> GradTime:
         run.model_config,
         counts(args.student_len, args.student_patches),
         counts(args.teacher_len, args.teacher_patches),
-        step_flops.Trained.of_config(run.recipe),
+        step_flops.Trained.of_split(split),
         remat=llm.remat,
     )
     print(

@@ -75,7 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.offline_target = "text_only"
 
     # --- Visual-OPSD: teacher and loss ----------------------------------------------------------
-    c.teacher_mode = "ema"  # self | ema | fixed
+    # self | ema | fixed | checkpoint (another model: the BAGEL-layout HF directory teacher_path,
+    # frozen in compute_dtype; same tokenizer and image patching as the student, checked at start)
+    c.teacher_mode = "ema"
+    c.teacher_path = ""
     c.ema_decay = 0.995
     c.fixed_teacher_dtype = "float32"  # bfloat16 halves the frozen teacher's memory
     c.jsd_loss_kind = "jsd"  # jsd | tinker

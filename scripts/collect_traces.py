@@ -56,7 +56,12 @@ def main(argv) -> None:
     t0 = time.perf_counter()
     # The student's starting weights are the teacher (the PyTorch collector loads the model
     # file; weights='ema' here caches the EMA weights instead).
-    start = init_weights.load(config, mesh, config_changes={"llm": runtime})
+    start = init_weights.load(
+        config,
+        mesh,
+        split=run_config.TrainedSplit.of_config(config),
+        config_changes={"llm": runtime},
+    )
     tokenizer = start.tokenizer
     print(
         f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "

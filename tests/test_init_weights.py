@@ -14,6 +14,7 @@ from models.configs import BagelConfig
 from opsd_jax.io import hf_layout, hf_load, init_weights
 from opsd_jax.io.checkpoint import Checkpointer
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.run_config import trained_split
 from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
 
@@ -70,7 +71,8 @@ def assert_differ(a, b):
 
 
 def load(config, mesh, **kwargs):
-    return init_weights.load(config, mesh, config_changes=RUNTIME, **kwargs)
+    split = trained_split.TrainedSplit.of_config(config)
+    return init_weights.load(config, mesh, split=split, config_changes=RUNTIME, **kwargs)
 
 
 def test_the_two_files_differ(file_params):

@@ -16,7 +16,9 @@ from test_train_step import COMPLETIONS, SAMPLES, packs_for
 from models.bagel import Bagel
 from models.configs import REMAT_CHOICES, BagelConfig
 from models.pack import Pack
+from opsd_jax import run_config
 from opsd_jax.programs import hlo_stats
+from opsd_jax.run_config import trained_split
 from opsd_jax.training import step_flops, train_step
 
 
@@ -129,17 +131,16 @@ def test_frozen_groups_count_what_the_compiled_step_runs(flags, trained):
     _, partitioned = hlo_stats.compile_and_read(grads.lower(params, params, student, teacher))
     flops, _ = hlo_stats.dot_flops(partitioned)
     counted = step_flops.opsd_step_flops(
-        TINY, student, teacher, step_flops.Trained.of_config(_run_config(**flags)), dense=True
+        TINY, student, teacher, step_flops.Trained.of_split(_split(**flags)), dense=True
     )
     assert counted.parts.keys() >= {"llm_matmul", "lm_head", "vit_matmul", "connector"}
     np.testing.assert_allclose(counted.model, flops, rtol=1e-6)
-    assert step_flops.Trained.of_config(_run_config(**flags)).weights == trained
+    assert step_flops.Trained.of_split(_split(**flags)).weights == trained
 
 
-def _run_config(**flags):
-    config = _Freezes(**flags)
-    config.lora_rank, config.lora_targets = 0, ""
-    return config
+def _split(**flags):
+    """The TrainedSplit of a run config with these freeze flags (full fine-tuning)."""
+    return trained_split.TrainedSplit.of_config(run_config.complete(flags))
 
 
 def test_every_remat_policy_says_what_it_reruns():

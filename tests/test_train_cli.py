@@ -498,7 +498,7 @@ def test_bad_values_are_all_named_before_any_compute(tmp_path):
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.stderr.splitlines() == [
         "train.py: bad training config:",
-        "  teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'",
+        "  teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed', 'checkpoint'",
         "  jsd_beta=2.0: must be a number in [0, 1]",
         "  model_path='/nonexistent': not a directory",
     ]
@@ -520,7 +520,7 @@ def _valid_config(tmp_path):
         (
             "teacher_mode",
             "mentor",
-            "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed'",
+            "teacher_mode='mentor': allowed values are 'self', 'ema', 'fixed', 'checkpoint'",
         ),
         ("jsd_beta", 1.5, "jsd_beta=1.5: must be a number in [0, 1]"),
         ("jsd_top_k", -3, "jsd_top_k=-3: must be >= 0"),

@@ -156,11 +156,13 @@ class Checkpointer:
         config: Mapping | Any,
         force: bool = False,
         lora_base: Mapping | None = None,
+        teacher: Mapping | None = None,
     ) -> bool:
         """Save at a periodic step, or any step with `force`; False if not saved (not a save
         step, or this step is already saved or being saved, e.g. a final save just after a
         periodic one). A LoRA state's frozen `base` is not saved: `lora_base` names the weights
-        it is (weights_digest.identity), kept in the meta item for a resume to compare."""
+        it is (weights_digest.identity), kept in the meta item for a resume to compare; so is a
+        checkpoint teacher's (`teacher`: its `teacher_weights` are not saved either)."""
         step = int(step)
         if self._refused is not None:  # orbax saves no more after a failed save
             raise self._refused
@@ -188,6 +190,7 @@ class Checkpointer:
             "rng": rng,
             "teacher_mode": teacher_mode,
             "lora_base": None if lora_base is None else dict(lora_base),
+            "teacher_checkpoint": None if teacher is None else dict(teacher),
             "items": sorted(items) + [META, CONFIG] + ([DATA] if data_state is not None else []),
         }
         items[META] = ocp.args.JsonSave(meta)

@@ -14,7 +14,8 @@ step holding these items:
                  `multi_transform` + `set_to_zero` hold no arrays and are rebuilt from the target);
 * `meta`       — JSON: the step, the rng key as raw key data plus its PRNG implementation (a typed
                  key array does not serialise; its key data round-trips bit for bit), the
-                 teacher mode and which items were written;
+                 teacher mode, which items were written, and the identity of the weights a
+                 run holds but does not save (a LoRA base, a checkpoint teacher);
 * `data`       — JSON: the data-iterator state of every process (absent when there is none);
 * `config`     — JSON: the training config.
 

@@ -216,7 +216,7 @@ def _header(files: WeightDirectory) -> dict[str, tuple[tuple[int, ...], str]]:
     return {key: (info.shape, info.dtype) for key, info in files.header().items()}
 
 
-def _grown_vocab(config: BagelConfig, tokenizer: BagelTokenizer | None) -> int:
+def grown_vocab(config: BagelConfig, tokenizer: BagelTokenizer | None) -> int:
     """The table size needed once the tokenizer's added tokens have rows (never shrinks)."""
     rows = config.llm.vocab_size
     if tokenizer is None or tokenizer.vocab_length <= rows:
@@ -260,7 +260,7 @@ def load_hf(
     config = read_config(hf_dir, **changes)
     open_weights(hf_dir, weights)  # a missing weights file is named before the tokenizer loads
     bagel_tokenizer = load_tokenizer(hf_dir) if tokenizer else None
-    grown = _grown_vocab(config, bagel_tokenizer)
+    grown = grown_vocab(config, bagel_tokenizer)
     if grown != config.llm.vocab_size:
         config = config.replace(llm=dict(vocab_size=grown))
     graphdef, state = load_weights(
@@ -292,7 +292,7 @@ def random_model(
     changes["llm"] = {**dict(changes.get("llm", {})), "build_gen_expert": False}
     config = read_config(hf_dir, **changes)
     tokenizer = load_tokenizer(hf_dir)
-    grown = _grown_vocab(config, tokenizer)
+    grown = grown_vocab(config, tokenizer)
     if grown != config.llm.vocab_size:
         config = config.replace(llm=dict(vocab_size=grown))
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(seed)), mesh, rules)

@@ -15,8 +15,10 @@ the same weights:
 * a full resume (auto-resume or `resume_from` without `resume_model_only`) restores everything
   from the checkpoint, so no second file is read here.
 
-With LoRA (`lora_rank > 0`) the student's file is the frozen base of every copy: the teachers
-are that base with adapters of their own (train_step.TrainState), so no teacher file is read.
+What trains and which teacher copy is kept is the caller's `split` (run_config.TrainedSplit).
+With LoRA the student's file is the frozen base of every copy: the EMA / fixed teachers are that
+base with adapters of their own (train_step.TrainState), so no teacher file is read. A teacher of
+another checkpoint (teacher_mode='checkpoint') is not read here either: io/teacher_checkpoint.py.
 `base` then names the weights (weights_digest.identity) for the checkpoints to record. A full
 resume of a LoRA run reads the base here too (a checkpoint holds the adapters only).
 """
@@ -62,10 +64,11 @@ def base_identity(config, *, full_resume: bool = False) -> dict:
     return weights_digest.identity(config.model_path, stem.student)
 
 
-def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> StartingWeights:
-    """The model, tokenizer and starting weights a training `config` asks for, on `mesh`."""
+def load(config, mesh, *, split, config_changes=None, full_resume: bool = False) -> StartingWeights:
+    """The model, tokenizer and starting weights a training `config` asks for, on `mesh`;
+    `split`: the config's run_config.TrainedSplit."""
     if config.weights == hf_load.RANDOM_WEIGHTS:
-        return _random_start(config, mesh, config_changes, full_resume)
+        return _random_start(config, split, mesh, config_changes, full_resume)
     model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
     from_ema = config.finetune_from_ema and not full_resume
     files = hf_load.initial_weights(
@@ -77,14 +80,15 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     del model
     described = {"student": f"{files.student}.safetensors"}
-    if config.lora_rank:
+    teacher = split.teacher
+    if split.lora:
         base = base_identity(config, full_resume=full_resume)
         description = (
             f"frozen base from {files.student}.safetensors (digest {base['digest'][:12]}), "
-            f"LoRA adapters of rank {config.lora_rank} from seed {config.global_seed}"
+            f"LoRA adapters of rank {split.adapters.rank} from seed {config.global_seed}"
         )
-        if config.teacher_mode != "self":
-            description += f"; the {config.teacher_mode} teacher: the base + its own adapters"
+        if split.teacher_is_copy:
+            description += f"; the {teacher} teacher: the base + its own adapters"
         return StartingWeights(
             graphdef, params, rest, model_config, tokenizer, None, description, base
         )
@@ -96,7 +100,7 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
         return nnx.state(nnx.merge(graphdef, state), nnx.Param)
 
     teacher_source = None
-    if config.teacher_mode == "fixed" and not full_resume:
+    if teacher == "fixed" and not full_resume:
         # Loaded before any checkpoint replaces `params`: the fixed teacher is the HF weights.
         teacher_source = hf_params(files.fixed_teacher)
         described["fixed teacher"] = f"{files.fixed_teacher}.safetensors"
@@ -114,26 +118,26 @@ def load(config, mesh, *, config_changes=None, full_resume: bool = False) -> Sta
         item = EMA_PARAMS if from_ema else PARAMS
         params = restore_model_params(config.resume_from, abstract, which=item)
         described["student"] = f"{config.resume_from} {item}"
-        if config.teacher_mode == "ema" and not from_ema:
+        if teacher == "ema" and not from_ema:
             if saved_mode == "ema":
                 teacher_source = restore_model_params(
                     config.resume_from, abstract, which=EMA_PARAMS
                 )
                 described["ema teacher"] = f"{config.resume_from} {EMA_PARAMS}"
-    elif config.teacher_mode == "ema" and not full_resume:
+    elif teacher == "ema" and not full_resume:
         teacher_source = hf_params(files.ema_teacher)
         described["ema teacher"] = f"{files.ema_teacher}.safetensors"
     if teacher_source is params:
         teacher_source = None  # init_state copies the student's
-    if config.teacher_mode in ("ema", "fixed") and teacher_source is None and not full_resume:
-        described[f"{config.teacher_mode} teacher"] = "the student's weights"
+    if split.teacher_is_copy and teacher_source is None and not full_resume:
+        described[f"{teacher} teacher"] = "the student's weights"
     description = ", ".join(f"{who} from {what}" for who, what in described.items())
     return StartingWeights(
         graphdef, params, rest, model_config, tokenizer, teacher_source, description
     )
 
 
-def _random_start(config, mesh, config_changes, full_resume: bool) -> StartingWeights:
+def _random_start(config, split, mesh, config_changes, full_resume: bool) -> StartingWeights:
     """weights='random': the model of model_path's configs drawn from global_seed (a benchmark
     at real shapes); every teacher copy starts from the student's weights."""
     model, model_config, tokenizer = hf_load.random_model(
@@ -141,5 +145,5 @@ def _random_start(config, mesh, config_changes, full_resume: bool) -> StartingWe
     )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     description = f"random weights (seed {config.global_seed}) for every copy"
-    base = base_identity(config, full_resume=full_resume) if config.lora_rank else None
+    base = base_identity(config, full_resume=full_resume) if split.lora else None
     return StartingWeights(graphdef, params, rest, model_config, tokenizer, None, description, base)

@@ -135,6 +135,13 @@ def saved_lora_base(path: str | os.PathLike) -> dict | None:
     return meta.get("lora_base") if isinstance(meta, dict) else None
 
 
+def saved_teacher_checkpoint(path: str | os.PathLike) -> dict | None:
+    """The identity of the teacher a checkpoint's run read from another checkpoint
+    (teacher_mode='checkpoint'; weights_digest.identity), or None."""
+    meta = _json_item(path, META)
+    return meta.get("teacher_checkpoint") if isinstance(meta, dict) else None
+
+
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:
     """The teacher_mode a checkpoint (a step directory or a checkpoints root: its latest complete
     step) was saved with, from its meta item; None when it is not known."""

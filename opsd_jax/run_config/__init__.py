@@ -8,9 +8,11 @@ configs/common.py holds every key with its only default; configs/<name>.py chang
 - builds.py: what a config becomes, one function each: `complete` (any config, a saved one or a
   few changes laid over the defaults), `mesh_shape`, `resolve_paths`, `model_dir`,
   `model_runtime`, `loss_settings`, `prompt_options`, `data_config` (`data_fields`),
-  `cache_dtype_for`,
-  `abstract_train_state`, `init_train_state`, `rollout_cache_bytes`, `train_step_for`, and
-  LoRA's `attach_adapters`, `with_adapters`, `lora_target_paths`, `split_for_training`;
+  `cache_dtype_for`, `rollout_cache_bytes`, `train_step_for`;
+- trained_split.py: what the run trains and what it holds frozen (`TrainedSplit.of_config`: full
+  or LoRA, the teacher's kind), asked by every stage, and the train state made from it
+  (`abstract_train_state`, `init_train_state`, `split_for_training`, LoRA's `attach_adapters`,
+  `with_adapters`, `lora_target_paths`);
 - preflight.py: `train.py --compile_only=TARGET:DEVICES`, every program of the run compiled for
   compile-only GPUs and its peak memory per device against the device's.
 
@@ -19,15 +21,11 @@ the same thing everywhere.
 """
 
 from opsd_jax.run_config.builds import (
-    abstract_train_state,
-    attach_adapters,
     cache_dtype_for,
     complete,
     data_config,
     data_fields,
     defaults,
-    init_train_state,
-    lora_target_paths,
     loss_settings,
     mesh_shape,
     model_dir,
@@ -35,9 +33,7 @@ from opsd_jax.run_config.builds import (
     prompt_options,
     resolve_paths,
     rollout_cache_bytes,
-    split_for_training,
     train_step_for,
-    with_adapters,
 )
 from opsd_jax.run_config.checks import MODES, ConfigError, validate
 from opsd_jax.run_config.command_line import (
@@ -48,10 +44,20 @@ from opsd_jax.run_config.command_line import (
     parse_flags,
     unknown_keys,
 )
+from opsd_jax.run_config.trained_split import (
+    TrainedSplit,
+    abstract_train_state,
+    attach_adapters,
+    init_train_state,
+    lora_target_paths,
+    split_for_training,
+    with_adapters,
+)
 
 __all__ = [
     "MODES",
     "ConfigError",
+    "TrainedSplit",
     "abstract_train_state",
     "attach_adapters",
     "init_train_state",

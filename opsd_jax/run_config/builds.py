@@ -12,12 +12,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import ml_collections
-from flax import nnx
 
 from configs import common
-from models import attention, lora
+from models import attention
 from models import configs as model_configs
 from opsd_jax.data.data_config import DataConfig
 from opsd_jax.data.opsd_packs import (
@@ -218,94 +216,6 @@ def rollout_cache_bytes(config, model_config, shapes: dict) -> int:
         config.gradient_accumulation_steps * per_micro,
         slots,
         cache_dtype_for(config.compute_dtype),
-    )
-
-
-def attach_adapters(model: nnx.Module, config) -> list[str]:
-    """LoRA adapters on `model`'s projections as the config asks (lora_rank, lora_alpha,
-    lora_targets; their A drawn from global_seed, computing in compute_dtype); the paths."""
-    return lora.attach(
-        model,
-        config.lora_rank,
-        float(config.lora_alpha),
-        config.lora_targets,
-        rngs=nnx.Rngs(config.global_seed),
-        dtype=config.compute_dtype,
-    )
-
-
-def with_adapters(graphdef, params, rest, config, mesh) -> tuple:
-    """(graphdef, params, rest) of the model with the config's LoRA adapters attached (params:
-    every nnx.Param, the adapters' nnx.LoRAParams among them, replicated over `mesh`: small,
-    and read whole by every device); as given when lora_rank is 0."""
-    if not config.lora_rank:
-        return graphdef, params, rest
-    model = nnx.merge(graphdef, params, rest)
-    attach_adapters(model, config)
-    graphdef, adapters, params, rest = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    adapters = jax.tree.map(lambda x: jax.device_put(x, replicated), adapters)
-    return graphdef, nnx.merge_state(adapters, params), rest
-
-
-def lora_target_paths(config, model_config) -> list[str]:
-    """The projections `lora_targets` adapts in a model of `model_config`, found on an
-    abstract model (nothing allocated or read); ValueError when it matches none."""
-    from models.bagel import Bagel  # the model class only here: builds is read by every script
-
-    abstract = nnx.eval_shape(lambda: Bagel(model_config, rngs=nnx.Rngs(0)))
-    return lora.matching_paths(abstract, config.lora_targets)
-
-
-def split_for_training(state: nnx.State, config) -> tuple[Any, Any]:
-    """(params, base) of a model's nnx.Param state: without LoRA (all of it, None); with LoRA
-    (the adapters, the rest cast to compute_dtype: the frozen base held once). Traceable."""
-    if not config.lora_rank:
-        return state, None
-    adapters, base = nnx.split_state(state, nnx.LoRAParam, ...)
-    dtype = jax.numpy.dtype(config.compute_dtype)
-    return adapters, jax.tree.map(lambda x: x.astype(dtype), base)
-
-
-def abstract_train_state(config, abstract_params) -> tuple:
-    """(the optimizer, the frozen parameter groups, the TrainState as abstract arrays laid out
-    like `abstract_params`) as the config sets them up: what the train step compiles for.
-    `abstract_params`: the model's whole nnx.Param state (with LoRA, adapters and base)."""
-    params, base = abstract_params, None
-    if config.lora_rank:  # the base laid out as the weights it is cast from
-        params, weights = nnx.split_state(abstract_params, nnx.LoRAParam, ...)
-        dtype = jax.numpy.dtype(config.compute_dtype)
-        base = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), weights
-        )
-    optimizer = train_step.make_optimizer(config)
-    frozen = train_step.frozen_groups(config, params)
-    state = train_step.abstract_state(
-        params,
-        optimizer,
-        config.teacher_mode,
-        jax.random.key(config.global_seed),
-        fixed_teacher_dtype=config.fixed_teacher_dtype,
-        frozen=frozen,
-        abstract_base=base,
-    )
-    return optimizer, frozen, state
-
-
-def init_train_state(config, optimizer, frozen, params, teacher_source=None):
-    """A fresh TrainState from the model's nnx.Param state (`params`; with LoRA adapters and
-    base, split here and the base cast to compute_dtype). Traceable: train.py jits it into the
-    abstract state's layout."""
-    params, base = split_for_training(params, config)
-    return train_step.init_state(
-        params,
-        optimizer,
-        config.teacher_mode,
-        jax.random.key(config.global_seed),
-        fixed_teacher_dtype=config.fixed_teacher_dtype,
-        teacher_source=teacher_source,
-        frozen=frozen,
-        base=base,
     )
 
 

@@ -15,7 +15,7 @@ import re
 
 from models import attention, configs
 from opsd_jax.data import pack_shapes
-from opsd_jax.io import hf_load
+from opsd_jax.io import hf_layout, hf_load
 from opsd_jax.parallel import distributed, mesh
 from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, train_step
@@ -188,6 +188,7 @@ def validate(
             "trains only lm_head, which freeze_llm freezes)"
         )
     problems += _lora_problems(config)
+    problems += _teacher_problems(config, check_files)
     ignored = distributed.settings_without_distributed(config)
     if ignored:
         problems.append(
@@ -234,6 +235,29 @@ def validate(
             )
     if problems:
         raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
+
+
+def _teacher_problems(config, check_files: bool) -> list[str]:
+    """teacher_path against teacher_mode: given exactly when the teacher is another checkpoint
+    (whose tokenizer and shapes are compared with the student's when it is loaded)."""
+    if config.teacher_mode != "checkpoint":
+        if config.teacher_path:
+            return [
+                f"teacher_path={config.teacher_path!r} with teacher_mode={config.teacher_mode!r}: "
+                "the path is read only by teacher_mode='checkpoint' (set it, or drop the path)"
+            ]
+        return []
+    if not config.teacher_path:
+        return [
+            "teacher_mode='checkpoint' with an empty teacher_path: give the teacher's BAGEL / "
+            "ThinkMorph HF directory"
+        ]
+    config_file = os.path.join(config.teacher_path, hf_layout.LLM_CONFIG)
+    if check_files and not os.path.isfile(config_file):
+        return [
+            f"teacher_path={config.teacher_path!r}: not a BAGEL HF directory (no {config_file})"
+        ]
+    return []
 
 
 def _lora_problems(config) -> list[str]:

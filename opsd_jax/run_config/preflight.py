@@ -41,7 +41,7 @@ from opsd_jax.io.hf_load import read_config
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target
-from opsd_jax.run_config import builds, checks
+from opsd_jax.run_config import builds, checks, trained_split
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.training import train_step
 from opsd_jax.training.step_batches import step_batches_for
@@ -145,16 +145,42 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         f"{limit / GIB:.1f} GiB), mesh {dict(mesh.shape)}; model shapes from {source}"
     )
 
+    split = trained_split.TrainedSplit.of_config(config)
+
     def make_model():
         model = Bagel(model_config, rngs=nnx.Rngs(0))
-        if config.lora_rank:
-            builds.attach_adapters(model, config)
+        if split.lora:
+            trained_split.attach_adapters(model, config)
         return model
 
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     rest = gpu_target.host_rest(make_model)  # the sin-cos table the train step closes over
-    optimizer, frozen, state = builds.abstract_train_state(config, abstract_params)
+    teacher_model = teacher_weights = None
+    if split.separate_teacher:  # another model, held in the compute dtype
+        teacher_config, teacher_source = model_config, "the student's (no config files there)"
+        if all(
+            os.path.isfile(os.path.join(config.teacher_path, f)) for f in (LLM_CONFIG, VIT_CONFIG)
+        ):
+            teacher_config = read_config(config.teacher_path, llm=runtime)
+            teacher_source = f"its {LLM_CONFIG} / {VIT_CONFIG}"
+        say(f"preflight: the teacher {config.teacher_path}: shapes {teacher_source}")
+
+        def make_teacher():
+            return Bagel(teacher_config, rngs=nnx.Rngs(0))
+
+        teacher_graphdef, teacher_abstract = mesh_lib.abstract_model(make_teacher, mesh)
+        teacher_weights = nnx.split_state(teacher_abstract, nnx.Param, ...)[0]
+        dtype = jax.numpy.dtype(config.compute_dtype)
+        teacher_weights = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), teacher_weights
+        )
+        teacher_model = train_step.TeacherModel(
+            teacher_graphdef, gpu_target.host_rest(make_teacher)
+        )
+    optimizer, frozen, state = trained_split.abstract_train_state(
+        config, abstract_params, teacher_weights
+    )
     resident = device_memory.bytes_per_device(state)
     say(
         f"train state per device: {resident / GIB:.2f} GiB "
@@ -177,7 +203,9 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
 
     # ---- the train step, every length bucket ------------------------------------------------
     settings = builds.loss_settings(config, vocab_limit=model_config.llm.vocab_size)
-    loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, config.teacher_mode)
+    loss_fn = train_step.make_loss(
+        config.mode, graphdef, rest, settings, config.teacher_mode, teacher_model
+    )
     step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen)
     shapes = pack_shapes.pack_shapes(config)
     batches = step_batches_for(

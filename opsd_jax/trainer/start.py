@@ -2,10 +2,12 @@
 
 `open_start` decides fresh vs resume (auto_resume: this run's own newest checkpoint; or
 resume_from), says every config key a resume changes and refuses one that contradicts the state
-(and LoRA adapters on another base), loads the model and tokenizer (the HF files, a random init,
-or only their shapes where a checkpoint gives the weights), attaches the LoRA adapters, and makes
-the train state: a fresh one jitted into the layout the step compiles for, or the checkpoint's
-restored straight into its shards (peak memory: one state).
+(and LoRA adapters on another base, or another checkpoint teacher than the saved run's), loads
+the model and tokenizer (the HF files, a random init, or only their shapes where a checkpoint
+gives the weights), attaches the LoRA adapters, loads a checkpoint teacher, and makes the train
+state: a fresh one jitted into the layout the step compiles for, or the checkpoint's restored
+straight into its shards (peak memory: one state). What trains and what is held frozen is
+asked of the config's TrainedSplit (run_config/trained_split.py), never decided here.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import jax
 from flax import nnx
 
 from opsd_jax import run_config
-from opsd_jax.io import hf_load, init_weights, saved_items, weights_digest
+from opsd_jax.io import hf_load, init_weights, saved_items, teacher_checkpoint, weights_digest
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
 from opsd_jax.io.hf_load import load_hf
 from opsd_jax.parallel import distributed
@@ -41,10 +43,19 @@ class Start:
     optimizer: Any
     frozen: tuple  # the frozen parameter groups
     lora_base: dict | None  # LoRA: the base weights' identity, recorded in every checkpoint
+    split: Any  # run_config.TrainedSplit: what trains, what is frozen
     start_step: int
     resumed: str | None  # the checkpoint directory resumed from, or None (a fresh start)
     data_state: Any = None  # the data iterator's saved state (a resume)
     saved_config: dict | None = None  # the resumed checkpoint's config
+    teacher: Any = None  # teacher_checkpoint.TeacherCheckpoint ('checkpoint'; params dropped)
+
+    @property
+    def teacher_model(self):
+        """The loss's TeacherModel of a checkpoint teacher, None otherwise."""
+        if self.teacher is None:
+            return None
+        return train_step.TeacherModel(self.teacher.graphdef, self.teacher.rest)
 
 
 def resumed_from(config, checkpointer: Checkpointer, checkpoint_dir: str) -> str | None:
@@ -68,7 +79,17 @@ def check_resume(config, resumed: str, say: Callable) -> str | None:
     except resume_changes.ResumeConfigError as e:
         run_config.config_error(e)
     saved_teacher = saved_items.saved_teacher_mode(resumed)
-    if config.lora_rank:  # the adapters apply to the base they were trained on, only
+    split = run_config.TrainedSplit.of_config(config)
+    if split.separate_teacher and saved_teacher == "checkpoint":  # the same teacher, only
+        saved = saved_items.saved_teacher_checkpoint(resumed)
+        now = teacher_checkpoint.identity(config.teacher_path)
+        if saved is not None and saved["digest"] != now["digest"]:
+            run_config.config_error(
+                f"resume from {resumed}: its run was taught by {weights_digest.describe(saved)}, "
+                f"but teacher_path gives {weights_digest.describe(now)}; give the saved run's "
+                "teacher, or start a new run"
+            )
+    if split.lora:  # the adapters apply to the base they were trained on, only
         saved_base = saved_items.saved_lora_base(resumed)
         now_base = init_weights.base_identity(config, full_resume=True)
         if saved_base is None or saved_base["digest"] != now_base["digest"]:
@@ -106,7 +127,8 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
         f"attention backend {runtime['attention_backend']}"
         + (" (auto)" if config.attention_backend == "auto" else "")
     )
-    if resumed and not config.lora_rank and config.weights != hf_load.RANDOM_WEIGHTS:
+    split = run_config.TrainedSplit.of_config(config)
+    if resumed and not split.lora and config.weights != hf_load.RANDOM_WEIGHTS:
         # The state comes from the checkpoint, restored straight into its shards: the HF
         # weights are not read at all (params stay abstract), so no second copy ever exists.
         model, model_config, tokenizer = load_hf(
@@ -117,7 +139,11 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
         loaded = _Loaded(graphdef, params, rest, model_config, tokenizer)
     else:  # (a LoRA resume reads its frozen base here: the checkpoint holds adapters only)
         start = init_weights.load(
-            config, mesh, config_changes={"llm": runtime}, full_resume=bool(resumed)
+            config,
+            mesh,
+            split=split,
+            config_changes={"llm": runtime},
+            full_resume=bool(resumed),
         )
         loaded = _Loaded(
             start.graphdef,
@@ -140,7 +166,7 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
             else ""
         )
     )
-    if config.lora_rank:  # adapters on the loaded weights, which become the frozen base
+    if split.lora:  # adapters on the loaded weights, which become the frozen base
         loaded.graphdef, loaded.params, loaded.rest = run_config.with_adapters(
             loaded.graphdef, loaded.params, loaded.rest, config, mesh
         )
@@ -156,31 +182,58 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
     return loaded
 
 
-def fresh_state(config, mesh, optimizer, frozen, abstract_state, params, teacher_source):
+def load_teacher(config, mesh, loaded: _Loaded, say: Callable):
+    """A checkpoint teacher (teacher_path) checked against the student and loaded frozen in the
+    compute dtype, sharded as the student's weights; None for any other teacher."""
+    if not run_config.TrainedSplit.of_config(config).separate_teacher:
+        return None
+    t0 = time.perf_counter()
+    try:
+        teacher = teacher_checkpoint.load(
+            config.teacher_path,
+            mesh,
+            student_config=loaded.model_config,
+            student_tokenizer=loaded.tokenizer,
+            config_changes={"llm": run_config.model_runtime(config)},
+        )
+    except teacher_checkpoint.TeacherMismatch as e:
+        run_config.config_error(e)
+    say(f"{teacher.describe()}, loaded in {time.perf_counter() - t0:.1f}s")
+    return teacher
+
+
+def fresh_state(
+    config, mesh, optimizer, frozen, abstract_state, params, teacher_source, teacher_weights
+):
     """A fresh TrainState, jitted into exactly the layout the step is compiled for (the params
-    are donated, so not copied; the optimizer state and scalars are made in place on every
-    process)."""
+    and a checkpoint teacher's weights are donated, so not copied; the optimizer state and
+    scalars are made in place on every process)."""
     init = jax.jit(
-        lambda params, source: run_config.init_train_state(
-            config, optimizer, frozen, params, source
+        lambda params, source, weights: run_config.init_train_state(
+            config, optimizer, frozen, params, source, weights
         ),
         out_shardings=train_step.shardings_of(abstract_state),
-        donate_argnums=(0,),
+        donate_argnums=(0, 2),
     )
     with mesh_lib.use_mesh(mesh):
-        return init(params, teacher_source)
+        return init(params, teacher_source, teacher_weights)
 
 
 def restore_state(config, mesh, checkpointer, resumed, saved_teacher, optimizer, abstract_state):
     """(state, data_state, saved_config, abstract_state) restored from `resumed` into the
-    abstract state. A checkpoint of a 'self'-teacher run keeps no teacher: one allowed to
-    become 'ema' or 'fixed' (resume_changes) restores without it and starts the teacher from the
-    student."""
-    no_saved_teacher = saved_teacher == "self" and abstract_state.teacher_params is not None
+    abstract state. A checkpoint of a 'self' or 'checkpoint'-teacher run keeps no teacher copy:
+    one allowed to become 'ema' or 'fixed' (resume_changes) restores without it and starts the
+    teacher from the student. A checkpoint teacher's weights are the abstract state's own
+    arrays, kept as they are."""
+    no_saved_teacher = (
+        saved_teacher in ("self", "checkpoint") and abstract_state.teacher_params is not None
+    )
     target = abstract_state.replace(teacher_params=None) if no_saved_teacher else abstract_state
     state, data_state, saved_config = checkpointer.restore(target, directory=resumed)
-    if config.lora_rank:  # the base's arrays go to the step (donated): the target keeps shapes
-        abstract_state = abstract_state.replace(base=abstract_like(state.base))
+    # The base's and the teacher's arrays go to the step (donated): the target keeps shapes.
+    abstract_state = abstract_state.replace(
+        base=abstract_like(state.base), teacher_weights=abstract_like(state.teacher_weights)
+    )
     if no_saved_teacher:
         start_teacher = jax.jit(
             lambda p: (
@@ -204,23 +257,40 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
     'resumed from' line is the caller's, once the data iterator has its state)."""
     resumed = resumed_from(config, checkpointer, checkpoint_dir)
     saved_teacher = check_resume(config, resumed, say) if resumed else None
+    split = run_config.TrainedSplit.of_config(config)
+    say(split.describe())
     loaded = load_model(config, mesh, resumed, say)
+    teacher = load_teacher(config, mesh, loaded, say)
+    teacher_weights = teacher.params if teacher else None
     params = loaded.params
     abstract_params = abstract_like(params)
-    optimizer, frozen, abstract_state = run_config.abstract_train_state(config, abstract_params)
+    optimizer, frozen, abstract_state = run_config.abstract_train_state(
+        config, abstract_params, abstract_like(teacher_weights)
+    )
     state = data_state = saved_config = None
     if not resumed:
         state = fresh_state(
-            config, mesh, optimizer, frozen, abstract_state, params, loaded.teacher_source
+            config,
+            mesh,
+            optimizer,
+            frozen,
+            abstract_state,
+            params,
+            loaded.teacher_source,
+            teacher_weights,
         )
-    elif config.lora_rank:  # the restore target holds the frozen base, read from model_path
+    elif teacher_weights is not None:  # the restore target holds them, read from teacher_path
+        abstract_state = abstract_state.replace(teacher_weights=teacher_weights)
+    if resumed and split.lora:  # the restore target holds the frozen base, read from model_path
         take_base = jax.jit(
             lambda params: run_config.split_for_training(params, config)[1],
             out_shardings=train_step.shardings_of(abstract_state.base),
         )
         with mesh_lib.use_mesh(mesh):
             abstract_state = abstract_state.replace(base=take_base(params))
-    loaded.params = loaded.teacher_source = params = None
+    loaded.params = loaded.teacher_source = params = teacher_weights = None
+    if teacher:
+        teacher.params = None  # the state holds them now
     if resumed:  # into the abstract state: peak memory is one state
         state, data_state, saved_config, abstract_state = restore_state(
             config, mesh, checkpointer, resumed, saved_teacher, optimizer, abstract_state
@@ -236,8 +306,10 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
         optimizer=optimizer,
         frozen=frozen,
         lora_base=loaded.lora_base,
+        split=split,
         start_step=int(distributed.to_host(state.step)),
         resumed=resumed,
         data_state=data_state,
         saved_config=saved_config,
+        teacher=teacher,
     )

@@ -102,6 +102,7 @@ class StepLog:
         self.config, self.logger, self.checkpointer = config, logger, checkpointer
         self.checkpoint_dir, self.batches = checkpoint_dir, batches
         self.tokenizer, self.lora_base = start.tokenizer, start.lora_base
+        self.teacher = start.teacher.identity if start.teacher else None
         self.last_good_step = start.start_step
         self.local_samples = config.gradient_accumulation_steps * (
             config.samples_per_micro_batch // jax.process_count()
@@ -122,6 +123,7 @@ class StepLog:
             config=self.config.to_dict(),
             force=True,
             lora_base=self.lora_base,
+            teacher=self.teacher,
         )
 
     def report_cut_samples(self, step: int, scalars: dict, logged) -> None:

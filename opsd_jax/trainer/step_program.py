@@ -68,7 +68,7 @@ def compile_steps(
     settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = offline_cache_reader(config, start.model_config, tokenizer, options, say)
     loss_fn = train_step.make_loss(
-        config.mode, start.graphdef, start.rest, settings, config.teacher_mode
+        config.mode, start.graphdef, start.rest, settings, config.teacher_mode, start.teacher_model
     )
     step_fn = run_config.train_step_for(
         config, loss_fn, start.optimizer, start.abstract_state, start.frozen

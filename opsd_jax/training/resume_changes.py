@@ -69,7 +69,9 @@ IMPOSSIBLE.update(
 def _teacher_meaning(saved: str, now: str) -> str:
     if now == "self":
         return f"the saved {saved} teacher is not used: the teacher is the student itself"
-    if saved == "self":
+    if now == "checkpoint":
+        return f"the saved {saved} teacher is not used: the teacher is teacher_path's model"
+    if saved in ("self", "checkpoint"):
         return (
             f"the checkpoint keeps no teacher: the {now} teacher starts from the restored "
             "student weights"
@@ -107,6 +109,10 @@ PLAIN = {
     "warmup_steps": lambda saved, now: "the schedule is re-evaluated at the resumed step",
     "lr_scheduler": lambda saved, now: "the schedule is re-evaluated at the resumed step",
     "ema_decay": lambda saved, now: "the EMA continues from its saved weights at the new decay",
+    "teacher_path": lambda saved, now: (
+        "the checkpoint teacher is read from the new path; only the saved run's own teacher "
+        "is taken (the weights' digest is compared)"
+    ),
     "global_seed": lambda saved, now: (
         "the data position and sampling key come from the checkpoint; only new randomness "
         "(evaluation, data not yet read after a data change) follows the new seed"

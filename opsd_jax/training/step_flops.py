@@ -54,19 +54,20 @@ class Trained:
     any: frozenset = frozenset({"vit", "connector", "llm", "lm_head"})
 
     @classmethod
-    def of_config(cls, config) -> Trained:
-        """From a run config: frozen groups, freeze_und, LoRA (adapters on `lora_targets`)."""
-        if config.lora_rank:
+    def of_split(cls, split) -> Trained:
+        """From a run's TrainedSplit (run_config/trained_split.py): LoRA's adapters (on their
+        targets), or the groups the freeze flags leave."""
+        if split.adapters:
             held = {"vit": "vit_model", "connector": "connector", "llm": "layers"}
-            targets = str(config.lora_targets)
+            targets = str(split.adapters.targets)
             adapted = {g for g, name in held.items() if name in targets}
             return cls(weights=frozenset(), any=frozenset(adapted))
-        if config.freeze_und:
+        if "freeze_und" in split.frozen_flags:
             return cls(weights=frozenset({"lm_head"}), any=frozenset({"lm_head"}))
         groups = {"vit", "connector", "llm", "lm_head"}
-        if config.freeze_vit:
+        if "freeze_vit" in split.frozen_flags:
             groups.discard("vit")
-        if config.freeze_llm:
+        if "freeze_llm" in split.frozen_flags:
             groups -= {"llm", "lm_head"}
         return cls(weights=frozenset(groups), any=frozenset(groups))
 
@@ -259,13 +260,15 @@ def opsd_step_flops(
     remat: str = "none",
     vit_remat: str = "same",
     dense: bool = False,
+    teacher_config: BagelConfig | None = None,
 ) -> StepFlops:
     """One OPSD step's packs (micro-batches stacked or not): the student's forward and backward,
-    the teacher's forward (None: a teacher that needs no forward, e.g. an offline cache)."""
+    the teacher's forward (None: a teacher that needs no forward, e.g. an offline cache) at
+    `teacher_config`'s shapes (a checkpoint teacher's; default: the student's)."""
     count = lambda p: p if isinstance(p, PackCounts) else counts_of(p, dense)  # noqa: E731
     flops = forward_flops(config, count(student), trained, remat=remat, vit_remat=vit_remat)
     if teacher is not None:
-        flops = flops + forward_flops(config, count(teacher), None)
+        flops = flops + forward_flops(teacher_config or config, count(teacher), None)
     return flops
 
 
@@ -277,12 +280,19 @@ def step_model_flops(
     *,
     remat: str = "none",
     vit_remat: str = "same",
+    teacher_config: BagelConfig | None = None,
 ) -> StepFlops:
     """A training step's FLOPs from its packs' counts (`StepBatches.pack`'s, in its packs'
-    order): OPSD's student and teacher, SFT's one pack, offline's text-only pack (its teacher
-    is the cache: no forward)."""
+    order): OPSD's student and teacher (at `teacher_config`'s shapes, a checkpoint teacher's),
+    SFT's one pack, offline's text-only pack (its teacher is the cache: no forward)."""
     if mode == "opsd":
         return opsd_step_flops(
-            config, counts[0], counts[1], trained, remat=remat, vit_remat=vit_remat
+            config,
+            counts[0],
+            counts[1],
+            trained,
+            remat=remat,
+            vit_remat=vit_remat,
+            teacher_config=teacher_config,
         )
     return forward_flops(config, counts[0], trained, remat=remat, vit_remat=vit_remat)

@@ -16,7 +16,9 @@ One optimizer step (train.py drives it):
 
 Teacher modes: `self` (stop-gradient of the current params: no extra memory), `ema` (an EMA copy
 updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (the initial
-params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory).
+params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory),
+`checkpoint` (another model's weights, `teacher_weights`: frozen, in the compute dtype, merged
+with that model's own graph, `TeacherModel`; never checkpointed).
 
 Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
 config's compute dtype. With LoRA (`lora_rank > 0`, models/lora.py) `params` are the adapters
@@ -27,7 +29,7 @@ everything but lm_head, see `frozen_groups`) are split off the params before dif
 the backward computes no gradient for them, they get no optimizer state, and they stay
 bit-identical; `grad_norm` is over the trained parameters only.
 
-One module of about 600 lines: the state, each mode's loss and the one compiled step share the
+One module of about 700 lines: the state, each mode's loss and the one compiled step share the
 state's layout and the frozen-group split; the step is read in one place.
 """
 
@@ -46,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from models.pack import Pack
 from opsd_jax.training import losses
 
-TEACHER_MODES = ("self", "ema", "fixed")
+TEACHER_MODES = ("self", "ema", "fixed", "checkpoint")
 LOSS_KINDS = ("jsd", "tinker")
 LR_SCHEDULERS = ("cosine", "constant")
 
@@ -95,6 +97,24 @@ class TrainState:
     # by student, teacher and sampler; not checkpointed (the checkpoint names the HF weights it
     # came from). None in full fine-tuning.
     base: Any = None
+    # teacher_mode='checkpoint': the whole nnx.Param state of a teacher loaded from its own HF
+    # directory, in the compute dtype; frozen, and not checkpointed (the checkpoint records its
+    # path and digest, and a resume reads it again). None otherwise.
+    teacher_weights: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherModel:
+    """A teacher of another checkpoint: its own nnx graph and non-Param state (its weights are
+    the train state's `teacher_weights`). Its packs are the student's: same tokenizer,
+    vocabulary and image patching (checked where it is loaded)."""
+
+    graphdef: Any
+    rest: Any
+
+    @property
+    def graph(self) -> tuple:
+        return self.graphdef, self.rest
 
 
 def model_params(params, base):
@@ -300,18 +320,25 @@ def rollout_mismatch(student_logits, pack: Pack, sampled, settings: LossSettings
 Loss = Callable[[Any, Any, tuple], tuple[jax.Array, dict]]
 
 
-def make_opsd_loss(graphdef, rest, settings: LossSettings, teacher_mode: str) -> Loss:
+def make_opsd_loss(
+    graphdef, rest, settings: LossSettings, teacher_mode: str, teacher_model=None
+) -> Loss:
     """loss(params, teacher_params, (student_pack, teacher_pack[, sampled])) -> (loss, metrics).
     With `sampled` (the rollout's log-probs at the student's entries, OpsdBatches' third part)
-    the metrics hold the rollout's mismatch with the student (`rollout_mismatch`)."""
+    the metrics hold the rollout's mismatch with the student (`rollout_mismatch`).
+    `teacher_model` (a TeacherModel) is the teacher of teacher_mode='checkpoint', whose
+    `teacher_params` are then the train state's `teacher_weights`."""
     if teacher_mode not in TEACHER_MODES:
         raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
+    if (teacher_mode == "checkpoint") != (teacher_model is not None):
+        raise ValueError("a TeacherModel goes with teacher_mode='checkpoint', and only with it")
+    teacher_graph = (graphdef, rest) if teacher_model is None else teacher_model.graph
 
     def teacher_logits(teacher_params, pack):
         # Full remat + stop-gradient: the teacher's activations are never kept for a backward.
         @jax.checkpoint
         def forward(teacher_params, pack):
-            teacher = nnx.merge(graphdef, teacher_params, rest)
+            teacher = nnx.merge(teacher_graph[0], teacher_params, teacher_graph[1])
             return teacher.logits_at(teacher(pack), pack.loss_rows)
 
         return jax.lax.stop_gradient(forward(jax.lax.stop_gradient(teacher_params), pack))
@@ -369,13 +396,15 @@ def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
     return loss_fn
 
 
-def make_loss(mode: str, graphdef, rest, settings: LossSettings, teacher_mode: str) -> Loss:
+def make_loss(
+    mode: str, graphdef, rest, settings: LossSettings, teacher_mode: str, teacher_model=None
+) -> Loss:
     """The loss of a training mode: 'opsd' (student vs teacher), 'sft' or 'offline'."""
     if mode == "sft":
         return make_sft_loss(graphdef, rest, settings)
     if mode == "offline":
         return make_offline_loss(graphdef, rest, settings)
-    return make_opsd_loss(graphdef, rest, settings, teacher_mode)
+    return make_opsd_loss(graphdef, rest, settings, teacher_mode, teacher_model)
 
 
 def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
@@ -547,6 +576,8 @@ def make_train_step(
                 teacher = state.teacher_params
                 if teacher is not None:
                     teacher = model_params(_fresh(teacher), base)
+                elif state.teacher_weights is not None:  # another model's, whole
+                    teacher = _fresh(state.teacher_weights)
                 return loss_fn(model_params(params, base), teacher, packs)
 
             (_, metrics), micro_grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
@@ -592,11 +623,15 @@ def init_state(
     teacher_source=None,
     frozen: tuple[str, ...] = (),
     base=None,
+    teacher_weights=None,
 ) -> TrainState:
     """A fresh TrainState. The EMA / fixed teacher is a real copy (never an alias of params,
     which would be donated twice); `teacher_source` overrides where it is copied from (e.g. a
     checkpoint's EMA with `finetune_from_ema`); the optimizer state covers the params outside
-    the `frozen` groups. With LoRA `params` are the adapters and `base` the frozen model."""
+    the `frozen` groups. With LoRA `params` are the adapters and `base` the frozen model.
+    `teacher_weights`: a checkpoint teacher's weights ('checkpoint'), held as given."""
+    if (teacher_mode == "checkpoint") != (teacher_weights is not None):
+        raise ValueError("teacher_weights go with teacher_mode='checkpoint', and only with it")
     source = params if teacher_source is None else teacher_source
     if teacher_mode == "ema":
         teacher = jax.tree.map(jnp.copy, source)
@@ -614,6 +649,7 @@ def init_state(
         rng=rng,
         bad_steps=jnp.zeros((), jnp.int32),
         base=base,
+        teacher_weights=teacher_weights,
     )
 
 
@@ -626,15 +662,20 @@ def abstract_state(
     fixed_teacher_dtype="float32",
     frozen: tuple[str, ...] = (),
     abstract_base=None,
+    abstract_teacher_weights=None,
 ) -> TrainState:
     """The TrainState `init_state` would make, as ShapeDtypeStructs carrying their shardings
     (no memory): the restore target of a resume and the AOT compile's argument. `abstract_params`
     carry NamedShardings (mesh.abstract_model); the optimizer moments and the teacher are laid
     out like their params, scalars and the rng key replicated. LoRA: `abstract_params` are the
-    adapters, `abstract_base` the frozen base (kept as given)."""
+    adapters, `abstract_base` the frozen base (kept as given); `abstract_teacher_weights` a
+    checkpoint teacher's weights (kept as given)."""
     shapes = jax.eval_shape(
-        lambda p: init_state(p, optimizer, teacher_mode, rng, fixed_teacher_dtype, frozen=frozen),
+        lambda p, w: init_state(
+            p, optimizer, teacher_mode, rng, fixed_teacher_dtype, frozen=frozen, teacher_weights=w
+        ),
         abstract_params,
+        abstract_teacher_weights,
     )
     mesh = jax.tree.leaves(abstract_params)[0].sharding.mesh
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -658,6 +699,7 @@ def abstract_state(
         rng=like(shapes.rng),
         bad_steps=like(shapes.bad_steps),
         base=abstract_base,
+        teacher_weights=abstract_teacher_weights,
     )
 
 

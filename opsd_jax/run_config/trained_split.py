@@ -1,0 +1,213 @@
+"""What a run trains and what it holds frozen: one answer, made once from the config.
+
+Every stage that used to test `config.lora_rank` or `config.teacher_mode` on its own (the
+weights' start, the train state, the resume, the preflight, the FLOP count, the console) asks a
+`TrainedSplit` instead, so a new way of training (adapters, a teacher of another checkpoint) is
+added here and nowhere else decides it:
+
+- `adapters`: None for full fine-tuning; else the LoRA adapters that train (rank, alpha,
+  targets) over the frozen base, held once in the compute dtype;
+- `teacher`: 'self' (the student itself: nothing held), 'ema' / 'fixed' (a copy of what
+  trains: the params, or with LoRA the adapters, over the student's base), or 'checkpoint'
+  (another model's whole weights from `teacher_path`, frozen in the compute dtype, never
+  saved: the checkpoints record its identity);
+- `frozen_flags`: which of freeze_vit / freeze_llm / freeze_und are set (full fine-tuning).
+
+The builders of the train state from that split live here too (`abstract_train_state`,
+`init_train_state`, `split_for_training`, the LoRA adapters' `attach_adapters` /
+`with_adapters` / `lora_target_paths`): they are the split made into arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from models import lora
+from opsd_jax.training import train_step
+
+# What the train state holds for the teacher (TrainedSplit.teacher_copy).
+NO_TEACHER_COPY = "none"  # 'self' (or a mode without a teacher forward)
+TEACHER_PARAMS = "params"  # an EMA / fixed copy of the trained params (LoRA: adapters)
+TEACHER_WEIGHTS = "weights"  # another checkpoint's whole weights, frozen (teacher_weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+    """LoRA: adapters of `rank` on the projections matching `targets`, scaled alpha / rank."""
+
+    rank: int
+    alpha: float
+    targets: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedSplit:
+    adapters: Adapters | None
+    teacher: str  # train_step.TEACHER_MODES
+    teacher_path: str  # the teacher's HF directory ('checkpoint'); '' otherwise
+    compute_dtype: str  # the frozen base and a checkpoint teacher are held in it
+    fixed_teacher_dtype: str
+    frozen_flags: tuple[str, ...] = ()  # the freeze_* flags set (full fine-tuning only)
+
+    @property
+    def lora(self) -> bool:
+        return self.adapters is not None
+
+    @property
+    def teacher_copy(self) -> str:
+        """What the train state keeps for the teacher: NO_TEACHER_COPY, TEACHER_PARAMS (in
+        `teacher_params`, checkpointed) or TEACHER_WEIGHTS (in `teacher_weights`, not)."""
+        if self.teacher == "checkpoint":
+            return TEACHER_WEIGHTS
+        return NO_TEACHER_COPY if self.teacher == "self" else TEACHER_PARAMS
+
+    @property
+    def teacher_is_copy(self) -> bool:
+        """The teacher is an EMA / fixed copy of what trains (kept in `teacher_params`)."""
+        return self.teacher_copy == TEACHER_PARAMS
+
+    @property
+    def separate_teacher(self) -> bool:
+        """The teacher is another model (its own graph and weights), not a copy of the student."""
+        return self.teacher_copy == TEACHER_WEIGHTS
+
+    @classmethod
+    def of_config(cls, config) -> TrainedSplit:
+        """The split a run config asks for."""
+        adapters = None
+        if config.lora_rank:
+            adapters = Adapters(
+                int(config.lora_rank), float(config.lora_alpha), config.lora_targets
+            )
+        flags = ("freeze_vit", "freeze_llm", "freeze_und")
+        return cls(
+            adapters=adapters,
+            teacher=config.teacher_mode,
+            teacher_path=config.teacher_path if config.teacher_mode == "checkpoint" else "",
+            compute_dtype=config.compute_dtype,
+            fixed_teacher_dtype=config.fixed_teacher_dtype,
+            frozen_flags=() if adapters else tuple(f for f in flags if config[f]),
+        )
+
+    def describe(self) -> str:
+        """One line for the console: what trains, what is frozen."""
+        if self.adapters:
+            trains = (
+                f"LoRA adapters (rank {self.adapters.rank}) on {self.adapters.targets!r}, the "
+                f"base frozen in {self.compute_dtype}"
+            )
+        elif self.frozen_flags:
+            trains = "every parameter but " + ", ".join(self.frozen_flags) + "'s groups"
+        else:
+            trains = "every parameter"
+        teacher = {
+            "self": "the student itself",
+            "ema": "an EMA of what trains",
+            "fixed": f"the starting weights of what trains, frozen in {self.fixed_teacher_dtype}",
+            "checkpoint": f"{self.teacher_path}, frozen in {self.compute_dtype} (not saved)",
+        }[self.teacher]
+        return f"trains {trains}; teacher: {teacher}"
+
+
+# ---- LoRA's adapters ---------------------------------------------------------------------------
+
+
+def attach_adapters(model: nnx.Module, config) -> list[str]:
+    """LoRA adapters on `model`'s projections as the config asks (lora_rank, lora_alpha,
+    lora_targets; their A drawn from global_seed, computing in compute_dtype); the paths."""
+    return lora.attach(
+        model,
+        config.lora_rank,
+        float(config.lora_alpha),
+        config.lora_targets,
+        rngs=nnx.Rngs(config.global_seed),
+        dtype=config.compute_dtype,
+    )
+
+
+def with_adapters(graphdef, params, rest, config, mesh) -> tuple:
+    """(graphdef, params, rest) of the model with the config's LoRA adapters attached (params:
+    every nnx.Param, the adapters' nnx.LoRAParams among them, replicated over `mesh`: small,
+    and read whole by every device); as given without LoRA."""
+    if not TrainedSplit.of_config(config).lora:
+        return graphdef, params, rest
+    model = nnx.merge(graphdef, params, rest)
+    attach_adapters(model, config)
+    graphdef, adapters, params, rest = nnx.split(model, nnx.LoRAParam, nnx.Param, ...)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    adapters = jax.tree.map(lambda x: jax.device_put(x, replicated), adapters)
+    return graphdef, nnx.merge_state(adapters, params), rest
+
+
+def lora_target_paths(config, model_config) -> list[str]:
+    """The projections `lora_targets` adapts in a model of `model_config`, found on an
+    abstract model (nothing allocated or read); ValueError when it matches none."""
+    from models.bagel import Bagel  # the model class only here: run_config is read by every script
+
+    abstract = nnx.eval_shape(lambda: Bagel(model_config, rngs=nnx.Rngs(0)))
+    return lora.matching_paths(abstract, config.lora_targets)
+
+
+# ---- the train state --------------------------------------------------------------------------
+
+
+def split_for_training(state: nnx.State, config) -> tuple[Any, Any]:
+    """(params, base) of a model's nnx.Param state: without LoRA (all of it, None); with LoRA
+    (the adapters, the rest cast to compute_dtype: the frozen base held once). Traceable."""
+    if not TrainedSplit.of_config(config).lora:
+        return state, None
+    adapters, base = nnx.split_state(state, nnx.LoRAParam, ...)
+    dtype = jax.numpy.dtype(config.compute_dtype)
+    return adapters, jax.tree.map(lambda x: x.astype(dtype), base)
+
+
+def abstract_train_state(config, abstract_params, abstract_teacher_weights=None) -> tuple:
+    """(the optimizer, the frozen parameter groups, the TrainState as abstract arrays laid out
+    like `abstract_params`) as the config sets them up: what the train step compiles for.
+    `abstract_params`: the model's whole nnx.Param state (with LoRA, adapters and base);
+    `abstract_teacher_weights`: a checkpoint teacher's nnx.Param state, as it is held."""
+    split = TrainedSplit.of_config(config)
+    params, base = abstract_params, None
+    if split.lora:  # the base laid out as the weights it is cast from
+        params, weights = nnx.split_state(abstract_params, nnx.LoRAParam, ...)
+        dtype = jax.numpy.dtype(config.compute_dtype)
+        base = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), weights
+        )
+    if split.separate_teacher and abstract_teacher_weights is None:
+        raise ValueError("teacher_mode='checkpoint': give the teacher's weights (abstract)")
+    optimizer = train_step.make_optimizer(config)
+    frozen = train_step.frozen_groups(config, params)
+    state = train_step.abstract_state(
+        params,
+        optimizer,
+        split.teacher,
+        jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype,
+        frozen=frozen,
+        abstract_base=base,
+        abstract_teacher_weights=abstract_teacher_weights if split.separate_teacher else None,
+    )
+    return optimizer, frozen, state
+
+
+def init_train_state(config, optimizer, frozen, params, teacher_source=None, teacher_weights=None):
+    """A fresh TrainState from the model's nnx.Param state (`params`; with LoRA adapters and
+    base, split here and the base cast to compute_dtype) and, for a checkpoint teacher, its
+    weights (held as given). Traceable: train.py jits it into the abstract state's layout."""
+    params, base = split_for_training(params, config)
+    return train_step.init_state(
+        params,
+        optimizer,
+        config.teacher_mode,
+        jax.random.key(config.global_seed),
+        fixed_teacher_dtype=config.fixed_teacher_dtype,
+        teacher_source=teacher_source,
+        frozen=frozen,
+        base=base,
+        teacher_weights=teacher_weights,
+    )

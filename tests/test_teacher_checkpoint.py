@@ -1,0 +1,384 @@
+"""A teacher from another checkpoint (teacher_mode='checkpoint', #55 item 1).
+
+The teacher is another model: its own graph (it may be deeper than the student), its weights
+frozen in the compute dtype and never saved. It scores exactly as a fixed teacher holding the
+same weights would, it stays bit-identical through the step, with LoRA it sits beside the
+student's base, its tokenizer and shapes are checked against the student's (the first
+difference named), and train.py resumes such a run bit-identically and refuses another teacher
+in one line.
+"""
+
+import json
+import re
+import shutil
+
+import builders
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_python
+from flax import nnx
+from test_train_cli import assert_same_params
+from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
+
+from configs import tiny as tiny_config
+from models.bagel import Bagel
+from models.configs import BagelConfig
+from opsd_jax import run_config
+from opsd_jax.io import teacher_checkpoint
+from opsd_jax.io.hf_load import load_hf
+from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.run_config import checks
+from opsd_jax.toy import data as toy_data
+from opsd_jax.toy import model as toy_model
+from opsd_jax.training import train_step
+
+FP32 = dict(compute_dtype="float32", remat="none")
+
+
+def split(config: BagelConfig, seed: int):
+    return nnx.split(Bagel(config, rngs=nnx.Rngs(seed)), nnx.Param, ...)
+
+
+def step_for(graphdef, rest, config, mode, teacher_model=None):
+    settings = builders.loss_settings(num_samples=2)
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, mode, teacher_model)
+    return train_step.make_train_step(
+        loss_fn,
+        train_step.make_optimizer(config),
+        teacher_mode=mode,
+        ema_decay=0.5,
+        schedule=train_step.learning_rate_schedule(config),
+    )
+
+
+def test_a_checkpoint_teacher_scores_as_a_fixed_teacher_holding_its_weights():
+    """Same shapes, so the 'fixed' path (the student's graph over the teacher's weights) is an
+    independent reference: the step's metrics and the updated student agree exactly, and the
+    teacher's weights come out bit-identical."""
+    tiny = BagelConfig.tiny(llm=FP32)
+    graphdef, params, rest = split(tiny, 0)
+    teacher_graphdef, teacher_params, teacher_rest = split(tiny, 1)
+    config = optim_config()
+    micro = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    optimizer = train_step.make_optimizer(config)
+
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (each step donates its state)
+    fixed = train_step.init_state(
+        copy(params), optimizer, "fixed", jax.random.key(0), teacher_source=copy(teacher_params)
+    )
+    ours = train_step.init_state(
+        copy(params),
+        optimizer,
+        "checkpoint",
+        jax.random.key(0),
+        teacher_weights=copy(teacher_params),
+    )
+    assert ours.teacher_params is None
+    model = train_step.TeacherModel(teacher_graphdef, teacher_rest)
+    want_state, want = step_for(graphdef, rest, config, "fixed")(fixed, micro)
+    got_state, got = step_for(graphdef, rest, config, "checkpoint", model)(ours, micro)
+    assert float(want["jsd"]) > 0
+    for key in ("loss", "jsd", "grad_norm"):
+        assert float(got[key]) == float(want[key]), key
+    for a, b in zip(jax.tree.leaves(got_state.params), jax.tree.leaves(want_state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(got_state.teacher_weights), jax.tree.leaves(teacher_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # And the teacher matters: the student's own weights as the teacher give another loss.
+    _, own = step_for(graphdef, rest, config, "self")(
+        train_step.init_state(copy(params), optimizer, "self", jax.random.key(0)), micro
+    )
+    assert float(own["jsd"]) != float(got["jsd"])
+
+
+def test_a_deeper_teacher_runs_on_its_own_graph():
+    """A teacher of three layers for a two-layer student: its logits are its own model's on the
+    teacher packs (computed here by calling that model), the loss the one they give."""
+    tiny = BagelConfig.tiny(llm=FP32)
+    deeper = tiny.replace(llm=dict(num_hidden_layers=3))
+    graphdef, params, rest = split(tiny, 0)
+    teacher_graphdef, teacher_params, teacher_rest = split(deeper, 1)
+    settings = builders.loss_settings(num_samples=2)
+    student_pack, teacher_pack = fixed_packs(SAMPLES[:2], COMPLETIONS[:2])
+    model = train_step.TeacherModel(teacher_graphdef, teacher_rest)
+    loss_fn = train_step.make_opsd_loss(graphdef, rest, settings, "checkpoint", model)
+    loss, _ = jax.jit(loss_fn)(params, teacher_params, (student_pack, teacher_pack))
+
+    student = nnx.merge(graphdef, params, rest)
+    teacher = nnx.merge(teacher_graphdef, teacher_params, teacher_rest)
+    want, _ = train_step.completion_loss(
+        student.logits_at(student(student_pack), student_pack.loss_rows),
+        teacher.logits_at(teacher(teacher_pack), teacher_pack.loss_rows),
+        student_pack,
+        settings,
+    )
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    assert len(teacher_params["language_model"]["layers"]["und"]["q_proj"]["kernel"]) == 3
+
+
+def test_with_lora_the_teacher_sits_beside_the_students_base():
+    """LoRA: two frozen models (the student's base, the teacher), adapters alone trained; at the
+    start (B = 0) the loss is the full fine-tuning one of the base against that teacher."""
+    tiny = BagelConfig.tiny(llm=FP32)
+    graphdef, params, rest = split(tiny, 0)
+    teacher_graphdef, teacher_params, teacher_rest = split(tiny, 1)
+    model = train_step.TeacherModel(teacher_graphdef, teacher_rest)
+    micro = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    full = optim_config()
+    _, want = step_for(graphdef, rest, full, "checkpoint", model)(
+        train_step.init_state(
+            jax.tree.map(jnp.copy, params),
+            train_step.make_optimizer(full),
+            "checkpoint",
+            jax.random.key(0),
+            teacher_weights=jax.tree.map(jnp.copy, teacher_params),
+        ),
+        micro,
+    )
+
+    config = optim_config(
+        lora_rank=4,
+        lora_alpha=8.0,
+        lora_targets=".*",
+        teacher_mode="checkpoint",
+        compute_dtype="float32",
+    )
+    mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    lgraphdef, lparams, lrest = run_config.with_adapters(graphdef, params, rest, config, mesh)
+    optimizer = train_step.make_optimizer(config)
+    state = run_config.init_train_state(
+        config, optimizer, (), lparams, teacher_weights=teacher_params
+    )
+    assert state.base is not None and state.teacher_params is None
+    before = [np.asarray(x) for x in jax.tree.leaves(state.teacher_weights)]
+    step = step_for(lgraphdef, lrest, config, "checkpoint", model)
+    state, got = step(state, micro)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(state.teacher_weights), before):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert all("lora" in "/".join(map(str, p)) for p, _ in nnx.to_flat_state(state.params))
+
+
+def test_the_state_holds_the_teacher_sharded_as_the_weights_and_in_the_compute_dtype():
+    config = optim_config(compute_dtype="bfloat16", teacher_mode="checkpoint", teacher_path="t")
+    mesh = mesh_lib.make_mesh(1, None, 1)
+    _, abstract = mesh_lib.abstract_model(lambda: Bagel(BagelConfig.tiny(), rngs=nnx.Rngs(0)), mesh)
+    params = nnx.split_state(abstract, nnx.Param, ...)[0]
+    held = jax.tree.map(
+        lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16, sharding=p.sharding), params
+    )
+    _, _, state = run_config.abstract_train_state(config, params, held)
+    assert state.teacher_params is None
+    for (path, t), p in zip(nnx.to_flat_state(state.teacher_weights), jax.tree.leaves(params)):
+        assert t.dtype == jnp.bfloat16 and t.sharding == p.sharding, path
+    # What the preflight counts: the teacher's bf16 weights beside the fp32 params and moments.
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    alone = run_config.abstract_train_state(optim_config(teacher_mode="self"), params)[2]
+    count = sum(x.size for x in jax.tree.leaves(params))
+    assert nbytes(state) == nbytes(alone) + 2 * count
+    with pytest.raises(ValueError, match="give the teacher's weights"):
+        run_config.abstract_train_state(config, params)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(teacher_mode="checkpoint"), "teacher_mode='checkpoint' with an empty teacher_path"),
+        (dict(teacher_path="/x"), "teacher_path='/x' with teacher_mode='ema'"),
+        (
+            dict(teacher_mode="checkpoint", teacher_path="/nowhere"),
+            "teacher_path='/nowhere': not a BAGEL HF directory",
+        ),
+    ],
+)
+def test_bad_teacher_settings_are_named(changes, message):
+    config = run_config.complete(dict(toy_data=True, **changes))
+    with pytest.raises(checks.ConfigError, match=message):
+        checks.validate(config)
+
+
+def toy_corpus() -> list[str]:
+    tasks = toy_data.tasks_for(["toy_maze", "toy_count"])
+    return toy_data.toy_corpus_text(seed=0, tasks=tasks).splitlines()
+
+
+@pytest.fixture(scope="module")
+def toy_dirs(tmp_path_factory):
+    """A toy student (seed 0), a toy teacher of other weights and three layers (seed 1), both
+    with the toy run's tokenizer; and two teachers that cannot score the student's packs."""
+    root = tmp_path_factory.mktemp("teachers")
+    corpus = toy_corpus()
+    tiny = BagelConfig.tiny()
+    dirs = {
+        "student": toy_model.write_toy_model(root / "student", seed=0, corpus=corpus),
+        "teacher": toy_model.write_toy_model(
+            root / "teacher",
+            seed=1,
+            corpus=corpus,
+            config=tiny.replace(llm=dict(num_hidden_layers=3)),
+        ),
+        "other_tokenizer": toy_model.write_toy_model(
+            root / "other_tokenizer", seed=1, corpus=corpus[: len(corpus) // 3]
+        ),
+        "other_patch": toy_model.write_toy_model(
+            root / "other_patch",
+            seed=1,
+            corpus=corpus,
+            config=tiny.replace(vit=dict(patch_size=7)),
+        ),
+    }
+    return dirs
+
+
+def load_teacher(toy_dirs, name):
+    mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    _, student_config, tokenizer = load_hf(toy_dirs["student"], mesh=mesh, read_params=False)
+    return teacher_checkpoint.load(
+        toy_dirs[name],
+        mesh,
+        student_config=student_config,
+        student_tokenizer=tokenizer,
+        config_changes={"llm": dict(compute_dtype="bfloat16")},
+    )
+
+
+def test_the_teacher_loads_frozen_in_the_compute_dtype_and_is_named_by_its_digest(toy_dirs):
+    teacher = load_teacher(toy_dirs, "teacher")
+    assert teacher.model_config.llm.num_hidden_layers == 3
+    assert {x.dtype for x in jax.tree.leaves(teacher.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert teacher.identity == teacher_checkpoint.identity(toy_dirs["teacher"])
+    assert teacher.identity["digest"] != teacher_checkpoint.identity(toy_dirs["student"])["digest"]
+    assert "3 layers" in teacher.describe()
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("other_tokenizer", "tokenizer ids against the student's"),
+        ("other_patch", "the ViT patch size: 7 against the student's"),
+    ],
+)
+def test_a_teacher_that_reads_the_packs_otherwise_is_refused_naming_the_difference(
+    toy_dirs, name, message
+):
+    with pytest.raises(teacher_checkpoint.TeacherMismatch, match=message):
+        load_teacher(toy_dirs, name)
+
+
+class _Tokenizer:
+    """What tokenizer_difference reads of a BagelTokenizer."""
+
+    def __init__(self, vocab, special=(0, 1, 2, 3)):
+        self.vocab, self.special = vocab, special
+        self.vocab_length = len(vocab)
+        self.hf = self
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+    def special_tokens(self):
+        return self.special
+
+
+def test_the_first_token_read_otherwise_is_named():
+    ours = _Tokenizer({"a": 0, "b": 1, "c": 2, "d": 3})
+    assert teacher_checkpoint.tokenizer_difference(ours, _Tokenizer(ours.vocab)) is None
+    swapped = _Tokenizer({"a": 0, "c": 1, "b": 2, "d": 3})
+    assert (
+        teacher_checkpoint.tokenizer_difference(ours, swapped)
+        == "id 1 is 'c' for the teacher and 'b' for the student"
+    )
+    other_special = _Tokenizer(ours.vocab, special=(0, 1, 3, 2))
+    assert "special ids" in teacher_checkpoint.tokenizer_difference(ours, other_special)
+
+
+TEACHER_RUN = [
+    "configs/smoke.py",
+    "--config.progress_bar=False",
+    "--config.teacher_mode=checkpoint",
+    "--config.save_every=2",
+    "--config.log_every=1",
+    "--config.lr_scheduler=constant",
+    "--config.warmup_steps=0",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_taught_by_another_checkpoint_resumes_bit_identically_and_refuses_another(
+    tmp_path, toy_dirs, lora
+):
+    paths = [
+        f"--config.model_path={toy_dirs['student']}",
+        f"--config.teacher_path={toy_dirs['teacher']}",
+    ] + (["--config.lora_rank=4", "--config.lora_targets=.*"] if lora else [])
+
+    def train(results_dir, *overrides):
+        return run_python(
+            "train.py",
+            "--config",
+            *TEACHER_RUN,
+            *paths,
+            f"--config.results_dir={results_dir}",
+            *overrides,
+        )
+
+    straight = train(tmp_path / "straight", "--config.total_steps=4")
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    assert "frozen in float32 (not saved)" in straight.stdout
+    assert "3 layers, hidden" in straight.stdout
+
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", tmp_path / "resumed/checkpoints/2")
+    shutil.copytree(tmp_path / "straight" / "toy", tmp_path / "resumed" / "toy")
+    step_dir = tmp_path / "resumed" / "checkpoints" / "2"
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+    saved = meta["teacher_checkpoint"]
+    assert saved == teacher_checkpoint.identity(toy_dirs["teacher"])
+    assert "ema_params" not in meta["items"]  # the teacher is never saved
+
+    # Another teacher (the student's own weights): refused in one line, nothing run.
+    refused = train(
+        tmp_path / "resumed",
+        "--config.total_steps=4",
+        f"--config.teacher_path={toy_dirs['student']}",
+    )
+    assert refused.returncode == 2  # a config error's code
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its run was taught by" in lines[0], refused.stderr
+    assert "step 3/" not in refused.stdout
+
+    resumed = train(tmp_path / "resumed", "--config.total_steps=4")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert_same_params(
+        tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 4
+    )
+
+
+@pytest.mark.slow
+def test_the_preflight_reads_the_teachers_shapes_and_compiles_its_forward(tmp_path):
+    """The tiny run taught by a deeper model of the stage-1 tokenizer, compiled for an H100
+    without one (the teacher's directory needs its configs only: nothing is read but them)."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_config.STAGE1_MODEL, teacher)
+    llm = json.loads((teacher / "llm_config.json").read_text())
+    llm["num_hidden_layers"] = 3
+    (teacher / "llm_config.json").write_text(json.dumps(llm))
+    for weights in teacher.glob("*.safetensors"):
+        weights.unlink()
+    result = run_python(
+        "train.py",
+        "--config",
+        "configs/tiny.py",
+        f"--config.results_dir={tmp_path / 'run'}",
+        "--config.teacher_mode=checkpoint",
+        f"--config.teacher_path={teacher}",
+        "--compile_only=h100:1",
+    )
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert f"preflight: the teacher {teacher}: shapes its llm_config.json" in out, out
+    assert re.search(r"^  train step.*: peak [\d.]+ GiB per device", out, re.M), out
+    assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M), out
