@@ -7,7 +7,9 @@ Writes to `offline_cache_dir`, per training sample: the teacher's top-`offline_t
 and ids at every target token of the VT (interleaved) view, and the VT-sensitivity weight
 KL(teacher with VT || the same model on the text-only view); then train with the same config
 (`mode='offline'`). The model, data, prompt and `max_forward_tokens` come from that config, so
-the cache matches what the trainer packs; `rows_per_micro_batch` rows of
+the cache matches what the trainer packs; the teacher is the student's starting weights, or with
+`teacher_mode='checkpoint'` the model of `teacher_path` (checked against the student's tokenizer
+and shapes; the manifest records its digest, and training refuses the cache under another); `rows_per_micro_batch` rows of
 `samples_per_micro_batch` samples go through each forward.
 
 Resumable: run the same command again after a kill and it continues with the samples not yet
@@ -18,13 +20,15 @@ shards into the same directory. The format is in opsd_jax/training/offline/cache
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 import jax
 from absl import app, flags, logging
 
 from opsd_jax import run_config
-from opsd_jax.io import init_weights
+from opsd_jax.io import hf_load, init_weights, teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.training.offline import cache as offline_cache
@@ -33,6 +37,58 @@ from opsd_jax.training.offline import collect as offline_collect
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "processes collecting together")
 _MAX_SAMPLES = flags.DEFINE_integer("max_samples", None, "stop after this many new samples")
+
+
+@dataclasses.dataclass
+class _Teacher:
+    graphdef: Any
+    params: Any
+    rest: Any
+    model_config: Any
+    tokenizer: Any  # the student's (a checkpoint teacher's is checked equal)
+    source: str  # where its weights came from
+    identity: dict | None  # a checkpoint teacher's (weights_digest.identity), else None
+
+
+def load_teacher(config, mesh, config_changes) -> _Teacher:
+    """The model the cache is collected from. By default the student's starting weights (the
+    PyTorch collector loads the model file; weights='ema' caches the EMA weights instead); with
+    teacher_mode='checkpoint' the model of teacher_path, checked against the student's tokenizer
+    and shapes (read from model_path without its weights)."""
+    split = run_config.TrainedSplit.of_config(config)
+    if not split.cache_teacher_path:
+        start = init_weights.load(config, mesh, split=split, config_changes=config_changes)
+        return _Teacher(
+            start.graphdef,
+            start.params,
+            start.rest,
+            start.model_config,
+            start.tokenizer,
+            config.model_path,
+            None,
+        )
+    _, student_config, tokenizer = hf_load.load_hf(
+        config.model_path, mesh=mesh, config_changes=config_changes, read_params=False
+    )
+    try:
+        teacher = teacher_checkpoint.load(
+            split.cache_teacher_path,
+            mesh,
+            student_config=student_config,
+            student_tokenizer=tokenizer,
+            config_changes=config_changes,
+        )
+    except teacher_checkpoint.TeacherMismatch as e:
+        run_config.config_error(e)
+    return _Teacher(
+        teacher.graphdef,
+        teacher.params,
+        teacher.rest,
+        teacher.model_config,
+        tokenizer,
+        split.cache_teacher_path,
+        teacher.identity,
+    )
 
 
 def main(argv) -> None:
@@ -54,21 +110,14 @@ def main(argv) -> None:
     mesh = mesh_lib.make_mesh(*run_config.mesh_shape(config, len(devices)), devices=devices)
     runtime = run_config.model_runtime(config)
     t0 = time.perf_counter()
-    # The student's starting weights are the teacher (the PyTorch collector loads the model
-    # file; weights='ema' here caches the EMA weights instead).
-    start = init_weights.load(
-        config,
-        mesh,
-        split=run_config.TrainedSplit.of_config(config),
-        config_changes={"llm": runtime},
-    )
-    tokenizer = start.tokenizer
+    teacher = load_teacher(config, mesh, {"llm": runtime})
     print(
-        f"[p{index}] model {config.model_path} loaded in {time.perf_counter() - t0:.1f}s; "
+        f"[p{index}] teacher {teacher.source} loaded in {time.perf_counter() - t0:.1f}s; "
         f"mesh {dict(mesh.shape)}",
         flush=True,
     )
-    data_config = run_config.data_config(config).for_model(start.model_config)
+    tokenizer = teacher.tokenizer
+    data_config = run_config.data_config(config).for_model(teacher.model_config)
     options = run_config.prompt_options(config)
     data = dict(
         datasets=[
@@ -78,22 +127,26 @@ def main(argv) -> None:
         heldout_fraction=data_config.heldout_fraction,
     )
     manifest = offline_cache.make_manifest(
-        start.model_config,
+        teacher.model_config,
         tokenizer,
         options,
         top_k=config.offline_top_k,
         logprob_dtype=config.offline_logprob_dtype,
         max_forward_tokens=config.max_forward_tokens,
         data=data,
-        model_path=config.model_path,
+        model_path=teacher.source,
+        teacher=teacher.identity,
     )
     step = offline_collect.make_collect_step(
-        start.graphdef, start.rest, top_k=config.offline_top_k, vocab_limit=tokenizer.vocab_length
+        teacher.graphdef,
+        teacher.rest,
+        top_k=config.offline_top_k,
+        vocab_limit=tokenizer.vocab_length,
     )
     try:
         summary = offline_collect.collect(
             collect_step=step,
-            params=start.params,
+            params=teacher.params,
             tokenizer=tokenizer,
             data_config=data_config,
             options=options,

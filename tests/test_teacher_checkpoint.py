@@ -382,3 +382,42 @@ def test_the_preflight_reads_the_teachers_shapes_and_compiles_its_forward(tmp_pa
     assert f"preflight: the teacher {teacher}: shapes its llm_config.json" in out, out
     assert re.search(r"^  train step.*: peak [\d.]+ GiB per device", out, re.M), out
     assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M), out
+
+
+@pytest.mark.slow
+def test_an_offline_cache_is_collected_from_the_teacher_and_refused_under_another(
+    tmp_path, toy_dirs
+):
+    """Offline mode: scripts/collect_traces.py runs teacher_path's model (three layers) and the
+    manifest names it; train.py trains on that cache with the same teacher_path, and refuses it
+    when the teacher is said to be the student's own weights."""
+    common = [
+        "--config",
+        "configs/offline_tiny.py",
+        f"--config.results_dir={tmp_path / 'run'}",
+        f"--config.offline_cache_dir={tmp_path / 'cache'}",
+        f"--config.model_path={toy_dirs['student']}",
+        "--config.teacher_mode=checkpoint",
+        f"--config.teacher_path={toy_dirs['teacher']}",
+    ]
+    collected = run_python("scripts/collect_traces.py", *common)
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    assert f"teacher {toy_dirs['teacher']} loaded" in collected.stdout
+    manifest = json.loads((tmp_path / "cache" / "manifest.json").read_text())
+    assert manifest["teacher"] == teacher_checkpoint.identity(toy_dirs["teacher"])
+    assert manifest["model_config"]["llm"]["num_hidden_layers"] == 3
+
+    trained = run_python("train.py", *common, "--config.total_steps=2", "--config.log_every=1")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "teacher: the cache collected from" in trained.stdout
+    assert "done: 2 steps" in trained.stdout
+
+    refused = run_python(
+        "train.py",
+        *common,
+        "--config.teacher_mode=self",
+        "--config.teacher_path=",
+        f"--config.results_dir={tmp_path / 'another_run'}",
+    )
+    assert refused.returncode == 2
+    assert "teacher: cache " in refused.stderr and "now model_path's weights" in refused.stderr

@@ -89,6 +89,17 @@ def shape_difference(student_config, teacher_config) -> str | None:
     return None
 
 
+def model_config_of(teacher_path: str | os.PathLike, config_changes=None) -> tuple:
+    """(the teacher's BagelConfig as it is built: runtime `config_changes`, no gen expert, the
+    vocabulary grown as its tokenizer asks; its BagelTokenizer), reading no weights."""
+    changes = dict(config_changes or {})
+    changes["llm"] = {**dict(changes.get("llm", {})), "build_gen_expert": False}
+    teacher_config = hf_load.read_config(teacher_path, **changes)
+    tokenizer = hf_load.load_tokenizer(teacher_path)
+    grown = hf_load.grown_vocab(teacher_config, tokenizer)
+    return teacher_config.replace(llm=dict(vocab_size=grown)), tokenizer
+
+
 def load(
     teacher_path: str | os.PathLike,
     mesh,
@@ -100,14 +111,9 @@ def load(
     """The teacher of `teacher_path` on `mesh`, in `config_changes`' compute dtype (the
     student's runtime), after its tokenizer and shapes are checked against the student's
     (TeacherMismatch, naming the first difference, before any weight is read)."""
-    changes = dict(config_changes or {})
-    changes["llm"] = {**dict(changes.get("llm", {})), "build_gen_expert": False}
-    teacher_config = hf_load.read_config(teacher_path, **changes)
-    tokenizer = hf_load.load_tokenizer(teacher_path)
+    teacher_config, tokenizer = model_config_of(teacher_path, config_changes)
     difference = tokenizer_difference(student_tokenizer, tokenizer)
     if difference is None:
-        grown = hf_load.grown_vocab(teacher_config, tokenizer)
-        teacher_config = teacher_config.replace(llm=dict(vocab_size=grown))
         difference = shape_difference(student_config, teacher_config)
     if difference is not None:
         raise TeacherMismatch(

@@ -24,6 +24,7 @@ from opsd_jax.data.opsd_packs import (
     DEFAULT_TRANSITION_PROMPT,
     PromptOptions,
 )
+from opsd_jax.run_config.trained_split import TrainedSplit
 from opsd_jax.sampling import layout_choice
 from opsd_jax.toy.assets import toy_data_dir, toy_model_dir
 from opsd_jax.training import train_step
@@ -225,7 +226,7 @@ def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str
     return train_step.make_train_step(
         loss_fn,
         optimizer,
-        teacher_mode=config.teacher_mode,
+        teacher_mode=TrainedSplit.of_config(config).teacher,
         ema_decay=config.ema_decay,
         schedule=train_step.learning_rate_schedule(config),
         frozen=frozen,

@@ -139,10 +139,11 @@ def validate(
             f"teacher_mode={config.teacher_mode!r} with mode='sft': SFT has no "
             "teacher; allowed value is 'self' (no EMA / fixed copy is kept)"
         )
-    if config.mode == "offline" and config.teacher_mode != "self":
+    if config.mode == "offline" and config.teacher_mode not in ("self", "checkpoint"):
         problems.append(
             f"teacher_mode={config.teacher_mode!r} with mode='offline': the teacher is "
-            "the cache; allowed value is 'self' (no EMA / fixed copy is kept)"
+            "the cache; allowed values are 'self' (collected from model_path, no EMA / fixed "
+            "copy is kept) and 'checkpoint' (collected from teacher_path)"
         )
     if config.mode != "opsd" and config.rollout_lookahead:
         problems.append(

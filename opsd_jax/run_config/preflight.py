@@ -204,7 +204,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     # ---- the train step, every length bucket ------------------------------------------------
     settings = builds.loss_settings(config, vocab_limit=model_config.llm.vocab_size)
     loss_fn = train_step.make_loss(
-        config.mode, graphdef, rest, settings, config.teacher_mode, teacher_model
+        config.mode, graphdef, rest, settings, split.teacher, teacher_model
     )
     step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen)
     shapes = pack_shapes.pack_shapes(config)

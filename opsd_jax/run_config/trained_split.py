@@ -7,10 +7,12 @@ added here and nowhere else decides it:
 
 - `adapters`: None for full fine-tuning; else the LoRA adapters that train (rank, alpha,
   targets) over the frozen base, held once in the compute dtype;
-- `teacher`: 'self' (the student itself: nothing held), 'ema' / 'fixed' (a copy of what
-  trains: the params, or with LoRA the adapters, over the student's base), or 'checkpoint'
-  (another model's whole weights from `teacher_path`, frozen in the compute dtype, never
-  saved: the checkpoints record its identity);
+- `teacher`: the train step's teacher: 'self' (the student itself: nothing held), 'ema' /
+  'fixed' (a copy of what trains: the params, or with LoRA the adapters, over the student's
+  base), or 'checkpoint' (another model's whole weights from `teacher_path`, frozen in the
+  compute dtype, never saved: the checkpoints record its identity). SFT and offline runs run
+  no teacher in their step: 'self' (an offline run's `teacher_path`, if any, is the teacher its
+  cache was collected from: `cache_teacher_path`);
 - `frozen_flags`: which of freeze_vit / freeze_llm / freeze_und are set (full fine-tuning).
 
 The builders of the train state from that split live here too (`abstract_train_state`,
@@ -47,11 +49,12 @@ class Adapters:
 @dataclasses.dataclass(frozen=True)
 class TrainedSplit:
     adapters: Adapters | None
-    teacher: str  # train_step.TEACHER_MODES
-    teacher_path: str  # the teacher's HF directory ('checkpoint'); '' otherwise
+    teacher: str  # train_step.TEACHER_MODES: the train step's teacher
+    teacher_path: str  # teacher_mode='checkpoint': the teacher's HF directory; '' otherwise
     compute_dtype: str  # the frozen base and a checkpoint teacher are held in it
     fixed_teacher_dtype: str
     frozen_flags: tuple[str, ...] = ()  # the freeze_* flags set (full fine-tuning only)
+    mode: str = "opsd"  # opsd | sft | offline: only an OPSD step runs a teacher
 
     @property
     def lora(self) -> bool:
@@ -72,8 +75,14 @@ class TrainedSplit:
 
     @property
     def separate_teacher(self) -> bool:
-        """The teacher is another model (its own graph and weights), not a copy of the student."""
+        """The train step's teacher is another model (its own graph and weights)."""
         return self.teacher_copy == TEACHER_WEIGHTS
+
+    @property
+    def cache_teacher_path(self) -> str:
+        """An offline run's: the checkpoint its teacher cache was collected from ('' for the
+        student's own starting weights)."""
+        return self.teacher_path if self.mode == "offline" else ""
 
     @classmethod
     def of_config(cls, config) -> TrainedSplit:
@@ -86,11 +95,12 @@ class TrainedSplit:
         flags = ("freeze_vit", "freeze_llm", "freeze_und")
         return cls(
             adapters=adapters,
-            teacher=config.teacher_mode,
+            teacher=config.teacher_mode if config.mode == "opsd" else "self",
             teacher_path=config.teacher_path if config.teacher_mode == "checkpoint" else "",
             compute_dtype=config.compute_dtype,
             fixed_teacher_dtype=config.fixed_teacher_dtype,
             frozen_flags=() if adapters else tuple(f for f in flags if config[f]),
+            mode=config.mode,
         )
 
     def describe(self) -> str:
@@ -104,6 +114,9 @@ class TrainedSplit:
             trains = "every parameter but " + ", ".join(self.frozen_flags) + "'s groups"
         else:
             trains = "every parameter"
+        if self.mode != "opsd":
+            cache = f"the cache collected from {self.cache_teacher_path or 'model_path'}"
+            return f"trains {trains}; teacher: " + ("none" if self.mode == "sft" else cache)
         teacher = {
             "self": "the student itself",
             "ema": "an EMA of what trains",
@@ -203,7 +216,7 @@ def init_train_state(config, optimizer, frozen, params, teacher_source=None, tea
     return train_step.init_state(
         params,
         optimizer,
-        config.teacher_mode,
+        TrainedSplit.of_config(config).teacher,
         jax.random.key(config.global_seed),
         fixed_teacher_dtype=config.fixed_teacher_dtype,
         teacher_source=teacher_source,

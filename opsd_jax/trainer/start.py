@@ -240,7 +240,7 @@ def restore_state(config, mesh, checkpointer, resumed, saved_teacher, optimizer,
                 train_step.init_state(
                     p,
                     optimizer,
-                    config.teacher_mode,
+                    run_config.TrainedSplit.of_config(config).teacher,
                     None,
                     fixed_teacher_dtype=config.fixed_teacher_dtype,
                 ).teacher_params

@@ -21,6 +21,7 @@ import numpy as np
 
 from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
+from opsd_jax.io import teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import train_step
 from opsd_jax.training.offline import cache as offline_cache
@@ -40,13 +41,18 @@ class StepProgram:
 
 
 def offline_cache_reader(config, model_config, tokenizer, options, say: Callable):
-    """The offline teacher cache's reader, refused if made for another model; None if the mode
-    is not offline."""
+    """The offline teacher cache's reader, refused if made for another model or teacher (a
+    checkpoint teacher's cache holds its model config); None if the mode is not offline."""
     if config.mode != "offline":
         return None
+    teacher_path, teacher = run_config.TrainedSplit.of_config(config).cache_teacher_path, None
+    if teacher_path:
+        runtime = {"llm": run_config.model_runtime(config)}
+        model_config = teacher_checkpoint.model_config_of(teacher_path, runtime)[0]
+        teacher = teacher_checkpoint.identity(teacher_path)
     try:
         manifest = offline_cache.check_manifest(
-            config.offline_cache_dir, model_config, tokenizer, options
+            config.offline_cache_dir, model_config, tokenizer, options, teacher
         )
     except offline_cache.CacheError as e:
         run_config.config_error(e)
@@ -68,7 +74,7 @@ def compile_steps(
     settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = offline_cache_reader(config, start.model_config, tokenizer, options, say)
     loss_fn = train_step.make_loss(
-        config.mode, start.graphdef, start.rest, settings, config.teacher_mode, start.teacher_model
+        config.mode, start.graphdef, start.rest, settings, start.split.teacher, start.teacher_model
     )
     step_fn = run_config.train_step_for(
         config, loss_fn, start.optimizer, start.abstract_state, start.frozen

@@ -68,6 +68,7 @@ import numpy as np
 
 from models import configs as model_configs
 from opsd_jax.data.opsd_packs import PromptOptions
+from opsd_jax.io import weights_digest
 
 CACHE_FORMAT = "opsd-jax offline teacher cache 1"
 # The target layouts (bump a version when its layout changes: a cache records it).
@@ -146,11 +147,15 @@ def make_manifest(
     max_forward_tokens: int,
     data: dict | None = None,
     model_path: str = "",
+    teacher: dict | None = None,
 ) -> dict:
+    """`teacher`: the identity (io/weights_digest.py) of a teacher from another checkpoint
+    (teacher_mode='checkpoint'); None: the student's starting weights of model_path."""
     return {
         "format": CACHE_FORMAT,
         "model_config": model_fingerprint(model_config),
         "model_path": str(model_path),
+        "teacher": None if teacher is None else dict(teacher),
         "tokenizer": {
             "sha256": tokenizer_fingerprint(tokenizer),
             "vocab_length": tokenizer.vocab_length,
@@ -197,9 +202,12 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
-def check_manifest(directory: str, model_config, tokenizer, options: PromptOptions) -> dict:
+def check_manifest(
+    directory: str, model_config, tokenizer, options: PromptOptions, teacher: dict | None = None
+) -> dict:
     """The manifest of the cache in `directory`, refused unless it was made for this model
-    config, tokenizer and prompt (one CacheError naming every difference)."""
+    config, tokenizer and prompt, and by this teacher (`teacher`: a checkpoint teacher's
+    identity; None: model_path's weights), in one CacheError naming every difference."""
     manifest = read_manifest(directory)
     current = {
         "model_config": model_fingerprint(model_config),
@@ -212,10 +220,14 @@ def check_manifest(directory: str, model_config, tokenizer, options: PromptOptio
     saved = {k: manifest.get(k) for k in current}
     saved["model_config"] = _architecture(saved["model_config"])
     problems = differences(saved, current)
+    made_by = manifest.get("teacher")
+    if (made_by or {}).get("digest") != (teacher or {}).get("digest"):
+        who = lambda t: weights_digest.describe(t) if t else "model_path's weights"  # noqa: E731
+        problems.append(f"teacher: cache {who(made_by)}, now {who(teacher)}")
     if problems:
         raise CacheError(
             f"{os.path.join(directory, MANIFEST)} was made with another model config,"
-            " tokenizer or prompt than this run; make a new cache (scripts/"
+            " tokenizer, prompt or teacher than this run; make a new cache (scripts/"
             "collect_traces.py) or use the matching config:\n  " + "\n  ".join(problems)
         )
     return manifest
