@@ -130,6 +130,13 @@ def parse_args():
         "GPUs, configs/thinkmorph_7b_1gpu.py for one",
     )
     parser.add_argument(
+        "--teacher",
+        choices=("self", "ema", "fixed", "checkpoint"),
+        default=None,
+        help="the teacher (default: the recipe's teacher_mode); 'checkpoint': another model's "
+        "weights in compute_dtype beside the student's, projected at the student's shapes",
+    )
+    parser.add_argument(
         "--lora-rank",
         type=int,
         default=None,
@@ -257,6 +264,7 @@ class Model:
     state: Any  # the abstract TrainState train.py compiles its step for
     params_bytes: int
     base_bytes: int  # a LoRA state's frozen base (0 without LoRA)
+    teacher_model: Any  # teacher_mode='checkpoint': train_step.TeacherModel; None otherwise
     num_params: int
     lm_matmul: int  # parameters of the LM's layers: the N of the matmul FLOPs
     resident: int  # the training state between steps, gradient accumulator included
@@ -305,6 +313,10 @@ def set_up(args, target: str) -> Run:
     if args.lora_rank is not None:
         with recipe.unlocked():
             recipe.lora_rank, recipe.lora_alpha = args.lora_rank, float(max(args.lora_rank, 1))
+    if args.teacher is not None:
+        with recipe.unlocked():
+            recipe.teacher_mode = args.teacher
+            recipe.teacher_path = "<the student's shapes>" if args.teacher == "checkpoint" else ""
     samples = args.samples or recipe.samples_per_micro_batch * args.num_replicate
     new_tokens = recipe.sample_max_new_tokens
     if not args.prompt_len:
@@ -371,12 +383,14 @@ def abstract_model(run: Run) -> Model:
     from opsd_jax.parallel import device_memory
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.programs import gpu_target
+    from opsd_jax.training import train_step
 
     recipe = run.recipe
+    split = run_config.TrainedSplit.of_config(recipe)
 
     def make_model():
         model = Bagel(run.model_config, rngs=nnx.Rngs(0))
-        if recipe.lora_rank:
+        if split.lora:
             run_config.attach_adapters(model, recipe)
         return model
 
@@ -388,10 +402,25 @@ def abstract_model(run: Run) -> Model:
 
     # The state train.py compiles its step for: optimizer moments and the EMA laid out like
     # their params, counters replicated; with LoRA, of the adapters, and the frozen base.
-    optimizer, _, abstract_state = run_config.abstract_train_state(recipe, abstract_params)
+    # A teacher of another checkpoint is projected at the student's shapes, in compute_dtype.
+    teacher_model = teacher_weights = None
+    if split.separate_teacher:
+        plain = lambda: Bagel(run.model_config, rngs=nnx.Rngs(0))  # noqa: E731
+        teacher_graphdef, teacher_abstract = mesh_lib.abstract_model(plain, run.mesh)
+        dtype = jax.numpy.dtype(recipe.compute_dtype)
+        teacher_weights = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding),
+            nnx.split_state(teacher_abstract, nnx.Param, ...)[0],
+        )
+        teacher_model = train_step.TeacherModel(teacher_graphdef, gpu_target.host_rest(plain))
+    optimizer, _, abstract_state = run_config.abstract_train_state(
+        recipe, abstract_params, teacher_weights
+    )
     params_bytes = device_memory.bytes_per_device(abstract_state.params)
     opt_bytes = device_memory.bytes_per_device(abstract_state.opt_state)
-    teacher_bytes = device_memory.bytes_per_device(abstract_state.teacher_params)
+    teacher_bytes = device_memory.bytes_per_device(
+        (abstract_state.teacher_params, abstract_state.teacher_weights)
+    )
     base_bytes = device_memory.bytes_per_device(abstract_state.base)
     num_params = sum(x.size for x in jax.tree.leaves(abstract_params))
     lm_matmul = sum(
@@ -408,8 +437,9 @@ def abstract_model(run: Run) -> Model:
     )
     print(
         f"\nper device: {lora}params {params_bytes / GIB:.2f} GiB (fp32 master, "
-        f"{num_params / 1e9:.2f}B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, EMA "
-        f"teacher {teacher_bytes / GIB:.2f} GiB, gradient accumulator {params_bytes / GIB:.2f} GiB"
+        f"{num_params / 1e9:.2f}B parameters), optimizer state {opt_bytes / GIB:.2f} GiB, "
+        f"{split.teacher} teacher {teacher_bytes / GIB:.2f} GiB, gradient accumulator "
+        f"{params_bytes / GIB:.2f} GiB"
     )
     return Model(
         graphdef=graphdef,
@@ -420,6 +450,7 @@ def abstract_model(run: Run) -> Model:
         state=abstract_state,
         params_bytes=params_bytes,
         base_bytes=base_bytes,
+        teacher_model=teacher_model,
         num_params=num_params,
         lm_matmul=lm_matmul,
         resident=params_bytes + opt_bytes + teacher_bytes + params_bytes + base_bytes,
@@ -526,7 +557,9 @@ def compile_grad(run: Run, model: Model, grad_step, teacher_len: int, student_le
     with mesh_lib.use_mesh(run.mesh):
         lowered = grad_step.lower(
             model.state.params,
-            model.state.teacher_params,
+            model.state.teacher_params
+            if model.teacher_model is None
+            else model.state.teacher_weights,
             student,
             teacher,
             model.state.base,
@@ -542,8 +575,13 @@ def grad_step_section(run: Run, model: Model) -> Grad:
     from opsd_jax.training import train_step
 
     args, samples, n = run.args, run.samples, run.n
+    split = run_config.TrainedSplit.of_config(run.recipe)
     grad_step = train_step.make_grad_step(
-        model.graphdef, model.rest, run_config.loss_settings(run.recipe), "ema"
+        model.graphdef,
+        model.rest,
+        run_config.loss_settings(run.recipe),
+        split.teacher,
+        model.teacher_model,
     )
     grad_compiled, grad_text, seconds = compile_grad(
         run, model, grad_step, args.teacher_len, args.student_len
@@ -607,13 +645,17 @@ def update_section(run: Run, model: Model) -> float:
     (its HBM bytes at the projection GPU's bandwidth)."""
     import jax.numpy as jnp
 
+    from opsd_jax.parallel import device_memory
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.programs import hbm_traffic
     from opsd_jax.training import train_step
 
     state = model.state
     state_args = (state, state.params, 2, jnp.float32(0))
-    update = train_step.make_apply_update(model.optimizer, "ema", run.recipe.ema_decay)
+    from opsd_jax import run_config
+
+    teacher = run_config.TrainedSplit.of_config(run.recipe).teacher
+    update = train_step.make_apply_update(model.optimizer, teacher, run.recipe.ema_decay)
     with mesh_lib.use_mesh(run.mesh):
         update_compiled, update_text, seconds = compile_program(update.lower(*state_args), run.mesh)
     update_memory, _, _, _ = report("optimizer + EMA update", update_compiled, update_text, seconds)
@@ -625,6 +667,7 @@ def update_section(run: Run, model: Model) -> float:
         update_memory.argument_size_in_bytes
         + update_memory.output_size_in_bytes
         - 2 * model.base_bytes
+        - 2 * device_memory.bytes_per_device(state.teacher_weights)
     )
     if run.on_gpu:
         counted = hbm_traffic.total_bytes(hbm_traffic.outside_loops(update_compiled.as_text()))

@@ -407,18 +407,21 @@ def make_loss(
     return make_opsd_loss(graphdef, rest, settings, teacher_mode, teacher_model)
 
 
-def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str):
+def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str, teacher_model=None):
     """jit(params, teacher_params, student_pack, teacher_pack[, base]) -> (grads, metrics) of
     one OPSD micro-batch: the body of the train step's scan, alone (bench/scale.py and
     bench/gpu_check.py compile it for the GPU target; the layout tests read its program). With
-    a LoRA `base`, params and teacher_params are adapters and the grads are theirs."""
-    loss_fn = make_opsd_loss(graphdef, rest, settings, teacher_mode)
+    a LoRA `base`, params and teacher_params are adapters and the grads are theirs; with a
+    `teacher_model` (teacher_mode='checkpoint') teacher_params are its whole weights."""
+    loss_fn = make_opsd_loss(graphdef, rest, settings, teacher_mode, teacher_model)
 
     @jax.jit
     def grad_step(params, teacher_params, student_pack, teacher_pack, base=None):
         def loss_of(params):
             here = _fresh(base)
             teacher = None if teacher_params is None else model_params(teacher_params, here)
+            if teacher_model is not None:  # another model's weights, whole
+                teacher = _fresh(teacher_params)
             return loss_fn(model_params(params, here), teacher, (student_pack, teacher_pack))
 
         (_, metrics), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
