@@ -59,7 +59,7 @@ BUDGET_S = 10 * 60
 # estimate does not fit in the time left is skipped.
 ESTIMATE_S = {
     "recipe": 300,
-    "grad_step": 200,
+    "grad_step": 240,
     "profile": 90,
     "parity": 60,
     "decode": 150,
@@ -95,6 +95,13 @@ def parse_args():
         default=["full", "minimal_flash"],
         help="the grad step's remat policies: the sweep runs under the first, each other is "
         "timed at the sweep's largest layer count beside it",
+    )
+    parser.add_argument(
+        "--step-flags",
+        nargs="+",
+        default=["xla", "maxtext"],
+        help="the grad step's XLA:GPU option sets (step_compiler_flags): the sweep compiles "
+        "with the first, each other is timed at the sweep's largest layer count beside it",
     )
     parser.add_argument(
         "--train-layers", type=int, default=2, help="LM layers of the train section's model"
@@ -144,6 +151,8 @@ def section_command(name, args, *extra) -> list[str]:
         *map(str, args.sweep),
         "--remats",
         *args.remats,
+        "--step-flags",
+        *args.step_flags,
         "--repeats",
         str(args.repeats),
         "--train-layers",

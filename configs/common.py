@@ -26,6 +26,9 @@ def base_config() -> ml_collections.ConfigDict:
         "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch | minimal_flash
     )
     c.vit_remat = "same"  # the ViT's own: 'same' (the LLM's) or any of remat's
+    # The train step's XLA:GPU options (opsd_jax/training/step_compiler_flags.py): xla (XLA's
+    # defaults) | maxtext (cuBLAS matmuls, latency-hiding scheduler, per-layer collectives)
+    c.step_compiler_flags = "xla"
     c.attention_block = 512  # the chunked attention's tile (tokens); 128 is faster on a CPU
     c.unroll_layers = False  # unroll the LM's layer loop: faster on a CPU, slow to compile at 7B
     # Unroll the decode step's layer loop: on a GPU the token loop becomes one CUDA graph

@@ -100,16 +100,16 @@ def step_case(args, layers: int, remat: str = "full"):
     return config, student, teacher, settings
 
 
-def build_step(args, layers: int, mesh, remat: str = "full"):
-    """(the jitted grad step, its arguments on `mesh`, the case) at `layers` LM layers under
-    `remat`, with random weights and an EMA teacher copy."""
+def build_step(args, layers: int, mesh, remat: str = "full", flags: str = "xla"):
+    """(the grad step compiled with the `flags` option set, its arguments on `mesh`, the case)
+    at `layers` LM layers under `remat`, with random weights and an EMA teacher copy."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from models.bagel import Bagel
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.training import train_step
+    from opsd_jax.training import step_compiler_flags, train_step
 
     config, student, teacher, settings = step_case(args, layers, remat)
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
@@ -119,7 +119,10 @@ def build_step(args, layers: int, mesh, remat: str = "full"):
         lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)), p
     )
     arguments = (params, jax.tree.map(jnp.copy, params), put(student), put(teacher))
-    return step, arguments, (config, student, teacher, settings)
+    options = step_compiler_flags.step_compiler_options(flags, config)
+    with mesh_lib.use_mesh(mesh):
+        compiled = step.lower(*arguments).compile(compiler_options=options)
+    return compiled, arguments, (config, student, teacher, settings)
 
 
 def predicted_step_peak(args, layers: int) -> int:
@@ -181,7 +184,7 @@ def run(args):
     sweep = sorted(set(args.sweep))
     seconds, case = {}, None
     for layers in sweep:
-        step, arguments, case = build_step(args, layers, mesh, args.remats[0])
+        step, arguments, case = build_step(args, layers, mesh, args.remats[0], args.step_flags[0])
         with mesh_lib.use_mesh(mesh):
             seconds[layers], _ = timed(step, *arguments, repeats=args.repeats)
         flops = step_flops_at(case[0], case[1], case[2], layers)
@@ -225,17 +228,21 @@ def run(args):
             ok=judge["ok"],
             kind=judge["kind"],
         )
-    # Each other remat policy at the largest layer count: the same step, before and after.
-    for remat in args.remats[1:]:
-        step, arguments, case = build_step(args, sweep[-1], mesh, remat)
+    # Each other remat policy and option set at the largest layer count: the same step, before
+    # and after (the first of each is the sweep's).
+    others = [(remat, args.step_flags[0]) for remat in args.remats[1:]]
+    others += [(args.remats[0], flags) for flags in args.step_flags[1:]]
+    for remat, flags in others:
+        step, arguments, case = build_step(args, sweep[-1], mesh, remat, flags)
         with mesh_lib.use_mesh(mesh):
             taken, _ = timed(step, *arguments, repeats=args.repeats)
         flops = step_flops_at(case[0], case[1], case[2], sweep[-1])
         emit(
             section="grad_step",
-            case=f"{sweep[-1]} LM layer(s), remat {remat} (against {args.remats[0]})",
+            case=f"{sweep[-1]} LM layer(s), remat {remat}, flags {flags} (against "
+            f"{args.remats[0]}, {args.step_flags[0]})",
             value=f"{taken * 1e3:.1f} ms, MFU {utilisation(flops.model, taken, peak_flops):.1%}",
-            unit=f"{seconds[sweep[-1]] / taken:.2f}x the {args.remats[0]} step; HFU "
+            unit=f"{seconds[sweep[-1]] / taken:.2f}x the first step's speed; HFU "
             f"{utilisation(flops.executed, taken, peak_flops):.1%}",
             ok=True,
         )

@@ -18,7 +18,7 @@ from opsd_jax.data import pack_shapes
 from opsd_jax.io import hf_layout, hf_load
 from opsd_jax.parallel import distributed, mesh
 from opsd_jax.run_config.builds import mesh_shape
-from opsd_jax.training import losses, train_step
+from opsd_jax.training import losses, step_compiler_flags, train_step
 from opsd_jax.training.offline import cache as offline_cache
 
 MODES = ("opsd", "sft", "offline")
@@ -36,6 +36,7 @@ _CHOICES = {
     "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
     "vit_remat": ("same",) + configs.REMAT_CHOICES,
+    "step_compiler_flags": step_compiler_flags.STEP_FLAG_SETS,
     "weights": hf_load.WEIGHT_CHOICES,
     "kd_student_norm": losses.STUDENT_NORMS,
     "offline_logprob_dtype": offline_cache.LOGPROB_DTYPES,

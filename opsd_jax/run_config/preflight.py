@@ -43,7 +43,7 @@ from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import builds, checks, trained_split
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
-from opsd_jax.training import train_step
+from opsd_jax.training import step_compiler_flags, train_step
 from opsd_jax.training.step_batches import step_batches_for
 
 PREFLIGHT_HEADROOM = 0.15  # the share of device memory a program must leave free
@@ -188,9 +188,9 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     )
     reports = []
 
-    def compile_and_report(name, lowered, on_mesh, resident_bytes):
+    def compile_and_report(name, lowered, on_mesh, resident_bytes, options=None):
         t0 = time.perf_counter()
-        compiled = gpu_target.compile(lowered, on_mesh)
+        compiled = gpu_target.compile(lowered, on_mesh, **(options or {}))
         report = ProgramMemory(
             name, device_memory.program_peak(compiled), resident_bytes, time.perf_counter() - t0
         )
@@ -234,8 +234,12 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         with mesh_lib.use_mesh(mesh):
             lowered = step_fn.lower(state, batches.abstract_batch(bucket))
         compile_and_report(
-            f"train step ({batches.describe(bucket)})", lowered, mesh, paused
-        )  # its arguments are the state
+            f"train step ({batches.describe(bucket)})",
+            lowered,
+            mesh,
+            paused,  # its arguments are the state
+            step_compiler_flags.step_compiler_options(config.step_compiler_flags, model_config),
+        )
 
     # ---- the sampler (OPSD rollouts) and the evaluation ---------------------------------------
     rollouts = []  # (name, rows, max new tokens, prompt patches)

@@ -23,7 +23,7 @@ from opsd_jax import run_config
 from opsd_jax.data import pack_shapes
 from opsd_jax.io import teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.training import train_step
+from opsd_jax.training import step_compiler_flags, train_step
 from opsd_jax.training.offline import cache as offline_cache
 from opsd_jax.training.step_batches import StepBatches, step_batches_for
 
@@ -104,12 +104,14 @@ def compile_steps(
         sample_offset=sample_offset,
     )
     compiled = []
+    options = step_compiler_flags.step_compiler_options(
+        config.step_compiler_flags, start.model_config
+    )
     for bucket in range(config.pack_length_buckets):
         t0, read_before = time.perf_counter(), cache_counter.read
         with mesh_lib.use_mesh(mesh):
-            compiled.append(
-                step_fn.lower(start.abstract_state, batches.abstract_batch(bucket)).compile()
-            )
+            lowered = step_fn.lower(start.abstract_state, batches.abstract_batch(bucket))
+            compiled.append(lowered.compile(compiler_options=options))
         cached = " (read from the compilation cache)" if cache_counter.read > read_before else ""
         say(
             f"compiling the train step for {accum} x {config.rows_per_micro_batch} rows x "
