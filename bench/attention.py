@@ -92,7 +92,7 @@ def attention_fn(backend, args):
     if backend == "pallas":
         from models import attention_pallas
 
-        blocks = attention_pallas.BlockSizes(*args.pallas_blocks)
+        blocks = attention_pallas.BlockSizes(*args.pallas_blocks, stages=args.pallas_stages)
 
         def run(q, k, v, q_seg, kv_seg, k_start, k_end):
             return attention_pallas.range_attention(
@@ -258,6 +258,9 @@ def main():
         help="pallas kernel's tiles",
     )
     parser.add_argument(
+        "--pallas-stages", type=int, default=2, help="pallas kernels' pipeline stages"
+    )
+    parser.add_argument(
         "--interpret",
         action="store_true",
         help="run the pallas backend in the Pallas interpreter (CPU; slow)",
@@ -290,7 +293,8 @@ def main():
     print(
         f"jax {jax.__version__} on {device.platform} ({device.device_kind}); B={args.batch} "
         f"Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} {args.dtype}; chunked tiles "
-        f"{args.q_block}/{args.kv_block}, pallas tiles {args.pallas_blocks}"
+        f"{args.q_block}/{args.kv_block}, pallas tiles {args.pallas_blocks} "
+        f"in {args.pallas_stages} stages"
         f"{' (interpreted)' if args.interpret else ''}; segments of {SEGMENT_LEN} opening "
         f"with a {IMAGE_LEN}-token image block"
     )

@@ -20,7 +20,9 @@ what it measures and when it fails:
              twice, bit for bit);
   decode     the decode round at B = 1, 8, 32 against the HBM roofline, the kernel alone;
   attention  the range kernel against cuDNN and the chunked backend at 4k .. 40k tokens;
-  train      train.py at a few 7B-width layers, full and LoRA, with a save and a resume.
+  train      train.py at a few 7B-width layers, full and LoRA, with a save and a resume;
+  tiles      (with --tiles) the range kernel's tiles and stages swept at the recipe's 6144 and
+             10240 tokens, the fastest per length marked (not applied).
 
 Each section's rows are appended to `<results-dir>/gpu_check.jsonl` as the section ends (the
 device tool's $OUT by default), so nothing measured is lost when the lease ends. `--budget-s`
@@ -49,9 +51,10 @@ import time
 from gpu_sections import decode, grad_step
 from gpu_sections.common import RESULT, failure_line
 
-# In the order they run by default; 'profile' runs after grad_step when --profile asks for it.
-SECTIONS = ("recipe", "grad_step", "profile", "parity", "decode", "attention", "train")
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s != "profile")
+# In the order they run by default; 'profile' runs after grad_step when --profile asks for it,
+# 'tiles' last when --tiles does.
+SECTIONS = ("recipe", "grad_step", "profile", "parity", "decode", "attention", "train", "tiles")
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("profile", "tiles"))
 # The whole run on one GPU, compiles included: a lease's command limit with room to rerun.
 BUDGET_S = 10 * 60
 # What each section is expected to take on one H100 / H200, compiles included (estimates until
@@ -65,6 +68,7 @@ ESTIMATE_S = {
     "decode": 150,
     "attention": 120,
     "train": 240,
+    "tiles": 240,
 }
 
 
@@ -108,6 +112,7 @@ def parse_args():
     )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
     parser.add_argument("--profile", action="store_true", help="add the profile section")
+    parser.add_argument("--tiles", action="store_true", help="add the tiles section")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--decode-batches",
@@ -138,6 +143,8 @@ def parse_args():
     if args.profile and "profile" not in args.sections:
         at = args.sections.index("grad_step") + 1 if "grad_step" in args.sections else 0
         args.sections.insert(at, "profile")
+    if args.tiles and "tiles" not in args.sections:
+        args.sections.append("tiles")
     return args
 
 

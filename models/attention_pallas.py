@@ -73,20 +73,37 @@ _LOG2_E = math.log2(math.e)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes (powers of two, >= 16 for Triton's dot). The forward holds a [q, D] accumulator
-    per program, the backward kernels two [*, D] float32 accumulators, hence smaller tiles there.
-    """
+    """Tile sizes (powers of two, >= 16 for Triton's dot) and the software-pipeline stages of
+    every kernel. The forward holds a [q, D] accumulator per program, the backward kernels two
+    [*, D] float32 accumulators, hence smaller tiles there. bench/gpu_check.py's `tiles` section
+    times candidates at the recipe's lengths (bench/gpu_sections/tiles.py)."""
 
     q: int = 128
     k: int = 64
     q_bwd: int = 64
     k_bwd: int = 64
+    stages: int = 2
 
     def __post_init__(self):
         for name in ("q", "k", "q_bwd", "k_bwd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 16 or value & (value - 1):
                 raise ValueError(f"BlockSizes.{name} must be a power of two >= 16, got {value!r}")
+        if not isinstance(self.stages, int) or not 1 <= self.stages <= 5:
+            raise ValueError(f"BlockSizes.stages must be an integer in 1..5, got {self.stages!r}")
+
+
+# The tiles the kernel is tuned among (bench/gpu_check.py --tiles times each at the recipe's
+# row lengths, TUNED_LENGTHS): one choice varied at a time around the default, which is first.
+TILE_CANDIDATES = (
+    BlockSizes(),
+    BlockSizes(stages=3),
+    BlockSizes(k=128),
+    BlockSizes(q=64),
+    BlockSizes(k_bwd=128),
+    BlockSizes(q_bwd=128),
+)
+TUNED_LENGTHS = (6144, 10240)  # the student's and the teacher's rows of the 7B recipes
 
 
 def range_attention(
@@ -340,9 +357,9 @@ def _dkdv_kernel(
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _compiler_params(rows, dp):
+def _compiler_params(rows, dp, stages):
     """8 warps only for the big forward tile with a wide head (as jax's mha); else 4."""
-    return plgpu.CompilerParams(num_warps=8 if rows >= 128 and dp >= 128 else 4, num_stages=2)
+    return plgpu.CompilerParams(num_warps=8 if rows >= 128 and dp >= 128 else 4, num_stages=stages)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,7 +382,7 @@ def _forward(q, k, v, q_seg, kv_seg, k_start, k_end, static):
         in_specs=[row(nq), row(nq), q_rows, q_rows, q_rows, row(Sp), q_tile, kv_head, kv_head],
         out_specs=[q_tile, pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, Hq, Tp), _F32)],
-        compiler_params=_compiler_params(bq, Dp),
+        compiler_params=_compiler_params(bq, Dp, static.blocks.stages),
         interpret=static.interpret,
         name=ATTENTION_FORWARD_KERNEL,  # what the 'minimal_flash' remat keeps
     )(lo, hi, q_seg, k_start, k_end, kv_seg, q, k, v)
@@ -406,7 +423,7 @@ def _backward(q, k, v, q_seg, kv_seg, k_start, k_end, out, lse, d_out, static):
         ],
         out_specs=q_tile,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(bq, Dp),
+        compiler_params=_compiler_params(bq, Dp, static.blocks.stages),
         interpret=static.interpret,
         name="range_attention_dq",
     )(lo, hi, q_seg, k_start, k_end, kv_seg, q, k, v, d_out, lse, delta)
@@ -435,7 +452,7 @@ def _backward(q, k, v, q_seg, kv_seg, k_start, k_end, out, lse, d_out, static):
         ],
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(bk, Dp),
+        compiler_params=_compiler_params(bk, Dp, static.blocks.stages),
         interpret=static.interpret,
         name="range_attention_dkdv",
     )(qlo, qhi, q_seg, k_start, k_end, kv_seg, q, k, v, d_out, lse, delta)

@@ -7,6 +7,7 @@ Triton backend lacks, a moved jax API). Shapes are small: interpreting is slow.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,40 @@ def test_lowers_to_triton_for_an_h100(hq, hkv, d):
     for kernel in ("range_attention_forward", "range_attention_dq", "range_attention_dkdv"):
         assert f'name = "{kernel}"' in text, kernel
     assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_the_pipeline_stages_reach_every_triton_call():
+    """BlockSizes.stages (what bench/gpu_check.py --tiles sweeps) is each kernel's num_stages."""
+
+    def grads(blocks):
+        def of(q, k, v, seg, k_start, k_end):
+            def loss(q, k, v):
+                out = ap.range_attention(
+                    q,
+                    k,
+                    v,
+                    q_segment_ids=seg,
+                    kv_segment_ids=seg,
+                    k_start=k_start,
+                    k_end=k_end,
+                    block_sizes=blocks,
+                )
+                return jnp.sum(out.astype(jnp.float32))
+
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        return of
+
+    t = 512
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+    i32 = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    arrays = (bf16(1, t, 4, 128), bf16(1, t, 1, 128), bf16(1, t, 1, 128), i32, i32, i32)
+    for stages in (2, 3):
+        text = ap.lower_for_gpu(grads(ap.BlockSizes(stages=stages)), *arrays)
+        assert re.findall(r"num_stages = (\d+)", text) == [str(stages)] * 3
+    with pytest.raises(ValueError, match="stages must be an integer in 1..5"):
+        ap.BlockSizes(stages=0)
 
 
 def test_cpu_refuses_pallas_and_auto_is_chunked():

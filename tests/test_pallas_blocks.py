@@ -75,7 +75,7 @@ def test_the_decode_kernels_blocks_lie_inside_their_arrays(rows, kv_heads):
         assert not problems, f"{rows} rows, {kv_heads} kv heads, {n} slots:\n" + "\n".join(problems)
 
 
-def range_attention_grad(q_heads, kv_heads, dim, tokens):
+def range_attention_grad(q_heads, kv_heads, dim, tokens, blocks=attention_pallas.BlockSizes()):
     """The range kernel's forward and both backward kernels, traced through jax.grad."""
 
     def loss(q, k, v, ids, k_start, k_end):
@@ -87,6 +87,7 @@ def range_attention_grad(q_heads, kv_heads, dim, tokens):
             kv_segment_ids=ids,
             k_start=k_start,
             k_end=k_end,
+            block_sizes=blocks,
             interpret=True,
         )
         return jnp.sum(out.astype(jnp.float32))
@@ -118,6 +119,15 @@ def test_the_range_kernels_blocks_lie_inside_their_arrays(what, q_heads, kv_head
         assert (VIT.num_attention_heads, VIT.hidden_size // VIT.num_attention_heads) == (16, 72)
     calls, problems = range_attention_grad(q_heads, kv_heads, dim, tokens)
     assert len(calls) == 3, [c.name for c in calls]  # forward, dQ, dK/dV
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("blocks", attention_pallas.TILE_CANDIDATES)
+@pytest.mark.parametrize("tokens", attention_pallas.TUNED_LENGTHS)
+def test_every_tile_candidate_keeps_its_blocks_inside_its_arrays(blocks, tokens):
+    """What bench/gpu_check.py's tiles section times on a GPU, at the recipe's lengths."""
+    calls, problems = range_attention_grad(28, 4, 128, tokens, blocks)
+    assert len(calls) == 3, [c.name for c in calls]
     assert not problems, "\n".join(problems)
 
 
