@@ -345,7 +345,11 @@ def make_opsd_loss(
 
     def loss_fn(params, teacher_params, packs):
         student_pack, teacher_pack = packs[:2]
-        student = nnx.merge(graphdef, params, rest)
+        # The student on Variables of its own: a forward writes its layer loop's outputs back
+        # into the Variables it was merged from, and a teacher reading those (the student's
+        # own for 'self', the shared LoRA base for 'ema' / 'fixed') made the layer loop stack a
+        # copy of every layer's weights for it (13 GiB on the one-GPU 7B recipe).
+        student = nnx.merge(graphdef, _fresh(params), rest)
         student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
         source = params if teacher_mode == "self" else teacher_params
         if teacher_mode == "fixed":  # possibly stored in bf16: compute from fp32 copies
