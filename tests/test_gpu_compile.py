@@ -73,6 +73,30 @@ def host_rest(model_config):
     return gpu_target.host_rest(lambda: Bagel(model_config, rngs=nnx.Rngs(0)))
 
 
+def grad_step_program(model_config, mesh, rows: int = 1, **options) -> str:
+    """The text of the OPSD grad step (smoke's loss settings and pack shapes, `rows` rows per
+    pack) of `model_config`'s model, compiled for `mesh`'s GPU target with XLA `options`."""
+    graphdef, params, _ = abstract_split(model_config, mesh)
+    run = smoke.get_config()
+    step = train_step.make_grad_step(
+        graphdef, host_rest(model_config), run_config.loss_settings(run), "ema"
+    )
+    shapes = pack_shapes.pack_shapes(run)
+
+    def abstract(name):
+        pack = shaped_pack([], shapes[name][0], rows, SPECIAL, [], fixed=True)
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, x.ndim)
+            ),
+            pack,
+        )
+
+    with mesh_lib.use_mesh(mesh):
+        lowered = step.lower(params, params, abstract("student"), abstract("teacher"))
+    return gpu_target.compile(lowered, mesh, **options).as_text()
+
+
 def tiny_train_step(mesh, options):
     """(the tiny config's train step lowered for `mesh`, compiled with XLA `options`)."""
     config = smoke.get_config()

@@ -9,19 +9,12 @@ program's Triton calls by kernel name, so a policy that stops keeping the kernel
 renamed kernel, a policy that no longer matches) fails here.
 """
 
-import jax
 import pytest
-from test_gpu_compile import SPECIAL, abstract_split, host_rest
+from test_gpu_compile import grad_step_program
 
-from configs import smoke
 from models import layers
 from models.configs import BagelConfig
-from opsd_jax import run_config
-from opsd_jax.data import pack_shapes
-from opsd_jax.data.opsd_packs import shaped_pack
-from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target
-from opsd_jax.training import train_step
 
 pytestmark = pytest.mark.slow  # two deviceless compiles of a grad step
 
@@ -38,25 +31,7 @@ def kernel_calls(remat: str, vit_remat: str) -> dict[str, int]:
             unroll_layers=False,
         )
     )
-    graphdef, params, _ = abstract_split(config, mesh)
-    run = smoke.get_config()
-    step = train_step.make_grad_step(
-        graphdef, host_rest(config), run_config.loss_settings(run), "ema"
-    )
-    shapes = pack_shapes.pack_shapes(run)
-
-    def abstract(name):
-        pack = shaped_pack([], shapes[name][0], 1, SPECIAL, [], fixed=True)
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, x.ndim)
-            ),
-            pack,
-        )
-
-    with mesh_lib.use_mesh(mesh):
-        lowered = step.lower(params, params, abstract("student"), abstract("teacher"))
-    text = gpu_target.compile(lowered, mesh).as_text()
+    text = grad_step_program(config, mesh)
     names = (layers.ATTENTION_FORWARD_KERNEL, "range_attention_dq", "range_attention_dkdv")
     return {name: text.count(f'name = "{name}"') for name in names}
 

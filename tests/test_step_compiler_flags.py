@@ -9,20 +9,14 @@ bytes, the collectives' combine threshold, are counted against the model's own a
 import re
 from collections import Counter
 
-import jax
 import pytest
 from flax import nnx
-from test_gpu_compile import SPECIAL, abstract_split, host_rest
+from test_gpu_compile import grad_step_program
 
-from configs import smoke
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from opsd_jax import run_config
-from opsd_jax.data import pack_shapes
-from opsd_jax.data.opsd_packs import shaped_pack
-from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target
-from opsd_jax.training import step_compiler_flags, train_step
+from opsd_jax.training import step_compiler_flags
 
 
 @pytest.mark.parametrize("model", [BagelConfig.tiny(), BagelConfig.bagel_7b()])
@@ -48,26 +42,8 @@ def matmul_kernels(flags: str) -> Counter:
     config = BagelConfig.tiny(
         llm=dict(compute_dtype="bfloat16", attention_backend="pallas", unroll_layers=False)
     )
-    graphdef, params, _ = abstract_split(config, mesh)
-    run = smoke.get_config()
-    step = train_step.make_grad_step(
-        graphdef, host_rest(config), run_config.loss_settings(run), "ema"
-    )
-    shapes = pack_shapes.pack_shapes(run)
-
-    def abstract(name):
-        pack = shaped_pack([], shapes[name][0], 2, SPECIAL, [], fixed=True)
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, x.ndim)
-            ),
-            pack,
-        )
-
-    with mesh_lib.use_mesh(mesh):
-        lowered = step.lower(params, params, abstract("student"), abstract("teacher"))
     options = step_compiler_flags.step_compiler_options(flags, config)
-    text = gpu_target.compile(lowered, mesh, **options).as_text()
+    text = grad_step_program(config, mesh, rows=2, **options)
     found = Counter(re.findall(r'"kind":"(__triton_nested_gemm_fusion)"', text))
     found.update(re.findall(r'custom_call_target="(__cublas[^"]*)"', text))
     return found
