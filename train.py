@@ -231,7 +231,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
             trained,
             remat=llm.remat,
             vit_remat=llm.vit_remat,
-            teacher_config=start.teacher.model_config if start.teacher else None,
+            teacher_config=start.teacher_flops_config,
         )
         tokens, model_flops = distributed.all_processes([packed.tokens, flops.model]).sum(axis=0)
         done = DispatchedStep(

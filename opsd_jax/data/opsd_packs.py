@@ -28,7 +28,7 @@ Sampler prompts are rounded up to a fixed list of lengths instead (config
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -229,6 +229,26 @@ def sampled_logprobs(
         values = np.asarray(logprobs[index], np.float32)[: len(completion)]
         drawn[rows[: len(values)], cols[: len(values)]] = values
     return drawn
+
+
+def entry_sources(
+    packs: TrainingPacks,
+    samples: Sequence,
+    source_index: Mapping[str, int],
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """[rows, C] int32, the student pack's loss entries (the teacher pack's are aligned): each
+    entry's data source, `source_index[sample.dataset]` of the sample it belongs to; -1 at
+    empty entries. The train step scores each entry with its source's teacher by it
+    (opsd_jax/training/step_teachers.py). `out`: an array to write into, else a new one."""
+    student = packs.student
+    sources = np.empty(student.loss_mask.shape, np.int32) if out is None else out
+    sources[...] = -1
+    for k, index in enumerate(packs.kept):
+        sources[(student.loss_sample == k) & student.loss_mask] = source_index[
+            samples[index].dataset
+        ]
+    return sources
 
 
 def build_training_packs(

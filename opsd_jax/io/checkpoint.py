@@ -18,7 +18,7 @@ import contextlib
 import gc
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Self
 
 import jax
@@ -156,13 +156,16 @@ class Checkpointer:
         config: Mapping | Any,
         force: bool = False,
         lora_base: Mapping | None = None,
-        teacher: Mapping | None = None,
+        teachers: Sequence[Mapping] = (),
+        teacher_mode: str | None = None,
     ) -> bool:
         """Save at a periodic step, or any step with `force`; False if not saved (not a save
         step, or this step is already saved or being saved, e.g. a final save just after a
         periodic one). A LoRA state's frozen `base` is not saved: `lora_base` names the weights
-        it is (weights_digest.identity), kept in the meta item for a resume to compare; so is a
-        checkpoint teacher's (`teacher`: its `teacher_weights` are not saved either)."""
+        it is (weights_digest.identity), kept in the meta item for a resume to compare; so are
+        the checkpoint teachers' (`teachers`: their `teacher_weights` are not saved either).
+        `teacher_mode`: what the state keeps for its teacher (TrainedSplit.teacher; the
+        config's teacher_mode when not given)."""
         step = int(step)
         if self._refused is not None:  # orbax saves no more after a failed save
             raise self._refused
@@ -171,7 +174,8 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         config_json = jsonable(config, "config", strict=False)
-        teacher_mode = config_json.get("teacher_mode") if isinstance(config_json, dict) else None
+        if teacher_mode is None and isinstance(config_json, dict):
+            teacher_mode = config_json.get("teacher_mode")
         rng = None
         if state.rng is not None:
             rng = {
@@ -190,7 +194,7 @@ class Checkpointer:
             "rng": rng,
             "teacher_mode": teacher_mode,
             "lora_base": None if lora_base is None else dict(lora_base),
-            "teacher_checkpoint": None if teacher is None else dict(teacher),
+            "teacher_checkpoints": [dict(t) for t in teachers],
             "items": sorted(items) + [META, CONFIG] + ([DATA] if data_state is not None else []),
         }
         items[META] = ocp.args.JsonSave(meta)

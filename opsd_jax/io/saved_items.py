@@ -135,11 +135,17 @@ def saved_lora_base(path: str | os.PathLike) -> dict | None:
     return meta.get("lora_base") if isinstance(meta, dict) else None
 
 
-def saved_teacher_checkpoint(path: str | os.PathLike) -> dict | None:
-    """The identity of the teacher a checkpoint's run read from another checkpoint
-    (teacher_mode='checkpoint'; weights_digest.identity), or None."""
+def saved_teacher_checkpoints(path: str | os.PathLike) -> list[dict]:
+    """The identities (weights_digest.identity) of the teachers a checkpoint's run read from
+    other checkpoints (teacher_mode='checkpoint', or teacher_by_source's paths); [] for none.
+    A checkpoint of the one-teacher format has its `teacher_checkpoint`."""
     meta = _json_item(path, META)
-    return meta.get("teacher_checkpoint") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        return []
+    if "teacher_checkpoints" in meta:
+        return list(meta["teacher_checkpoints"])
+    one = meta.get("teacher_checkpoint")
+    return [one] if one else []
 
 
 def saved_teacher_mode(path: str | os.PathLike) -> str | None:

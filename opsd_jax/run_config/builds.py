@@ -220,13 +220,16 @@ def rollout_cache_bytes(config, model_config, shapes: dict) -> int:
     )
 
 
-def train_step_for(config, loss_fn, optimizer, abstract_state, frozen: tuple[str, ...] = ()):
+def train_step_for(
+    config, loss_fn, optimizer, abstract_state, frozen: tuple[str, ...] = (), teachers=None
+):
     """The one compiled train step as the config sets it up (teacher mode, EMA decay, learning
-    rate schedule, bad-step limit), its state laid out like `abstract_state`."""
+    rate schedule, bad-step limit), its state laid out like `abstract_state`. `teachers`: the
+    loss's StepTeachers, when it was made with them (it then takes each teacher's state)."""
     return train_step.make_train_step(
         loss_fn,
         optimizer,
-        teacher_mode=TrainedSplit.of_config(config).teacher,
+        teacher_mode=TrainedSplit.of_config(config).teacher if teachers is None else teachers,
         ema_decay=config.ema_decay,
         schedule=train_step.learning_rate_schedule(config),
         frozen=frozen,

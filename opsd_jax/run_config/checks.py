@@ -17,6 +17,7 @@ from models import attention, configs
 from opsd_jax.data import pack_shapes
 from opsd_jax.io import hf_layout, hf_load
 from opsd_jax.parallel import distributed, mesh
+from opsd_jax.run_config import trained_split
 from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, step_compiler_flags, train_step
 from opsd_jax.training.offline import cache as offline_cache
@@ -190,7 +191,10 @@ def validate(
             "trains only lm_head, which freeze_llm freezes)"
         )
     problems += _lora_problems(config)
-    problems += _teacher_problems(config, check_files)
+    if config.teacher_by_source:
+        problems += _teacher_by_source_problems(config, check_files)
+    else:
+        problems += _teacher_problems(config, check_files)
     ignored = distributed.settings_without_distributed(config)
     if ignored:
         problems.append(
@@ -254,12 +258,53 @@ def _teacher_problems(config, check_files: bool) -> list[str]:
             "teacher_mode='checkpoint' with an empty teacher_path: give the teacher's BAGEL / "
             "ThinkMorph HF directory"
         ]
-    config_file = os.path.join(config.teacher_path, hf_layout.LLM_CONFIG)
-    if check_files and not os.path.isfile(config_file):
-        return [
-            f"teacher_path={config.teacher_path!r}: not a BAGEL HF directory (no {config_file})"
-        ]
-    return []
+    problem = _not_a_bagel_directory("teacher_path", config.teacher_path) if check_files else None
+    return [problem] if problem else []
+
+
+def _not_a_bagel_directory(key: str, path: str) -> str | None:
+    config_file = os.path.join(path, hf_layout.LLM_CONFIG)
+    if os.path.isfile(config_file):
+        return None
+    return f"{key}={path!r}: not a BAGEL HF directory (no {config_file})"
+
+
+def _teacher_by_source_problems(config, check_files: bool) -> list[str]:
+    """A teacher per data source: every dataset has exactly one, every name is a dataset's,
+    at most one student copy (the state keeps one EMA or fixed copy), and each checkpoint
+    teacher is a BAGEL directory. The mapping replaces teacher_mode and teacher_path."""
+    key = f"teacher_by_source={config.teacher_by_source!r}"
+    try:
+        pairs = trained_split.parse_teacher_by_source(config.teacher_by_source)
+    except ValueError as e:
+        return [str(e)]
+    if config.mode != "opsd":
+        return [f"{key} with mode={config.mode!r}: only an OPSD run has teachers per source"]
+    problems = []
+    if config.teacher_mode == "checkpoint" or config.teacher_path:
+        problems.append(
+            f"{key} with teacher_mode={config.teacher_mode!r}, teacher_path="
+            f"{config.teacher_path!r}: the mapping names every teacher (a checkpoint by its "
+            "path); leave teacher_path empty"
+        )
+    names = [d["name"] for d in config.data.datasets]
+    given = dict(pairs)
+    for name in given:
+        if name not in names:
+            problems.append(f"{key}: {name!r} is no dataset of data.datasets {names}")
+    for name in names:
+        if name not in given:
+            problems.append(f"{key}: dataset {name!r} has no teacher")
+    teachers = set(given.values())
+    if {"ema", "fixed"} <= teachers:
+        problems.append(
+            f"{key}: 'ema' and 'fixed' both; the train state keeps one copy of the student "
+            "for a teacher, so choose one of them"
+        )
+    for path in sorted(teachers - set(trained_split.STUDENT_TEACHERS)):
+        problem = _not_a_bagel_directory("teacher_by_source", path) if check_files else None
+        problems += [problem] if problem else []
+    return problems
 
 
 def _lora_problems(config) -> list[str]:

@@ -156,28 +156,30 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     graphdef, abstract = mesh_lib.abstract_model(make_model, mesh)
     abstract_params, abstract_rest = nnx.split_state(abstract, nnx.Param, ...)
     rest = gpu_target.host_rest(make_model)  # the sin-cos table the train step closes over
-    teacher_model = teacher_weights = None
-    if split.separate_teacher:  # another model, held in the compute dtype
+    teacher_models, teacher_weights = [], []
+    for path in split.checkpoint_paths:  # other models, each held in the compute dtype
         teacher_config, teacher_source = model_config, "the student's (no config files there)"
-        if all(
-            os.path.isfile(os.path.join(config.teacher_path, f)) for f in (LLM_CONFIG, VIT_CONFIG)
-        ):
-            teacher_config = read_config(config.teacher_path, llm=runtime)
+        if all(os.path.isfile(os.path.join(path, f)) for f in (LLM_CONFIG, VIT_CONFIG)):
+            teacher_config = read_config(path, llm=runtime)
             teacher_source = f"its {LLM_CONFIG} / {VIT_CONFIG}"
-        say(f"preflight: the teacher {config.teacher_path}: shapes {teacher_source}")
+        say(f"preflight: the teacher {path}: shapes {teacher_source}")
 
-        def make_teacher():
+        def make_teacher(teacher_config=teacher_config):
             return Bagel(teacher_config, rngs=nnx.Rngs(0))
 
         teacher_graphdef, teacher_abstract = mesh_lib.abstract_model(make_teacher, mesh)
-        teacher_weights = nnx.split_state(teacher_abstract, nnx.Param, ...)[0]
+        weights = nnx.split_state(teacher_abstract, nnx.Param, ...)[0]
         dtype = jax.numpy.dtype(config.compute_dtype)
-        teacher_weights = jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), teacher_weights
+        teacher_weights.append(
+            jax.tree.map(
+                lambda p: jax.ShapeDtypeStruct(p.shape, dtype, sharding=p.sharding), weights
+            )
         )
-        teacher_model = train_step.TeacherModel(
-            teacher_graphdef, gpu_target.host_rest(make_teacher)
+        teacher_models.append(
+            train_step.TeacherModel(teacher_graphdef, gpu_target.host_rest(make_teacher))
         )
+    teachers = split.step_teachers(tuple(teacher_models))
+    teacher_weights = tuple(teacher_weights) or None
     optimizer, frozen, state = trained_split.abstract_train_state(
         config, abstract_params, teacher_weights
     )
@@ -203,10 +205,8 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
 
     # ---- the train step, every length bucket ------------------------------------------------
     settings = builds.loss_settings(config, vocab_limit=model_config.llm.vocab_size)
-    loss_fn = train_step.make_loss(
-        config.mode, graphdef, rest, settings, split.teacher, teacher_model
-    )
-    step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen)
+    loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, teachers)
+    step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen, teachers)
     shapes = pack_shapes.pack_shapes(config)
     batches = step_batches_for(
         config.mode,
@@ -217,6 +217,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         SHAPE_SPECIAL,
         mesh,
         cache_reader=_ShapeOnlyCache(config.offline_top_k) if config.mode == "offline" else None,
+        sources=teachers.source_names,
         local_samples=config.samples_per_micro_batch,
         local_rows=config.rows_per_micro_batch,
         sample_offset=0,

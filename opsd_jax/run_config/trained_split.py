@@ -7,12 +7,15 @@ added here and nowhere else decides it:
 
 - `adapters`: None for full fine-tuning; else the LoRA adapters that train (rank, alpha,
   targets) over the frozen base, held once in the compute dtype;
-- `teacher`: the train step's teacher: 'self' (the student itself: nothing held), 'ema' /
-  'fixed' (a copy of what trains: the params, or with LoRA the adapters, over the student's
-  base), or 'checkpoint' (another model's whole weights from `teacher_path`, frozen in the
-  compute dtype, never saved: the checkpoints record its identity). SFT and offline runs run
-  no teacher in their step: 'self' (an offline run's `teacher_path`, if any, is the teacher its
-  cache was collected from: `cache_teacher_path`);
+- `teacher`: what the train state keeps for the teacher: 'self' (the student itself: nothing
+  held), 'ema' / 'fixed' (a copy of what trains: the params, or with LoRA the adapters, over
+  the student's base), or 'checkpoint' (another model's whole weights from `teacher_path`,
+  frozen in the compute dtype, never saved: the checkpoints record its identity). SFT and
+  offline runs run no teacher in their step: 'self' (an offline run's `teacher_path`, if any,
+  is the teacher its cache was collected from: `cache_teacher_path`);
+- `teachers`: every teacher the step runs, one name each ('self', 'ema', 'fixed' or a
+  checkpoint's path), and with `teacher_by_source` (dataset name -> teacher) which one scores
+  each data source's samples; without it the one teacher scores every sample;
 - `frozen_flags`: which of freeze_vit / freeze_llm / freeze_und are set (full fine-tuning).
 
 The builders of the train state from that split live here too (`abstract_train_state`,
@@ -46,6 +49,25 @@ class Adapters:
     targets: str
 
 
+STUDENT_TEACHERS = ("self", "ema", "fixed")  # teachers made of the student's own weights
+
+
+def parse_teacher_by_source(text: str) -> tuple[tuple[str, str], ...]:
+    """`teacher_by_source`'s pairs, in the order given: 'jigsaw=ema, charts=/models/tm-7b' ->
+    (('jigsaw', 'ema'), ('charts', '/models/tm-7b')); () for ''. A teacher is 'self', 'ema',
+    'fixed' or a BAGEL-layout HF directory. ValueError naming the item that is not name=teacher
+    or a name given twice."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, teacher = (x.strip() for x in item.partition("="))
+        if not sep or not name or not teacher:
+            raise ValueError(f"teacher_by_source: {item!r} is not dataset_name=teacher")
+        if name in dict(pairs):
+            raise ValueError(f"teacher_by_source: dataset {name!r} is given twice")
+        pairs.append((name, teacher))
+    return tuple(pairs)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainedSplit:
     adapters: Adapters | None
@@ -55,6 +77,39 @@ class TrainedSplit:
     fixed_teacher_dtype: str
     frozen_flags: tuple[str, ...] = ()  # the freeze_* flags set (full fine-tuning only)
     mode: str = "opsd"  # opsd | sft | offline: only an OPSD step runs a teacher
+    # Dataset name -> its teacher ('self' | 'ema' | 'fixed' | a checkpoint path), every dataset
+    # of the run in the data config's order; () when one teacher scores every sample.
+    teacher_by_source: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def teachers(self) -> tuple[str, ...]:
+        """Every teacher the train step runs, in a fixed order (the mapping's first mention):
+        'self', 'ema', 'fixed' or a checkpoint teacher's path. () without a teacher forward."""
+        if self.mode != "opsd":
+            return ()
+        if not self.teacher_by_source:
+            return (self.teacher_path if self.teacher == "checkpoint" else self.teacher,)
+        return tuple(dict.fromkeys(teacher for _, teacher in self.teacher_by_source))
+
+    @property
+    def checkpoint_paths(self) -> tuple[str, ...]:
+        """The teachers loaded from their own checkpoints, in `teachers`' order."""
+        return tuple(t for t in self.teachers if t not in STUDENT_TEACHERS)
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        """The data sources the teachers are chosen by (the data config's datasets, in its
+        order), or () when one teacher scores every sample."""
+        return tuple(name for name, _ in self.teacher_by_source)
+
+    def step_teachers(self, models: tuple = ()) -> train_step.StepTeachers:
+        """The train step's teachers (training/step_teachers.py): `models`, one TeacherModel
+        per checkpoint teacher in `checkpoint_paths`' order."""
+        kinds = tuple(t if t in STUDENT_TEACHERS else "checkpoint" for t in self.teachers)
+        of_source = tuple(self.teachers.index(t) for _, t in self.teacher_by_source)
+        return train_step.StepTeachers(
+            kinds or ("self",), tuple(models), of_source, self.source_names
+        )
 
     @property
     def lora(self) -> bool:
@@ -64,9 +119,9 @@ class TrainedSplit:
     def teacher_copy(self) -> str:
         """What the train state keeps for the teacher: NO_TEACHER_COPY, TEACHER_PARAMS (in
         `teacher_params`, checkpointed) or TEACHER_WEIGHTS (in `teacher_weights`, not)."""
-        if self.teacher == "checkpoint":
-            return TEACHER_WEIGHTS
-        return NO_TEACHER_COPY if self.teacher == "self" else TEACHER_PARAMS
+        if self.teacher in ("ema", "fixed"):
+            return TEACHER_PARAMS
+        return TEACHER_WEIGHTS if self.checkpoint_paths else NO_TEACHER_COPY
 
     @property
     def teacher_is_copy(self) -> bool:
@@ -75,8 +130,9 @@ class TrainedSplit:
 
     @property
     def separate_teacher(self) -> bool:
-        """The train step's teacher is another model (its own graph and weights)."""
-        return self.teacher_copy == TEACHER_WEIGHTS
+        """A teacher of the train step is another model (its own graph and weights, held in
+        the train state's `teacher_weights`, one per checkpoint teacher)."""
+        return bool(self.checkpoint_paths)
 
     @property
     def cache_teacher_path(self) -> str:
@@ -93,10 +149,24 @@ class TrainedSplit:
                 int(config.lora_rank), float(config.lora_alpha), config.lora_targets
             )
         flags = ("freeze_vit", "freeze_llm", "freeze_und")
+        teacher = config.teacher_mode if config.mode == "opsd" else "self"
+        by_source = ()
+        if config.teacher_by_source and config.mode == "opsd":
+            given = dict(parse_teacher_by_source(config.teacher_by_source))
+            names = [d["name"] for d in config.data.datasets]
+            by_source = tuple((name, given[name]) for name in names if name in given)
+            # What the state keeps: a student copy if one is used (at most one, checks.py),
+            # else nothing ('self' among them) or the checkpoint teachers' weights alone.
+            used = set(given.values())
+            copies = [t for t in ("ema", "fixed") if t in used]
+            teacher = copies[0] if copies else "self" if "self" in used else "checkpoint"
         return cls(
             adapters=adapters,
-            teacher=config.teacher_mode if config.mode == "opsd" else "self",
-            teacher_path=config.teacher_path if config.teacher_mode == "checkpoint" else "",
+            teacher=teacher,
+            teacher_by_source=by_source,
+            teacher_path=(
+                config.teacher_path if config.teacher_mode == "checkpoint" and not by_source else ""
+            ),
             compute_dtype=config.compute_dtype,
             fixed_teacher_dtype=config.fixed_teacher_dtype,
             frozen_flags=() if adapters else tuple(f for f in flags if config[f]),
@@ -117,13 +187,20 @@ class TrainedSplit:
         if self.mode != "opsd":
             cache = f"the cache collected from {self.cache_teacher_path or 'model_path'}"
             return f"trains {trains}; teacher: " + ("none" if self.mode == "sft" else cache)
-        teacher = {
+        named = {
             "self": "the student itself",
             "ema": "an EMA of what trains",
             "fixed": f"the starting weights of what trains, frozen in {self.fixed_teacher_dtype}",
-            "checkpoint": f"{self.teacher_path}, frozen in {self.compute_dtype} (not saved)",
-        }[self.teacher]
-        return f"trains {trains}; teacher: {teacher}"
+        }
+
+        def teacher(name: str) -> str:
+            return named.get(name, f"{name}, frozen in {self.compute_dtype} (not saved)")
+
+        if not self.teacher_by_source:
+            return f"trains {trains}; teacher: {teacher(self.teachers[0])}"
+        return f"trains {trains}; teachers by data source: " + "; ".join(
+            f"{source}: {teacher(name)}" for source, name in self.teacher_by_source
+        )
 
 
 # ---- LoRA's adapters ---------------------------------------------------------------------------

@@ -48,14 +48,28 @@ class Start:
     resumed: str | None  # the checkpoint directory resumed from, or None (a fresh start)
     data_state: Any = None  # the data iterator's saved state (a resume)
     saved_config: dict | None = None  # the resumed checkpoint's config
-    teacher: Any = None  # teacher_checkpoint.TeacherCheckpoint ('checkpoint'; params dropped)
+    # teacher_checkpoint.TeacherCheckpoint of each checkpoint teacher (split.checkpoint_paths'
+    # order; their params dropped: the state holds them)
+    teachers: tuple = ()
+
+    def step_teachers(self) -> train_step.StepTeachers:
+        """The train step's teachers, the checkpoint teachers' graphs with them."""
+        return self.split.step_teachers(
+            tuple(train_step.TeacherModel(t.graphdef, t.rest) for t in self.teachers)
+        )
 
     @property
-    def teacher_model(self):
-        """The loss's TeacherModel of a checkpoint teacher, None otherwise."""
-        if self.teacher is None:
-            return None
-        return train_step.TeacherModel(self.teacher.graphdef, self.teacher.rest)
+    def teacher_flops_config(self):
+        """The model config the teacher's forward is counted at (step_flops): the one teacher's
+        own when it is another checkpoint; otherwise (the student's own weights, or teachers by
+        source, each scoring its share once) None: the student's."""
+        one_checkpoint = len(self.split.teachers) == 1 and len(self.teachers) == 1
+        return self.teachers[0].model_config if one_checkpoint else None
+
+    @property
+    def teacher_identities(self) -> list[dict]:
+        """The checkpoint teachers' identities, as every checkpoint records them."""
+        return [t.identity for t in self.teachers]
 
 
 def resumed_from(config, checkpointer: Checkpointer, checkpoint_dir: str) -> str | None:
@@ -80,14 +94,17 @@ def check_resume(config, resumed: str, say: Callable) -> str | None:
         run_config.config_error(e)
     saved_teacher = saved_items.saved_teacher_mode(resumed)
     split = run_config.TrainedSplit.of_config(config)
-    if split.separate_teacher and saved_teacher == "checkpoint":  # the same teacher, only
-        saved = saved_items.saved_teacher_checkpoint(resumed)
-        now = teacher_checkpoint.identity(config.teacher_path)
-        if saved is not None and saved["digest"] != now["digest"]:
+    saved = saved_items.saved_teacher_checkpoints(resumed)
+    if split.separate_teacher and saved:  # the same checkpoint teachers, only
+        now = [teacher_checkpoint.identity(path) for path in split.checkpoint_paths]
+        if sorted(t["digest"] for t in saved) != sorted(t["digest"] for t in now):
+            given = "teacher_by_source" if split.teacher_by_source else "teacher_path"
             run_config.config_error(
-                f"resume from {resumed}: its run was taught by {weights_digest.describe(saved)}, "
-                f"but teacher_path gives {weights_digest.describe(now)}; give the saved run's "
-                "teacher, or start a new run"
+                f"resume from {resumed}: its run was taught by "
+                + ", ".join(map(weights_digest.describe, saved))
+                + f", but {given} gives "
+                + ", ".join(map(weights_digest.describe, now))
+                + "; give the saved run's teachers, or start a new run"
             )
     if split.lora:  # the adapters apply to the base they were trained on, only
         saved_base = saved_items.saved_lora_base(resumed)
@@ -182,24 +199,26 @@ def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
     return loaded
 
 
-def load_teacher(config, mesh, loaded: _Loaded, say: Callable):
-    """A checkpoint teacher (teacher_path) checked against the student and loaded frozen in the
-    compute dtype, sharded as the student's weights; None for any other teacher."""
-    if not run_config.TrainedSplit.of_config(config).separate_teacher:
-        return None
-    t0 = time.perf_counter()
-    try:
-        teacher = teacher_checkpoint.load(
-            config.teacher_path,
-            mesh,
-            student_config=loaded.model_config,
-            student_tokenizer=loaded.tokenizer,
-            config_changes={"llm": run_config.model_runtime(config)},
-        )
-    except teacher_checkpoint.TeacherMismatch as e:
-        run_config.config_error(e)
-    say(f"{teacher.describe()}, loaded in {time.perf_counter() - t0:.1f}s")
-    return teacher
+def load_teachers(config, mesh, loaded: _Loaded, say: Callable) -> tuple:
+    """The checkpoint teachers (teacher_path, or the paths of teacher_by_source), each checked
+    against the student and loaded frozen in the compute dtype, sharded as the student's
+    weights; () without one."""
+    teachers = []
+    for path in run_config.TrainedSplit.of_config(config).checkpoint_paths:
+        t0 = time.perf_counter()
+        try:
+            teacher = teacher_checkpoint.load(
+                path,
+                mesh,
+                student_config=loaded.model_config,
+                student_tokenizer=loaded.tokenizer,
+                config_changes={"llm": run_config.model_runtime(config)},
+            )
+        except teacher_checkpoint.TeacherMismatch as e:
+            run_config.config_error(e)
+        say(f"{teacher.describe()}, loaded in {time.perf_counter() - t0:.1f}s")
+        teachers.append(teacher)
+    return tuple(teachers)
 
 
 def fresh_state(
@@ -260,8 +279,8 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
     split = run_config.TrainedSplit.of_config(config)
     say(split.describe())
     loaded = load_model(config, mesh, resumed, say)
-    teacher = load_teacher(config, mesh, loaded, say)
-    teacher_weights = teacher.params if teacher else None
+    teachers = load_teachers(config, mesh, loaded, say)
+    teacher_weights = tuple(t.params for t in teachers) or None
     params = loaded.params
     abstract_params = abstract_like(params)
     optimizer, frozen, abstract_state = run_config.abstract_train_state(
@@ -289,7 +308,7 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
         with mesh_lib.use_mesh(mesh):
             abstract_state = abstract_state.replace(base=take_base(params))
     loaded.params = loaded.teacher_source = params = teacher_weights = None
-    if teacher:
+    for teacher in teachers:
         teacher.params = None  # the state holds them now
     if resumed:  # into the abstract state: peak memory is one state
         state, data_state, saved_config, abstract_state = restore_state(
@@ -311,5 +330,5 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
         resumed=resumed,
         data_state=data_state,
         saved_config=saved_config,
-        teacher=teacher,
+        teachers=teachers,
     )

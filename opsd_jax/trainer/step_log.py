@@ -87,6 +87,8 @@ def describe_training(config, start_step: int) -> str:
         f"{config.kd_temperature}"
         if config.mode == "offline"
         else f"teacher '{config.teacher_mode}', loss '{config.jsd_loss_kind}'"
+        if not config.teacher_by_source
+        else f"a teacher per data source, loss '{config.jsd_loss_kind}'"
     )
     return (
         f"training steps {start_step}..{config.total_steps}: "
@@ -102,7 +104,8 @@ class StepLog:
         self.config, self.logger, self.checkpointer = config, logger, checkpointer
         self.checkpoint_dir, self.batches = checkpoint_dir, batches
         self.tokenizer, self.lora_base = start.tokenizer, start.lora_base
-        self.teacher = start.teacher.identity if start.teacher else None
+        self.teachers = start.teacher_identities
+        self.teacher_mode = start.split.teacher
         self.last_good_step = start.start_step
         self.local_samples = config.gradient_accumulation_steps * (
             config.samples_per_micro_batch // jax.process_count()
@@ -123,7 +126,8 @@ class StepLog:
             config=self.config.to_dict(),
             force=True,
             lora_base=self.lora_base,
-            teacher=self.teacher,
+            teachers=self.teachers,
+            teacher_mode=self.teacher_mode,
         )
 
     def report_cut_samples(self, step: int, scalars: dict, logged) -> None:

@@ -73,11 +73,10 @@ def compile_steps(
     special = tokenizer.special_tokens()
     settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = offline_cache_reader(config, start.model_config, tokenizer, options, say)
-    loss_fn = train_step.make_loss(
-        config.mode, start.graphdef, start.rest, settings, start.split.teacher, start.teacher_model
-    )
+    teachers = start.step_teachers()
+    loss_fn = train_step.make_loss(config.mode, start.graphdef, start.rest, settings, teachers)
     step_fn = run_config.train_step_for(
-        config, loss_fn, start.optimizer, start.abstract_state, start.frozen
+        config, loss_fn, start.optimizer, start.abstract_state, start.frozen, teachers
     )
     per_micro, accum = config.samples_per_micro_batch, config.gradient_accumulation_steps
     local_per_micro = per_micro // num_processes
@@ -99,6 +98,7 @@ def compile_steps(
         special,
         mesh,
         cache_reader=cache_reader,
+        sources=teachers.source_names,
         local_samples=local_per_micro,
         local_rows=local_rows,
         sample_offset=sample_offset,

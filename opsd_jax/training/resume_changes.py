@@ -95,6 +95,11 @@ CONTRADICTS = {
         f"the saved weights and optimizer moments continue under the '{now}' objective"
     ),
     "teacher_mode": _teacher_meaning,
+    "teacher_by_source": lambda saved, now: (
+        "each data source is scored by the new mapping's teacher from the next step; a student "
+        "copy the checkpoint does not keep starts from the restored student weights, and only "
+        "the saved run's checkpoint teachers are taken (their digests are compared)"
+    ),
     "fixed_teacher_dtype": lambda saved, now: f"the saved fixed teacher is cast to {now}",
     "lora_alpha": lambda saved, now: (
         f"the saved adapters' update is scaled by {now} / rank instead of {saved} / rank: the "

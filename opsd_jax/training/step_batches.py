@@ -23,7 +23,12 @@ import numpy as np
 
 from models.pack import Pack
 from opsd_jax.data import sft_packs
-from opsd_jax.data.opsd_packs import build_training_packs, sampled_logprobs, shaped_pack
+from opsd_jax.data.opsd_packs import (
+    build_training_packs,
+    entry_sources,
+    sampled_logprobs,
+    shaped_pack,
+)
 from opsd_jax.parallel import distributed
 from opsd_jax.training import step_flops
 from opsd_jax.training.offline import views as offline_views
@@ -195,16 +200,21 @@ class StepBatches:
 class OpsdBatches(StepBatches):
     """Visual-OPSD: the student's view and the teacher's (VT images before the completion), and
     the log-probs the rollout drew the completion tokens with, at the student's loss entries
-    (opsd_packs.sampled_logprobs: the train step logs the rollout's mismatch with them)."""
+    (opsd_packs.sampled_logprobs: the train step logs the rollout's mismatch with them). With
+    teachers by data source (`sources`: the datasets' names, in the order the step's
+    StepTeachers number them) a fourth part: each loss entry's source (opsd_packs.entry_sources)."""
 
     pack_names = ("student", "teacher")
     packs_in_place = True
 
+    def __init__(self, *args, sources: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.source_index = {name: i for i, name in enumerate(sources)}
+
     def empty_parts(self, bucket):
-        entries = self.shapes["student"][bucket].loss_entries
-        return super().empty_parts(bucket) + [
-            np.full((self.local_rows, entries), np.nan, np.float32)
-        ]
+        shape = (self.local_rows, self.shapes["student"][bucket].loss_entries)
+        parts = super().empty_parts(bucket) + [np.full(shape, np.nan, np.float32)]
+        return parts + ([np.full(shape, -1, np.int32)] if self.source_index else [])
 
     def micro(self, step, micro, samples, completions, first_bucket, sums, out=None, logprobs=None):
         del step, micro  # the packs depend only on the samples and their completions
@@ -216,6 +226,8 @@ class OpsdBatches(StepBatches):
             if parts is None:
                 return None
             handed["drawn"] = parts[len(self.pack_names)]
+            if self.source_index:
+                handed["sources"] = parts[len(self.pack_names) + 1]
             return dict(zip(self.pack_names, parts))
 
         packs = build_training_packs(
@@ -234,8 +246,15 @@ class OpsdBatches(StepBatches):
             self._add_mean(sums, f"pack/{name}_padding", fraction)
         self._add(sums, "pack/truncated", packs.num_truncated)
         self._add(sums, "pack/dropped", packs.num_dropped)
-        drawn = sampled_logprobs(packs, logprobs, out=handed.get("drawn"))
-        return (packs.student, packs.teacher, drawn), first_bucket + packs.bucket, tokens
+        parts = (
+            packs.student,
+            packs.teacher,
+            sampled_logprobs(packs, logprobs, handed.get("drawn")),
+        )
+        if self.source_index:
+            sources = handed.get("sources")
+            parts += (entry_sources(packs, samples, self.source_index, out=sources),)
+        return parts, first_bucket + packs.bucket, tokens
 
 
 class SftBatches(StepBatches):
@@ -308,10 +327,13 @@ class OfflineBatches(StepBatches):
         )
 
 
-def step_batches_for(mode: str, *args, cache_reader=None, **kwargs) -> StepBatches:
-    """The mode's StepBatches (arguments: StepBatches'; offline also takes the cache)."""
+def step_batches_for(
+    mode: str, *args, cache_reader=None, sources: tuple[str, ...] = (), **kwargs
+) -> StepBatches:
+    """The mode's StepBatches (arguments: StepBatches'; offline also takes the cache, OPSD the
+    data sources its teachers are chosen by)."""
     if mode == "sft":
         return SftBatches(*args, **kwargs)
     if mode == "offline":
         return OfflineBatches(*args, cache_reader=cache_reader, **kwargs)
-    return OpsdBatches(*args, **kwargs)
+    return OpsdBatches(*args, sources=sources, **kwargs)

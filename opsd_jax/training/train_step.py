@@ -46,7 +46,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from models.pack import Pack
-from opsd_jax.training import losses
+from opsd_jax.training import losses, step_teachers
+from opsd_jax.training.step_teachers import StepTeachers, TeacherModel  # noqa: F401 (re-exported)
 
 TEACHER_MODES = ("self", "ema", "fixed", "checkpoint")
 LOSS_KINDS = ("jsd", "tinker")
@@ -97,24 +98,12 @@ class TrainState:
     # by student, teacher and sampler; not checkpointed (the checkpoint names the HF weights it
     # came from). None in full fine-tuning.
     base: Any = None
-    # teacher_mode='checkpoint': the whole nnx.Param state of a teacher loaded from its own HF
-    # directory, in the compute dtype; frozen, and not checkpointed (the checkpoint records its
-    # path and digest, and a resume reads it again). None otherwise.
+    # Teachers of other checkpoints: each one's whole nnx.Param state, loaded from its own HF
+    # directory, in the compute dtype; frozen, and not checkpointed (the checkpoint records
+    # their paths and digests, and a resume reads them again). A tuple, one per checkpoint
+    # teacher of the StepTeachers (train.py); one bare state for a step made with
+    # teacher_mode='checkpoint' alone; None without such a teacher.
     teacher_weights: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TeacherModel:
-    """A teacher of another checkpoint: its own nnx graph and non-Param state (its weights are
-    the train state's `teacher_weights`). Its packs are the student's: same tokenizer,
-    vocabulary and image patching (checked where it is loaded)."""
-
-    graphdef: Any
-    rest: Any
-
-    @property
-    def graph(self) -> tuple:
-        return self.graphdef, self.rest
 
 
 def model_params(params, base):
@@ -236,8 +225,11 @@ def applied_learning_rate(opt_state, schedule: optax.Schedule) -> jax.Array:
     return schedule(count)
 
 
-def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSettings):
-    """ce_weight * CE + jsd_weight * distillation over the pack's loss entries."""
+def completion_loss(
+    student_logits, teacher_logits, pack: Pack, settings: LossSettings, by_source=None
+):
+    """ce_weight * CE + jsd_weight * distillation over the pack's loss entries. `by_source`:
+    (StepTeachers, each entry's data source [R, E]) adds each source's distillation."""
     common = dict(sample_ids=pack.loss_sample, num_samples=settings.num_samples)
     if settings.jsd_loss_kind == "jsd":
         distill, diag = losses.generalized_jsd(
@@ -266,6 +258,11 @@ def completion_loss(student_logits, teacher_logits, pack: Pack, settings: LossSe
             **common,
         )
     metrics = {"jsd": distill}
+    if by_source is not None:
+        teachers, entry_sources = by_source
+        metrics.update(
+            step_teachers.source_metrics(teachers, diag["per_token"], entry_sources, pack.loss_mask)
+        )
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
         if key in diag:
             metrics[key] = diag[key]
@@ -321,27 +318,46 @@ Loss = Callable[[Any, Any, tuple], tuple[jax.Array, dict]]
 
 
 def make_opsd_loss(
-    graphdef, rest, settings: LossSettings, teacher_mode: str, teacher_model=None
+    graphdef, rest, settings: LossSettings, teacher_mode, teacher_model=None
 ) -> Loss:
-    """loss(params, teacher_params, (student_pack, teacher_pack[, sampled])) -> (loss, metrics).
-    With `sampled` (the rollout's log-probs at the student's entries, OpsdBatches' third part)
-    the metrics hold the rollout's mismatch with the student (`rollout_mismatch`).
-    `teacher_model` (a TeacherModel) is the teacher of teacher_mode='checkpoint', whose
-    `teacher_params` are then the train state's `teacher_weights`."""
-    if teacher_mode not in TEACHER_MODES:
-        raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
-    if (teacher_mode == "checkpoint") != (teacher_model is not None):
-        raise ValueError("a TeacherModel goes with teacher_mode='checkpoint', and only with it")
-    teacher_graph = (graphdef, rest) if teacher_model is None else teacher_model.graph
+    """loss(params, teacher_params, (student_pack, teacher_pack[, sampled[, sources]])) ->
+    (loss, metrics). With `sampled` (the rollout's log-probs at the student's entries,
+    OpsdBatches' third part) the metrics hold the rollout's mismatch with the student
+    (`rollout_mismatch`).
 
-    def teacher_logits(teacher_params, pack):
+    `teacher_mode`: one teacher's kind (TEACHER_MODES), whose state `teacher_params` is (None
+    for 'self'; for 'checkpoint' the weights of `teacher_model`, a TeacherModel); or a
+    StepTeachers, and then `teacher_params` is a tuple of each teacher's state
+    (StepTeachers.states) and, with teachers by data source, `sources` each loss entry's
+    source (step_teachers.py)."""
+    if isinstance(teacher_mode, StepTeachers):
+        teachers, one_state = teacher_mode, False
+        if teacher_model is not None:
+            raise ValueError("StepTeachers carry their TeacherModels: give no teacher_model")
+    else:
+        if teacher_mode not in TEACHER_MODES:
+            raise ValueError(f"teacher_mode={teacher_mode!r}; allowed: {TEACHER_MODES}")
+        if (teacher_mode == "checkpoint") != (teacher_model is not None):
+            raise ValueError("a TeacherModel goes with teacher_mode='checkpoint', and only with it")
+        models = () if teacher_model is None else (teacher_model,)
+        teachers, one_state = StepTeachers((teacher_mode,), models), True
+    graphs = teachers.graphs((graphdef, rest))
+
+    def teacher_logits(t, teacher_params, pack):
         # Full remat + stop-gradient: the teacher's activations are never kept for a backward.
         @jax.checkpoint
         def forward(teacher_params, pack):
-            teacher = nnx.merge(teacher_graph[0], teacher_params, teacher_graph[1])
+            teacher = nnx.merge(graphs[t][0], teacher_params, graphs[t][1])
             return teacher.logits_at(teacher(pack), pack.loss_rows)
 
         return jax.lax.stop_gradient(forward(jax.lax.stop_gradient(teacher_params), pack))
+
+    def teacher_source(kind, params, state):
+        if kind == "self":
+            return params
+        if kind == "fixed":  # possibly stored in bf16: compute from fp32 copies
+            return jax.tree.map(lambda p, t: t.astype(p.dtype), params, state)
+        return state
 
     def loss_fn(params, teacher_params, packs):
         student_pack, teacher_pack = packs[:2]
@@ -351,12 +367,21 @@ def make_opsd_loss(
         # copy of every layer's weights for it (13 GiB on the one-GPU 7B recipe).
         student = nnx.merge(graphdef, _fresh(params), rest)
         student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
-        source = params if teacher_mode == "self" else teacher_params
-        if teacher_mode == "fixed":  # possibly stored in bf16: compute from fp32 copies
-            source = jax.tree.map(lambda p, t: t.astype(p.dtype), params, teacher_params)
-        loss, metrics = completion_loss(
-            student_logits, teacher_logits(source, teacher_pack), student_pack, settings
-        )
+        states = (teacher_params,) if one_state else teacher_params
+        sources = [teacher_source(k, params, x) for k, x in zip(teachers.kinds, states)]
+
+        def logits_of(t):
+            return teacher_logits(t, sources[t], teacher_pack)
+
+        by_source = None
+        if teachers.by_source:
+            entry_sources = packs[3]
+            by_source = (teachers, entry_sources)
+        if len(teachers.kinds) > 1:
+            logits = step_teachers.route(teachers, logits_of, entry_sources, student_pack.loss_mask)
+        else:
+            logits = logits_of(0)
+        loss, metrics = completion_loss(student_logits, logits, student_pack, settings, by_source)
         if len(packs) > 2:
             metrics.update(rollout_mismatch(student_logits, student_pack, packs[2], settings))
         return loss, metrics
@@ -401,9 +426,10 @@ def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
 
 
 def make_loss(
-    mode: str, graphdef, rest, settings: LossSettings, teacher_mode: str, teacher_model=None
+    mode: str, graphdef, rest, settings: LossSettings, teacher_mode, teacher_model=None
 ) -> Loss:
-    """The loss of a training mode: 'opsd' (student vs teacher), 'sft' or 'offline'."""
+    """The loss of a training mode: 'opsd' (student vs teacher: `teacher_mode` a kind or a
+    StepTeachers, as make_opsd_loss takes it), 'sft' or 'offline'."""
     if mode == "sft":
         return make_sft_loss(graphdef, rest, settings)
     if mode == "offline":
@@ -555,7 +581,7 @@ def make_train_step(
     loss_fn: Loss,
     optimizer: optax.GradientTransformation,
     *,
-    teacher_mode: str,
+    teacher_mode,
     ema_decay: float,
     schedule: optax.Schedule,
     frozen: tuple[str, ...] = (),
@@ -564,14 +590,33 @@ def make_train_step(
 ):
     """jit(state, micro_batches) -> (state, metrics), the state donated.
 
+    `teacher_mode`: the one teacher's kind (the loss then takes the teacher's state alone), or
+    the loss's StepTeachers (it then takes each teacher's state: StepTeachers.states, the
+    checkpoint teachers' from the state's `teacher_weights` tuple).
+
     `micro_batches`: the `loss_fn`'s pack tuple with every array stacked on a leading
     micro-batch axis. Gradient accumulation is a `lax.scan` over that axis: the gradients of
     the trainable params are summed in one buffer (sharded like the params when
     `state_shardings` is given, which also pins the output state to the input's layout, so the
     compiled step takes its own output). Metrics: the micro-batch means of the loss metrics,
     then `grad_norm` (trainable params), `nonfinite`, `bad_steps` and `lr`, the learning rate
-    this update applied.
+    this update applied; with teachers by data source, each source's `source/<name>/jsd` and
+    `source/<name>/tokens` (step_teachers.finish_source_metrics).
     """
+    teachers = teacher_mode if isinstance(teacher_mode, StepTeachers) else None
+    if teachers is not None:
+        teacher_mode = teachers.copy_mode
+
+    def teacher_states(state: TrainState, base):
+        copy = state.teacher_params
+        if copy is not None:
+            copy = model_params(_fresh(copy), base)
+        if teachers is not None:
+            weights = state.teacher_weights
+            return teachers.states(copy, None if weights is None else _fresh(tuple(weights)))
+        if copy is None and state.teacher_weights is not None:  # another model's, whole
+            return _fresh(state.teacher_weights)
+        return copy
 
     def train_step(state: TrainState, micro_batches):
         trainable, frozen_params = split_params(state.params, frozen)
@@ -580,11 +625,7 @@ def make_train_step(
             def loss_of(trainable):
                 params = merge_params(trainable, _fresh(frozen_params), state.params)
                 base = _fresh(state.base)
-                teacher = state.teacher_params
-                if teacher is not None:
-                    teacher = model_params(_fresh(teacher), base)
-                elif state.teacher_weights is not None:  # another model's, whole
-                    teacher = _fresh(state.teacher_weights)
+                teacher = teacher_states(state, base)
                 return loss_fn(model_params(params, base), teacher, packs)
 
             (_, metrics), micro_grads = jax.value_and_grad(loss_of, has_aux=True)(trainable)
@@ -601,6 +642,7 @@ def make_train_step(
         metrics = {
             k: (jnp.max if k.endswith("_max") else jnp.mean)(m, axis=0) for k, m in metrics.items()
         }
+        metrics = step_teachers.finish_source_metrics(metrics)
         lr = applied_learning_rate(state.opt_state, schedule)
         state, update_metrics = _update(
             state,
@@ -637,8 +679,8 @@ def init_state(
     checkpoint's EMA with `finetune_from_ema`); the optimizer state covers the params outside
     the `frozen` groups. With LoRA `params` are the adapters and `base` the frozen model.
     `teacher_weights`: a checkpoint teacher's weights ('checkpoint'), held as given."""
-    if (teacher_mode == "checkpoint") != (teacher_weights is not None):
-        raise ValueError("teacher_weights go with teacher_mode='checkpoint', and only with it")
+    if teacher_mode == "checkpoint" and teacher_weights is None:
+        raise ValueError("teacher_mode='checkpoint' needs the teacher's teacher_weights")
     source = params if teacher_source is None else teacher_source
     if teacher_mode == "ema":
         teacher = jax.tree.map(jnp.copy, source)
