@@ -9,7 +9,9 @@ KL(teacher with VT || the same model on the text-only view); then train with the
 (`mode='offline'`). The model, data, prompt and `max_forward_tokens` come from that config, so
 the cache matches what the trainer packs; the teacher is the student's starting weights, or with
 `teacher_mode='checkpoint'` the model of `teacher_path` (checked against the student's tokenizer
-and shapes; the manifest records its digest, and training refuses the cache under another); `rows_per_micro_batch` rows of
+and shapes; the manifest records its digest, and training refuses the cache under another), or
+with `teacher_by_source` each dataset's own (`self` or a checkpoint's directory; the manifest
+records each); `rows_per_micro_batch` rows of
 `samples_per_micro_batch` samples go through each forward.
 
 Resumable: run the same command again after a kill and it continues with the samples not yet
@@ -50,13 +52,13 @@ class _Teacher:
     identity: dict | None  # a checkpoint teacher's (weights_digest.identity), else None
 
 
-def load_teacher(config, mesh, config_changes) -> _Teacher:
-    """The model the cache is collected from. By default the student's starting weights (the
-    PyTorch collector loads the model file; weights='ema' caches the EMA weights instead); with
-    teacher_mode='checkpoint' the model of teacher_path, checked against the student's tokenizer
-    and shapes (read from model_path without its weights)."""
-    split = run_config.TrainedSplit.of_config(config)
-    if not split.cache_teacher_path:
+def load_teacher(config, mesh, config_changes, path: str = "") -> _Teacher:
+    """A model a cache is collected from: `path`, a checkpoint teacher's directory (checked
+    against the student's tokenizer and shapes, read from model_path without its weights), or
+    '' for the student's starting weights (the PyTorch collector loads the model file;
+    weights='ema' caches the EMA weights instead)."""
+    if not path:
+        split = run_config.TrainedSplit.of_config(config)
         start = init_weights.load(config, mesh, split=split, config_changes=config_changes)
         return _Teacher(
             start.graphdef,
@@ -67,12 +69,10 @@ def load_teacher(config, mesh, config_changes) -> _Teacher:
             config.model_path,
             None,
         )
-    _, student_config, tokenizer = hf_load.load_hf(
-        config.model_path, mesh=mesh, config_changes=config_changes, read_params=False
-    )
+    _, student_config, tokenizer = student_shapes(config, mesh, config_changes)
     try:
         teacher = teacher_checkpoint.load(
-            split.cache_teacher_path,
+            path,
             mesh,
             student_config=student_config,
             student_tokenizer=tokenizer,
@@ -86,9 +86,31 @@ def load_teacher(config, mesh, config_changes) -> _Teacher:
         teacher.rest,
         teacher.model_config,
         tokenizer,
-        split.cache_teacher_path,
+        path,
         teacher.identity,
     )
+
+
+def student_shapes(config, mesh, config_changes):
+    """(graphdef, model config, tokenizer) of model_path, no weights read."""
+    return hf_load.load_hf(
+        config.model_path, mesh=mesh, config_changes=config_changes, read_params=False
+    )
+
+
+def load_teachers(config, mesh, config_changes) -> dict[str, _Teacher]:
+    """Each data source's teacher, by dataset name (one model loaded per distinct teacher), or
+    {'': the one teacher} without teacher_by_source."""
+    split = run_config.TrainedSplit.of_config(config)
+    if not split.cache_teacher_by_source:
+        return {"": load_teacher(config, mesh, config_changes, split.cache_teacher_path)}
+    loaded = {}
+    for name, teacher in split.cache_teacher_by_source:
+        path = "" if teacher == "self" else teacher
+        if path not in loaded:
+            loaded[path] = load_teacher(config, mesh, config_changes, path)
+        loaded[name] = loaded[path]
+    return {name: loaded[name] for name, _ in split.cache_teacher_by_source}
 
 
 def main(argv) -> None:
@@ -110,14 +132,20 @@ def main(argv) -> None:
     mesh = mesh_lib.make_mesh(*run_config.mesh_shape(config, len(devices)), devices=devices)
     runtime = run_config.model_runtime(config)
     t0 = time.perf_counter()
-    teacher = load_teacher(config, mesh, {"llm": runtime})
+    teachers = load_teachers(config, mesh, {"llm": runtime})
+    by_source = "" not in teachers
+    sources = {id(t): t.source for t in teachers.values()}
     print(
-        f"[p{index}] teacher {teacher.source} loaded in {time.perf_counter() - t0:.1f}s; "
-        f"mesh {dict(mesh.shape)}",
+        f"[p{index}] teacher {', '.join(sources.values())} loaded in "
+        f"{time.perf_counter() - t0:.1f}s; mesh {dict(mesh.shape)}",
         flush=True,
     )
+    teacher = next(iter(teachers.values()))
     tokenizer = teacher.tokenizer
-    data_config = run_config.data_config(config).for_model(teacher.model_config)
+    # With a teacher per source the packs and the manifest are the student's (each teacher
+    # reads them as the student does: checked where it is loaded).
+    model_config = student_shapes(config, mesh, {"llm": runtime})[1] if by_source else None
+    data_config = run_config.data_config(config).for_model(model_config or teacher.model_config)
     options = run_config.prompt_options(config)
     data = dict(
         datasets=[
@@ -127,22 +155,25 @@ def main(argv) -> None:
         heldout_fraction=data_config.heldout_fraction,
     )
     manifest = offline_cache.make_manifest(
-        teacher.model_config,
+        model_config or teacher.model_config,
         tokenizer,
         options,
         top_k=config.offline_top_k,
         logprob_dtype=config.offline_logprob_dtype,
         max_forward_tokens=config.max_forward_tokens,
         data=data,
-        model_path=teacher.source,
-        teacher=teacher.identity,
+        model_path=config.model_path if by_source else teacher.source,
+        teacher=None if by_source else teacher.identity,
+        teachers_by_source={n: t.identity for n, t in teachers.items()} if by_source else None,
     )
-    step = offline_collect.make_collect_step(
-        teacher.graphdef,
-        teacher.rest,
-        top_k=config.offline_top_k,
-        vocab_limit=tokenizer.vocab_length,
-    )
+    steps = {}  # one collect step per distinct teacher
+    for t in teachers.values():
+        if id(t) not in steps:
+            steps[id(t)] = offline_collect.make_collect_step(
+                t.graphdef, t.rest, top_k=config.offline_top_k, vocab_limit=tokenizer.vocab_length
+            )
+    per_source = {n: (steps[id(t)], t.params) for n, t in teachers.items()} if by_source else None
+    step = steps[id(teacher)]
     try:
         summary = offline_collect.collect(
             collect_step=step,
@@ -161,6 +192,7 @@ def main(argv) -> None:
             process_count=count,
             max_samples=_MAX_SAMPLES.value,
             log=lambda line: print(line, flush=True),
+            by_source=per_source,
         )
     except offline_cache.CacheError as e:
         run_config.config_error(e)

@@ -286,6 +286,28 @@ def test_trainer_refuses_a_cache_of_another_tokenizer_or_model(tmp_path):
         )
 
 
+def test_trainer_refuses_a_cache_of_another_teacher_naming_it(tmp_path):
+    """One teacher, or one per data source: a cache is taken only under the teachers that made
+    it (by digest), and each refused one is named."""
+    teacher = {"model_path": "/t", "weights": "model", "digest": "d1" * 32}
+    other = dict(teacher, digest="d2" * 32)
+    made = dict(top_k=4, logprob_dtype="float16", max_forward_tokens=64)
+    args = (BagelConfig.tiny(), _Tokenizer(), OPTIONS)
+    write = lambda m: offline_cache.write_json_atomic(str(tmp_path / offline_cache.MANIFEST), m)  # noqa: E731
+    write(offline_cache.make_manifest(*args, **made, teacher=teacher))
+    offline_cache.check_manifest(str(tmp_path), *args, teacher)
+    with pytest.raises(offline_cache.CacheError, match="teacher: cache .*, now model_path's"):
+        offline_cache.check_manifest(str(tmp_path), *args, None)
+    by_source = {"maze": None, "count": teacher}
+    write(offline_cache.make_manifest(*args, **made, teachers_by_source=by_source))
+    offline_cache.check_manifest(str(tmp_path), *args, None, by_source)
+    with pytest.raises(offline_cache.CacheError, match="teacher of count: cache") as refused:
+        offline_cache.check_manifest(str(tmp_path), *args, None, {"maze": None, "count": other})
+    assert "teacher of maze" not in str(refused.value)
+    with pytest.raises(offline_cache.CacheError, match="teacher of count: cache"):
+        offline_cache.check_manifest(str(tmp_path), *args, None)  # no mapping now
+
+
 # ---- the offline loss equals the online one on the same teacher and completion -----------------
 
 

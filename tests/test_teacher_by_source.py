@@ -33,6 +33,7 @@ from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.run_config import checks
 from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
+from opsd_jax.training.offline import cache as offline_cache
 
 SOURCES = ("maze", "count")
 
@@ -200,7 +201,12 @@ def test_the_split_names_the_teachers_in_use_and_what_the_state_keeps():
         ("toy_maze=self,toy_count", {}, r"'toy_count' is not dataset_name=teacher"),
         ("toy_maze=self,toy_maze=ema", {}, r"dataset 'toy_maze' is given twice"),
         ("toy_maze=self,toy_count=/nowhere", {}, r"'/nowhere': not a BAGEL HF directory"),
-        ("toy_maze=self,toy_count=ema", dict(mode="sft"), r"only an OPSD run"),
+        ("toy_maze=self,toy_count=ema", dict(mode="sft"), r"SFT has no teacher"),
+        (
+            "toy_maze=self,toy_count=ema",
+            dict(mode="offline", teacher_mode="self", offline_cache_dir="/c"),
+            r"'toy_count' -> 'ema'; an offline cache is collected from 'self'",
+        ),
         (
             "toy_maze=self,toy_count=ema",
             dict(teacher_path="/x"),
@@ -284,3 +290,93 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
     assert_same_params(
         tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 4
     )
+
+
+OFFLINE_TWO_SOURCES = """
+from configs import offline_tiny
+
+
+def get_config():
+    config = offline_tiny.get_config()
+    config.data.datasets = [
+        dict(name="toy_maze", path="", weight=1.0, num_used_data=4),
+        dict(name="toy_count", path="", weight=1.0, num_used_data=4),
+    ]
+    return config
+"""
+
+
+@pytest.mark.slow
+def test_an_offline_cache_per_source_holds_each_sources_teacher(tmp_path, toy_dirs):
+    """scripts/collect_traces.py with toy_maze -> model_path's weights and toy_count -> the
+    three-layer checkpoint: each source's cached entries are those of a cache collected from
+    its teacher alone (the student's weights; teacher_mode='checkpoint', whose manifest names
+    that teacher), and toy_count's are not the student's; train.py trains on it with the same
+    mapping and refuses it under the mapping swapped."""
+    config_file = tmp_path / "two_sources.py"
+    config_file.write_text(OFFLINE_TWO_SOURCES)
+    mapping = f"toy_maze=self,toy_count={toy_dirs['teacher']}"
+
+    def run(script, cache, *overrides):
+        result = run_python(
+            script,
+            "--config",
+            str(config_file),
+            f"--config.model_path={toy_dirs['student']}",
+            f"--config.results_dir={tmp_path / 'run'}",
+            f"--config.offline_cache_dir={tmp_path / cache}",
+            *overrides,
+        )
+        return result
+
+    for cache, overrides in (
+        ("student", ()),
+        (
+            "teacher",
+            ("--config.teacher_mode=checkpoint", f"--config.teacher_path={toy_dirs['teacher']}"),
+        ),
+        ("mixed", (f"--config.teacher_by_source={mapping}",)),
+    ):
+        made = run("scripts/collect_traces.py", cache, *overrides)
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+    # The checkpoint teacher's own cache: its digest and its three layers recorded.
+    manifest = json.loads((tmp_path / "teacher" / "manifest.json").read_text())
+    assert manifest["teacher"] == teacher_checkpoint.identity(toy_dirs["teacher"])
+    assert manifest["model_config"]["llm"]["num_hidden_layers"] == 3
+    manifest = json.loads((tmp_path / "mixed" / "manifest.json").read_text())
+    assert manifest["teachers_by_source"] == {
+        "toy_maze": None,
+        "toy_count": teacher_checkpoint.identity(toy_dirs["teacher"]),
+    }
+    readers = {
+        c: offline_cache.CacheReader(str(tmp_path / c)) for c in ("student", "teacher", "mixed")
+    }
+    keys = readers["mixed"].keys()
+    assert {k.split("/")[0] for k in keys} == {"toy_maze", "toy_count"}
+    for key in keys:
+        want = readers["student" if key.startswith("toy_maze/") else "teacher"].lookup(key)
+        got = readers["mixed"].lookup(key)
+        for field in ("target_ids", "top_ids", "top_logprobs", "vt_weights"):
+            np.testing.assert_array_equal(getattr(got, field), getattr(want, field), key)
+        if key.startswith("toy_count/"):
+            own = readers["student"].lookup(key).top_logprobs
+            assert not np.allclose(got.top_logprobs, own, atol=1e-2), key
+
+    trained = run(
+        "train.py", "mixed", f"--config.teacher_by_source={mapping}", "--config.total_steps=1"
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert (
+        "the cache collected per data source: toy_maze from model_path; toy_count from"
+        in trained.stdout
+    )
+    swapped = f"toy_count=self,toy_maze={toy_dirs['teacher']}"
+    refused = run(
+        "train.py",
+        "mixed",
+        f"--config.teacher_by_source={swapped}",
+        f"--config.results_dir={tmp_path / 'another_run'}",
+        "--config.total_steps=1",
+    )
+    assert refused.returncode == 2
+    assert "teacher of toy_count: cache " in refused.stderr, refused.stderr

@@ -278,9 +278,16 @@ def _teacher_by_source_problems(config, check_files: bool) -> list[str]:
         pairs = trained_split.parse_teacher_by_source(config.teacher_by_source)
     except ValueError as e:
         return [str(e)]
-    if config.mode != "opsd":
-        return [f"{key} with mode={config.mode!r}: only an OPSD run has teachers per source"]
+    if config.mode == "sft":
+        return [f"{key} with mode='sft': SFT has no teacher"]
     problems = []
+    if config.mode == "offline":  # the cache is collected once: no student copy to score with
+        for name, teacher in pairs:
+            if teacher in ("ema", "fixed"):
+                problems.append(
+                    f"{key} with mode='offline': {name!r} -> {teacher!r}; an offline cache is "
+                    "collected from 'self' (model_path's weights) or a checkpoint's directory"
+                )
     if config.teacher_mode == "checkpoint" or config.teacher_path:
         problems.append(
             f"{key} with teacher_mode={config.teacher_mode!r}, teacher_path="

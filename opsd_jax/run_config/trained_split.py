@@ -99,14 +99,14 @@ class TrainedSplit:
     @property
     def source_names(self) -> tuple[str, ...]:
         """The data sources the teachers are chosen by (the data config's datasets, in its
-        order), or () when one teacher scores every sample."""
-        return tuple(name for name, _ in self.teacher_by_source)
+        order), or () when one teacher scores every sample (or the step runs none)."""
+        return tuple(name for name, _ in self.teacher_by_source) if self.mode == "opsd" else ()
 
     def step_teachers(self, models: tuple = ()) -> train_step.StepTeachers:
         """The train step's teachers (training/step_teachers.py): `models`, one TeacherModel
         per checkpoint teacher in `checkpoint_paths`' order."""
         kinds = tuple(t if t in STUDENT_TEACHERS else "checkpoint" for t in self.teachers)
-        of_source = tuple(self.teachers.index(t) for _, t in self.teacher_by_source)
+        of_source = tuple(self.teachers.index(t) for _, t in self.teacher_by_source if kinds)
         return train_step.StepTeachers(
             kinds or ("self",), tuple(models), of_source, self.source_names
         )
@@ -140,6 +140,12 @@ class TrainedSplit:
         student's own starting weights)."""
         return self.teacher_path if self.mode == "offline" else ""
 
+    @property
+    def cache_teacher_by_source(self) -> tuple[tuple[str, str], ...]:
+        """An offline run's teacher per data source ('self': model_path's weights, or a
+        checkpoint's path), each source's cache collected from its own; () for one teacher."""
+        return self.teacher_by_source if self.mode == "offline" else ()
+
     @classmethod
     def of_config(cls, config) -> TrainedSplit:
         """The split a run config asks for."""
@@ -151,13 +157,14 @@ class TrainedSplit:
         flags = ("freeze_vit", "freeze_llm", "freeze_und")
         teacher = config.teacher_mode if config.mode == "opsd" else "self"
         by_source = ()
-        if config.teacher_by_source and config.mode == "opsd":
+        if config.teacher_by_source and config.mode != "sft":
             given = dict(parse_teacher_by_source(config.teacher_by_source))
             names = [d["name"] for d in config.data.datasets]
             by_source = tuple((name, given[name]) for name in names if name in given)
+        if by_source and config.mode == "opsd":
             # What the state keeps: a student copy if one is used (at most one, checks.py),
             # else nothing ('self' among them) or the checkpoint teachers' weights alone.
-            used = set(given.values())
+            used = {t for _, t in by_source}
             copies = [t for t in ("ema", "fixed") if t in used]
             teacher = copies[0] if copies else "self" if "self" in used else "checkpoint"
         return cls(
@@ -186,6 +193,11 @@ class TrainedSplit:
             trains = "every parameter"
         if self.mode != "opsd":
             cache = f"the cache collected from {self.cache_teacher_path or 'model_path'}"
+            if self.cache_teacher_by_source:
+                cache = "the cache collected per data source: " + "; ".join(
+                    f"{source} from {'model_path' if name == 'self' else name}"
+                    for source, name in self.cache_teacher_by_source
+                )
             return f"trains {trains}; teacher: " + ("none" if self.mode == "sft" else cache)
         named = {
             "self": "the student itself",

@@ -45,14 +45,19 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
     checkpoint teacher's cache holds its model config); None if the mode is not offline."""
     if config.mode != "offline":
         return None
-    teacher_path, teacher = run_config.TrainedSplit.of_config(config).cache_teacher_path, None
+    split = run_config.TrainedSplit.of_config(config)
+    teacher_path, teacher = split.cache_teacher_path, None
     if teacher_path:
         runtime = {"llm": run_config.model_runtime(config)}
         model_config = teacher_checkpoint.model_config_of(teacher_path, runtime)[0]
         teacher = teacher_checkpoint.identity(teacher_path)
+    by_source = {  # a teacher per data source: the manifest holds the student's model config
+        name: None if t == "self" else teacher_checkpoint.identity(t)
+        for name, t in split.cache_teacher_by_source
+    }
     try:
         manifest = offline_cache.check_manifest(
-            config.offline_cache_dir, model_config, tokenizer, options, teacher
+            config.offline_cache_dir, model_config, tokenizer, options, teacher, by_source
         )
     except offline_cache.CacheError as e:
         run_config.config_error(e)

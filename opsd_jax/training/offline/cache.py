@@ -61,7 +61,7 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -148,10 +148,13 @@ def make_manifest(
     data: dict | None = None,
     model_path: str = "",
     teacher: dict | None = None,
+    teachers_by_source: Mapping[str, dict | None] | None = None,
 ) -> dict:
     """`teacher`: the identity (io/weights_digest.py) of a teacher from another checkpoint
-    (teacher_mode='checkpoint'); None: the student's starting weights of model_path."""
-    return {
+    (teacher_mode='checkpoint'); None: the student's starting weights of model_path.
+    `teachers_by_source`: with a teacher per data source, each dataset's (None: model_path's
+    weights); `model_config` is then the student's."""
+    manifest = {
         "format": CACHE_FORMAT,
         "model_config": model_fingerprint(model_config),
         "model_path": str(model_path),
@@ -166,6 +169,11 @@ def make_manifest(
         "max_forward_tokens": int(max_forward_tokens),
         "data": data or {},
     }
+    if teachers_by_source:
+        manifest["teachers_by_source"] = {
+            name: None if t is None else dict(t) for name, t in teachers_by_source.items()
+        }
+    return manifest
 
 
 def differences(saved: dict, current: dict, prefix="") -> list[str]:
@@ -203,11 +211,17 @@ def read_manifest(directory: str) -> dict:
 
 
 def check_manifest(
-    directory: str, model_config, tokenizer, options: PromptOptions, teacher: dict | None = None
+    directory: str,
+    model_config,
+    tokenizer,
+    options: PromptOptions,
+    teacher: dict | None = None,
+    teachers_by_source: Mapping[str, dict | None] | None = None,
 ) -> dict:
     """The manifest of the cache in `directory`, refused unless it was made for this model
     config, tokenizer and prompt, and by this teacher (`teacher`: a checkpoint teacher's
-    identity; None: model_path's weights), in one CacheError naming every difference."""
+    identity; None: model_path's weights) or these teachers per data source
+    (`teachers_by_source`), in one CacheError naming every difference."""
     manifest = read_manifest(directory)
     current = {
         "model_config": model_fingerprint(model_config),
@@ -220,10 +234,15 @@ def check_manifest(
     saved = {k: manifest.get(k) for k in current}
     saved["model_config"] = _architecture(saved["model_config"])
     problems = differences(saved, current)
-    made_by = manifest.get("teacher")
-    if (made_by or {}).get("digest") != (teacher or {}).get("digest"):
-        who = lambda t: weights_digest.describe(t) if t else "model_path's weights"  # noqa: E731
+    who = lambda t: weights_digest.describe(t) if t else "model_path's weights"  # noqa: E731
+    digest = lambda t: (t or {}).get("digest")  # noqa: E731
+    made_by, by_source = manifest.get("teacher"), manifest.get("teachers_by_source") or {}
+    if digest(made_by) != digest(teacher):
         problems.append(f"teacher: cache {who(made_by)}, now {who(teacher)}")
+    for name in sorted(set(by_source) | set(teachers_by_source or {})):
+        saved, now = by_source.get(name, made_by), (teachers_by_source or {}).get(name, teacher)
+        if digest(saved) != digest(now):
+            problems.append(f"teacher of {name}: cache {who(saved)}, now {who(now)}")
     if problems:
         raise CacheError(
             f"{os.path.join(directory, MANIFEST)} was made with another model config,"

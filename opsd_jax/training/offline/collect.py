@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -100,8 +100,12 @@ def collect(
     log: Callable[[str], None] = print,
     log_every_s: float = 10.0,
     on_commit: Callable[[str], None] | None = None,
+    by_source: Mapping[str, tuple[Callable, object]] | None = None,
 ) -> CollectSummary:
     """Run the teacher over this process's rows in batches and commit shards as they fill.
+    `by_source`: dataset name -> (collect_step, params) of the teacher that scores it (a
+    teacher per data source); a dataset not named is scored by `collect_step` / `params`.
+    A batch holds one teacher's samples.
 
     Resumable: rows whose key a previous run listed (or recorded as skipped) are not read
     again. `max_samples` stops after that many new samples (tests, dry runs). Progress (done /
@@ -151,8 +155,9 @@ def collect(
             f"ETA {_eta(left / rate) if rate > 0 else '?'}"
         )
 
-    def run(batch):
+    def run(batch, teacher):
         nonlocal written
+        step, weights = teacher
         packs = build_offline_packs(
             [s for _, s in batch],
             tokenizer.encode,
@@ -166,8 +171,8 @@ def collect(
             skip(batch[index][0], TOO_LONG)
         if packs.kept:
             with mesh_lib.use_mesh(mesh):
-                outputs = collect_step(
-                    params,
+                outputs = step(
+                    weights,
                     distributed.put_rows(packs.teacher, mesh),
                     distributed.put_rows(packs.student, mesh),
                 )
@@ -185,9 +190,12 @@ def collect(
                 written += 1
         report()
 
-    batch, seen = [], set()
+    teachers, default = dict(by_source or {}), (collect_step, params)
+    batches: dict[int, tuple[list, tuple]] = {}  # a teacher's id -> (its batch, the teacher)
+    seen = set()
     for _, name, source, r in todo:
-        if max_samples is not None and written + len(batch) >= max_samples:
+        pending = sum(len(b) for b, _ in batches.values())
+        if max_samples is not None and written + pending >= max_samples:
             break
         record = source[r]
         key = f"{name}/{record.get('pid')}"  # as cache_key(sample): decode_row keeps str(pid)
@@ -209,12 +217,15 @@ def collect(
         if isinstance(sample, Skipped):
             skip(key, sample.reason)
             continue
+        teacher = teachers.get(name, default)
+        batch, _ = batches.setdefault(id(teacher), ([], teacher))
         batch.append((key, sample))
         if len(batch) == samples_per_batch:
-            run(batch)
-            batch = []
-    if batch:
-        run(batch)
+            run(batch, teacher)
+            batch.clear()
+    for batch, teacher in batches.values():
+        if batch:
+            run(batch, teacher)
     writer.commit()
     report(final=True)
     return CollectSummary(written, skipped, already, time.perf_counter() - start)
