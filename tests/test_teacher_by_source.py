@@ -10,6 +10,7 @@ trains, saves, resumes bit-identically and refuses another teacher in one line.
 """
 
 import json
+import re
 import shutil
 import types
 
@@ -258,6 +259,7 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
     )
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert "teachers by data source: toy_maze: an EMA of what trains; toy_count:" in straight.stdout
+    assert re.search(r"\| jsd by source toy_count \S+ toy_maze \S+ \|", straight.stdout)
     rows = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
     logged = [r for r in rows if "source/toy_maze/tokens" in r]
     assert len(logged) == 4, rows
