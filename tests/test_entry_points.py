@@ -81,13 +81,16 @@ SMOKE_RUNS = {
     # The sections in their default order: the recipe (train.py launches, minutes of CPU) with a
     # budget just under its estimate, so the run shows that a section is skipped, not started,
     # when the time left is short; then the step's sweep at two layer counts, the kernels, the
-    # decode round at the checked B = 8 only (B = 1 and 32 run the same code). The train
+    # decode round at the checked B = 8 only (B = 1 and 32 run the same code), the step under
+    # 'full' remat and XLA's flags alone (tests/test_remat.py and test_step_compiler_flags.py
+    # compile 'minimal_flash' and the 'maxtext' set). The train
     # section's dry run is left out of CI's budget too: `python bench/gpu_check.py --dry-run
     # --sections recipe train` runs both (bench/gpu_sections/recipe.py, train.py).
     "bench/gpu_check.py": (
         ["--dry-run", "--repeats", "1", "--sweep", "1", "2", "--results-dir", "{tmp}/gpu"]
         + ["--sections", "recipe", "grad_step", "parity", "decode", "attention"]
-        + ["--decode-batches", "8", "--budget-s", "299"],
+        + ["--decode-batches", "8", "--budget-s", "299"]
+        + ["--remats", "full", "--step-flags", "xla"],
         r"recipe +section +not run: budget[\s\S]*grad_step +fit over 1, 2 layers -> 28 layers"
         r"[\s\S]*parity +decode .* run twice +bit-identical[\s\S]*rows in \d+ s: .*nothing failed",
     ),

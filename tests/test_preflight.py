@@ -2,11 +2,14 @@
 GPUs, each one's peak memory per device against the device's, exit 0 / 1, and nothing read or
 written but the config (opsd_jax/run_config/preflight.py)."""
 
+import json
 import re
+import shutil
 
 import pytest
 from conftest import run_python
 
+from configs import tiny as tiny_config
 from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight
 
@@ -19,16 +22,28 @@ def train(*args, timeout=600):
 
 @pytest.mark.slow
 def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
+    """The tiny run with the lookahead and taught by a deeper model of the stage-1 tokenizer
+    (teacher_mode='checkpoint'; its directory needs its configs only: nothing else is read)."""
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_config.STAGE1_MODEL, teacher)
+    llm = json.loads((teacher / "llm_config.json").read_text())
+    llm["num_hidden_layers"] = 3
+    (teacher / "llm_config.json").write_text(json.dumps(llm))
+    for weights in teacher.glob("*.safetensors"):
+        weights.unlink()
     run_dir = tmp_path / "run"
     result = train(
         "--config",
         "configs/tiny.py",
         f"--config.results_dir={run_dir}",
         "--config.rollout_lookahead=1",
+        "--config.teacher_mode=checkpoint",
+        f"--config.teacher_path={teacher}",
         "--compile_only=h100:1",
     )
     out = result.stdout
     assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert f"preflight: the teacher {teacher}: shapes its llm_config.json" in out, out
     # The lookahead's paused rows keep their KV cache through the train step: counted there.
     assert re.search(r"^rollout_lookahead 1: [\d.]+ GiB per device of paused rows' KV", out, re.M)
     assert "1 compile-only H100 device(s) (79.1 GiB each, 85% of it usable: 67.2 GiB)" in out

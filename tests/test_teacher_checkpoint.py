@@ -9,7 +9,6 @@ in one line.
 """
 
 import json
-import re
 import shutil
 
 import builders
@@ -22,7 +21,6 @@ from flax import nnx
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
 
-from configs import tiny as tiny_config
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
@@ -357,30 +355,3 @@ def test_a_run_taught_by_another_checkpoint_resumes_bit_identically_and_refuses_
     assert_same_params(
         tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 4
     )
-
-
-@pytest.mark.slow
-def test_the_preflight_reads_the_teachers_shapes_and_compiles_its_forward(tmp_path):
-    """The tiny run taught by a deeper model of the stage-1 tokenizer, compiled for an H100
-    without one (the teacher's directory needs its configs only: nothing is read but them)."""
-    teacher = tmp_path / "teacher"
-    shutil.copytree(tiny_config.STAGE1_MODEL, teacher)
-    llm = json.loads((teacher / "llm_config.json").read_text())
-    llm["num_hidden_layers"] = 3
-    (teacher / "llm_config.json").write_text(json.dumps(llm))
-    for weights in teacher.glob("*.safetensors"):
-        weights.unlink()
-    result = run_python(
-        "train.py",
-        "--config",
-        "configs/tiny.py",
-        f"--config.results_dir={tmp_path / 'run'}",
-        "--config.teacher_mode=checkpoint",
-        f"--config.teacher_path={teacher}",
-        "--compile_only=h100:1",
-    )
-    out = result.stdout
-    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
-    assert f"preflight: the teacher {teacher}: shapes its llm_config.json" in out, out
-    assert re.search(r"^  train step.*: peak [\d.]+ GiB per device", out, re.M), out
-    assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M), out
