@@ -3,7 +3,8 @@
 Each loss entry is scored by its own source's teacher: a two-source micro-batch routed to two
 teachers gives, per source, the loss that source's samples get alone under that teacher alone
 (an independent reference: single-teacher steps on one-sample packs), and the mapping swapped
-does not. A micro-batch of one source runs the other teacher under a cond that is not taken.
+does not. A micro-batch of one source runs the other teacher under a cond that is not taken,
+and compiled for a GPU each teacher's forward stays inside its conditional.
 The train step (with LoRA: an EMA copy of the adapters beside another checkpoint's weights)
 logs each source's loss; the config's mapping is checked before any compute; and train.py
 trains, saves, resumes bit-identically and refuses another teacher in one line.
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_gpu_compile
 from conftest import run_python
 from test_opsd_packs import SPECIAL, encode
 from test_teacher_checkpoint import FP32, TEACHER_RUN, split, toy_corpus
@@ -28,9 +30,10 @@ from test_train_step import COMPLETIONS, OPTIONS, SAMPLES, SHAPES, optim_config,
 from configs import smoke
 from models.configs import BagelConfig
 from opsd_jax import run_config
-from opsd_jax.data import opsd_packs
+from opsd_jax.data import opsd_packs, pack_shapes
 from opsd_jax.io import teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.programs import gpu_target, hlo_stats
 from opsd_jax.run_config import checks
 from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
@@ -382,3 +385,57 @@ def test_an_offline_cache_per_source_holds_each_sources_teacher(tmp_path, toy_di
     )
     assert refused.returncode == 2
     assert "teacher of toy_count: cache " in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_compiled_for_a_gpu_each_teachers_forward_stays_inside_its_conditional():
+    """The routed loss's gradient compiled for an H100 (no GPU needed): two conditionals, and
+    each teacher's attention kernels lie inside one of them, so XLA did not move a teacher's
+    forward out to run whatever the micro-batch's sources (a 7B teacher's forward, every
+    micro-batch). The student's own kernels stay outside."""
+    mesh = gpu_target.make_mesh("h100", 1)
+    model_config = test_gpu_compile.tiny_model_config("pallas")
+    deeper = model_config.replace(llm=dict(num_hidden_layers=3))
+    graphdef, params, _ = test_gpu_compile.abstract_split(model_config, mesh)
+    teacher_graphdef, teacher_params, _ = test_gpu_compile.abstract_split(deeper, mesh)
+    model = train_step.TeacherModel(teacher_graphdef, test_gpu_compile.host_rest(deeper))
+    teachers = train_step.StepTeachers(("self", "checkpoint"), (model,), (0, 1), SOURCES)
+    run = smoke.get_config()
+    loss_fn = train_step.make_opsd_loss(
+        graphdef, test_gpu_compile.host_rest(model_config), run_config.loss_settings(run), teachers
+    )
+    shapes = pack_shapes.pack_shapes(run)
+
+    def on_mesh(x):
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=mesh_lib.batch_sharding(mesh, x.ndim)
+        )
+
+    student, teacher = (
+        jax.tree.map(on_mesh, opsd_packs.shaped_pack([], shapes[n][0], 1, SPECIAL, [], fixed=True))
+        for n in ("student", "teacher")
+    )
+    entries = (1, shapes["student"][0].loss_entries)
+    drawn = on_mesh(jax.ShapeDtypeStruct(entries, jnp.float32))
+    sources = on_mesh(jax.ShapeDtypeStruct(entries, jnp.int32))
+    grad = jax.jit(jax.grad(lambda p, t, packs: loss_fn(p, t, packs)[0]))
+    with mesh_lib.use_mesh(mesh):
+        lowered = grad.lower(params, (None, teacher_params), (student, teacher, drawn, sources))
+    computations, entry = hlo_stats.parse_module(gpu_target.compile(lowered, mesh).as_text())
+
+    def kernels(names):
+        return sum(
+            inst.opcode == "custom-call" and test_gpu_compile.TRITON in inst.attributes
+            for name in names
+            for inst in computations[name]
+        )
+
+    conditionals = [i for c in computations.values() for i in c if i.opcode == "conditional"]
+    inside = [
+        kernels(
+            set().union(*(hlo_stats.reachable(computations, c) for c in hlo_stats.callees_of(i)))
+        )
+        for i in conditionals
+    ]
+    assert len(conditionals) == 2 and all(n >= 1 for n in inside), inside
+    assert kernels(hlo_stats.reachable(computations, entry)) > sum(inside)  # the student's

@@ -267,6 +267,27 @@ def _slice_fraction(inst: Instruction, users: dict, results: dict) -> float | No
     return sizes.pop() / whole if len(sizes) == 1 and whole else None
 
 
+def callees_of(inst: Instruction) -> list[str]:
+    """The computations an instruction calls: a loop's body and condition, a call's or
+    fusion's computation, a conditional's branches (in their order)."""
+    callees = [c for _, c in _CALLEES.findall(inst.attributes)]
+    for branches in _BRANCHES.findall(inst.attributes):
+        callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+    return callees
+
+
+def reachable(computations, start: str) -> set[str]:
+    """`start` and every computation it calls, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in computations:
+            continue
+        seen.add(name)
+        todo += [c for inst in computations[name] for c in callees_of(inst)]
+    return seen
+
+
 def _multiplicities(computations, entry):
     """(executions per call, inside-an-unknown-loop) of every computation reachable from entry."""
     counts: dict[str, int] = defaultdict(int)
@@ -278,9 +299,7 @@ def _multiplicities(computations, entry):
         counts[computation] += multiplier
         unknown[computation] |= in_unknown
         for inst in computations[computation]:
-            callees = [c for _, c in _CALLEES.findall(inst.attributes)]
-            for branches in _BRANCHES.findall(inst.attributes):
-                callees += [b.strip().lstrip("%") for b in branches.split(",") if b.strip()]
+            callees = callees_of(inst)
             if not callees:
                 continue
             trips, loop_unknown = 1, False
