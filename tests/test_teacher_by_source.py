@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import test_gpu_compile
 from conftest import run_python
-from test_opsd_packs import SPECIAL, encode
+from test_opsd_packs import SPECIAL
 from test_teacher_checkpoint import FP32, TEACHER_RUN, split, toy_corpus
 from test_train_cli import assert_same_params
-from test_train_step import COMPLETIONS, OPTIONS, SAMPLES, SHAPES, optim_config, stacked
+from test_train_step import COMPLETIONS, SAMPLES, fixed_training_packs, optim_config, stacked
 
 from configs import smoke
 from models.configs import BagelConfig
@@ -48,16 +48,7 @@ def of_source(sample, dataset):
 
 def packs_of(samples, completions):
     """(student, teacher, drawn log-probs (none recorded), each entry's source) of one row."""
-    packs = opsd_packs.build_training_packs(
-        samples,
-        completions,
-        encode,
-        OPTIONS,
-        SPECIAL,
-        num_rows=1,
-        max_forward_tokens=256,
-        shapes=SHAPES,
-    )
+    packs = fixed_training_packs(samples, completions)
     index = {name: i for i, name in enumerate(SOURCES)}
     drawn = opsd_packs.sampled_logprobs(packs, None)
     return packs.student, packs.teacher, drawn, opsd_packs.entry_sources(packs, samples, index)

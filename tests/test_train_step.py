@@ -191,8 +191,9 @@ def stacked(*micro):
 SHAPES = {"student": [PackShape(64, 16, 16)], "teacher": [PackShape(128, 16, 16)]}
 
 
-def fixed_packs(samples, completions):
-    packs = build_training_packs(
+def fixed_training_packs(samples, completions):
+    """The TrainingPacks of the samples' completions in one row at SHAPES."""
+    return build_training_packs(
         samples,
         completions,
         encode,
@@ -202,6 +203,10 @@ def fixed_packs(samples, completions):
         max_forward_tokens=256,
         shapes=SHAPES,
     )
+
+
+def fixed_packs(samples, completions):
+    packs = fixed_training_packs(samples, completions)
     return packs.student, packs.teacher
 
 
