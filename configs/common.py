@@ -82,11 +82,12 @@ def base_config() -> ml_collections.ConfigDict:
     # frozen in compute_dtype; same tokenizer and image patching as the student, checked at start)
     c.teacher_mode = "ema"
     c.teacher_path = ""
-    # A teacher per data source (OPSD): "name=teacher,name=teacher" over data.datasets' names,
-    # each teacher self | ema | fixed | a checkpoint's HF directory (as teacher_path); every
-    # dataset named once; it replaces teacher_mode and teacher_path. Each sample is scored by its
-    # source's teacher, and the step log has each source's loss (source/<name>/jsd). Empty: one
-    # teacher (teacher_mode) for all.
+    # A teacher per data source: "name=teacher,name=teacher" over data.datasets' names, each
+    # teacher self | ema | fixed | a checkpoint's HF directory (as teacher_path); every dataset
+    # named once; it replaces teacher_mode and teacher_path. Each sample is scored by its
+    # source's teacher (offline: its cache collected so, from self = model_path's weights or a
+    # checkpoint), and the step log has each source's loss (source/<name>/jsd, offline /kd).
+    # Empty: one teacher (teacher_mode) for all.
     c.teacher_by_source = ""
     c.ema_decay = 0.995
     c.fixed_teacher_dtype = "float32"  # bfloat16 halves the frozen teacher's memory

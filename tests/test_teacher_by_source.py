@@ -10,6 +10,7 @@ logs each source's loss; the config's mapping is checked before any compute; and
 trains, saves, resumes bit-identically and refuses another teacher in one line.
 """
 
+import dataclasses
 import json
 import re
 import shutil
@@ -21,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import test_gpu_compile
+import test_offline
 from conftest import run_python
-from test_opsd_packs import SPECIAL
+from test_opsd_packs import SPECIAL, encode
 from test_teacher_checkpoint import FP32, TEACHER_RUN, split, toy_corpus
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_training_packs, optim_config, stacked
@@ -38,6 +40,7 @@ from opsd_jax.run_config import checks
 from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
 from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import views as offline_views
 
 SOURCES = ("maze", "count")
 
@@ -51,7 +54,13 @@ def packs_of(samples, completions):
     packs = fixed_training_packs(samples, completions)
     index = {name: i for i, name in enumerate(SOURCES)}
     drawn = opsd_packs.sampled_logprobs(packs, None)
-    return packs.student, packs.teacher, drawn, opsd_packs.entry_sources(packs, samples, index)
+    packed = [samples[i] for i in packs.kept]
+    return (
+        packs.student,
+        packs.teacher,
+        drawn,
+        opsd_packs.entry_sources(packs.student, packed, index),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +100,8 @@ def routed(models, of_source, samples=MIXED, completions=COMPLETIONS[:2]):
     return jax.jit(loss_fn)(params, (None, teacher_params), packs), loss_fn, packs
 
 
-def per_token(metrics, name):
-    return float(metrics[f"source/{name}/jsd_sum"]) / float(metrics[f"source/{name}/tokens"])
+def per_token_of(metrics, name, term="jsd"):
+    return float(metrics[f"source/{name}/{term}_sum"]) / float(metrics[f"source/{name}/tokens"])
 
 
 def test_each_sample_is_scored_by_its_sources_teacher(models):
@@ -103,8 +112,8 @@ def test_each_sample_is_scored_by_its_sources_teacher(models):
     (loss, metrics), _, packs = routed(models, of_source=(0, 1))
     sources = packs[3]
     assert sorted(np.unique(sources[packs[0].loss_mask]).tolist()) == [0, 1]
-    np.testing.assert_allclose(per_token(metrics, "maze"), want_maze, rtol=1e-5)
-    np.testing.assert_allclose(per_token(metrics, "count"), want_count, rtol=1e-5)
+    np.testing.assert_allclose(per_token_of(metrics, "maze"), want_maze, rtol=1e-5)
+    np.testing.assert_allclose(per_token_of(metrics, "count"), want_count, rtol=1e-5)
     tokens = [float(metrics[f"source/{n}/tokens"]) for n in SOURCES]
     assert tokens == [len(COMPLETIONS[0]) + 1, len(COMPLETIONS[1]) + 1]  # + <|im_end|>
     # token_mean over both sources: the two per-token figures weighed by their tokens.
@@ -112,8 +121,8 @@ def test_each_sample_is_scored_by_its_sources_teacher(models):
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
 
     (_, swapped), _, _ = routed(models, of_source=(1, 0))
-    assert not np.isclose(per_token(swapped, "maze"), want_maze, rtol=0.1)
-    assert not np.isclose(per_token(swapped, "count"), want_count, rtol=0.1)
+    assert not np.isclose(per_token_of(swapped, "maze"), want_maze, rtol=0.1)
+    assert not np.isclose(per_token_of(swapped, "count"), want_count, rtol=0.1)
 
 
 def test_a_micro_batch_of_one_source_leaves_the_other_teacher_to_a_cond_not_taken(models):
@@ -366,6 +375,7 @@ def test_an_offline_cache_per_source_holds_each_sources_teacher(tmp_path, toy_di
         "the cache collected per data source: toy_maze from model_path; toy_count from"
         in trained.stdout
     )
+    assert re.search(r"\| kd by source toy_count \S+ toy_maze \S+ \|", trained.stdout)
     swapped = f"toy_count=self,toy_maze={toy_dirs['teacher']}"
     refused = run(
         "train.py",
@@ -430,3 +440,44 @@ def test_compiled_for_a_gpu_each_teachers_forward_stays_inside_its_conditional()
     ]
     assert len(conditionals) == 2 and all(n >= 1 for n in inside), inside
     assert kernels(hlo_stats.reachable(computations, entry)) > sum(inside)  # the student's
+
+
+def test_the_offline_step_logs_each_sources_kd_over_its_own_entries(models):
+    """Offline mode: with each loss entry's source (the batch's third part) the loss reports
+    each source's KD term; it is the KD of that source's entries alone (the loss's own term on
+    a mask of them), and the step's total is unchanged by it."""
+    graphdef, params, rest, _, _ = models
+    samples = [test_offline.sample("a"), test_offline.sample("b", vts=((1, 2),))]
+    samples[0].dataset, samples[1].dataset = "maze", "count"
+    packs = offline_views.build_offline_packs(
+        samples,
+        encode,
+        test_offline.OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        with_teacher=False,
+    )
+    pack, k = packs.student, 8
+    rng = np.random.default_rng(0)
+    rows, entries = pack.loss_mask.shape
+    logits = rng.normal(size=(rows, entries, k)).astype(np.float32)
+    cache = dict(
+        top_logprobs=logits - np.log(np.exp(logits).sum(-1, keepdims=True)),
+        top_ids=rng.integers(0, 100, size=(rows, entries, k)).astype(np.int32),
+        vt_weights=rng.uniform(size=(rows, entries)).astype(np.float32),
+    )
+    packed = [samples[i] for i in packs.kept]
+    sources = opsd_packs.entry_sources(pack, packed, {"maze": 0, "count": 1})
+    settings = builders.loss_settings(num_samples=2, reduction="token_mean")
+    plain = train_step.make_offline_loss(graphdef, rest, settings)
+    by_source = train_step.make_offline_loss(graphdef, rest, settings, SOURCES)
+    want_loss, want = jax.jit(plain)(params, None, (pack, cache))
+    loss, metrics = jax.jit(by_source)(params, None, (pack, cache, sources))
+    assert float(loss) == float(want_loss) and float(metrics["kd"]) == float(want["kd"])
+    for s, name in enumerate(SOURCES):
+        only = dataclasses.replace(pack, loss_mask=pack.loss_mask & (sources == s))
+        _, alone = jax.jit(plain)(params, None, (only, cache))
+        per_token = per_token_of(metrics, name, "kd")
+        np.testing.assert_allclose(per_token, float(alone["kd"]), rtol=1e-5)
+        assert float(metrics[f"source/{name}/tokens"]) == float(only.loss_mask.sum()) > 0

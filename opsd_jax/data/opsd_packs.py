@@ -232,22 +232,20 @@ def sampled_logprobs(
 
 
 def entry_sources(
-    packs: TrainingPacks,
-    samples: Sequence,
+    pack: Pack,
+    packed: Sequence,
     source_index: Mapping[str, int],
     out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """[rows, C] int32, the student pack's loss entries (the teacher pack's are aligned): each
-    entry's data source, `source_index[sample.dataset]` of the sample it belongs to; -1 at
-    empty entries. The train step scores each entry with its source's teacher by it
+    """[rows, C] int32 over `pack`'s loss entries (an OPSD teacher pack's are the student's):
+    each entry's data source, `source_index[sample.dataset]` of the sample it belongs to
+    (`packed[j]`: the sample of pack sample id j); -1 at empty entries. The train step scores
+    each entry with its source's teacher by it and logs each source's loss
     (opsd_jax/training/step_teachers.py). `out`: an array to write into, else a new one."""
-    student = packs.student
-    sources = np.empty(student.loss_mask.shape, np.int32) if out is None else out
+    sources = np.empty(pack.loss_mask.shape, np.int32) if out is None else out
     sources[...] = -1
-    for k, index in enumerate(packs.kept):
-        sources[(student.loss_sample == k) & student.loss_mask] = source_index[
-            samples[index].dataset
-        ]
+    for j, sample in enumerate(packed):
+        sources[(pack.loss_sample == j) & pack.loss_mask] = source_index[sample.dataset]
     return sources
 
 

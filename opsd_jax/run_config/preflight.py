@@ -205,7 +205,9 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
 
     # ---- the train step, every length bucket ------------------------------------------------
     settings = builds.loss_settings(config, vocab_limit=model_config.llm.vocab_size)
-    loss_fn = train_step.make_loss(config.mode, graphdef, rest, settings, teachers)
+    loss_fn = train_step.make_loss(
+        config.mode, graphdef, rest, settings, teachers, source_names=split.source_names
+    )
     step_fn = builds.train_step_for(config, loss_fn, optimizer, state, frozen, teachers)
     shapes = pack_shapes.pack_shapes(config)
     batches = step_batches_for(
@@ -217,7 +219,7 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         SHAPE_SPECIAL,
         mesh,
         cache_reader=_ShapeOnlyCache(config.offline_top_k) if config.mode == "offline" else None,
-        sources=teachers.source_names,
+        sources=split.source_names,
         local_samples=config.samples_per_micro_batch,
         local_rows=config.rows_per_micro_batch,
         sample_offset=0,

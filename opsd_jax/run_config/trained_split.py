@@ -99,17 +99,17 @@ class TrainedSplit:
     @property
     def source_names(self) -> tuple[str, ...]:
         """The data sources the teachers are chosen by (the data config's datasets, in its
-        order), or () when one teacher scores every sample (or the step runs none)."""
-        return tuple(name for name, _ in self.teacher_by_source) if self.mode == "opsd" else ()
+        order; OPSD, or offline with a cache collected per source), or () when one teacher
+        scores every sample. The step logs each one's loss."""
+        return tuple(name for name, _ in self.teacher_by_source)
 
     def step_teachers(self, models: tuple = ()) -> train_step.StepTeachers:
         """The train step's teachers (training/step_teachers.py): `models`, one TeacherModel
         per checkpoint teacher in `checkpoint_paths`' order."""
         kinds = tuple(t if t in STUDENT_TEACHERS else "checkpoint" for t in self.teachers)
         of_source = tuple(self.teachers.index(t) for _, t in self.teacher_by_source if kinds)
-        return train_step.StepTeachers(
-            kinds or ("self",), tuple(models), of_source, self.source_names
-        )
+        names = self.source_names if of_source else ()
+        return train_step.StepTeachers(kinds or ("self",), tuple(models), of_source, names)
 
     @property
     def lora(self) -> bool:

@@ -79,7 +79,14 @@ def compile_steps(
     settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
     cache_reader = offline_cache_reader(config, start.model_config, tokenizer, options, say)
     teachers = start.step_teachers()
-    loss_fn = train_step.make_loss(config.mode, start.graphdef, start.rest, settings, teachers)
+    loss_fn = train_step.make_loss(
+        config.mode,
+        start.graphdef,
+        start.rest,
+        settings,
+        teachers,
+        source_names=start.split.source_names,
+    )
     step_fn = run_config.train_step_for(
         config, loss_fn, start.optimizer, start.abstract_state, start.frozen, teachers
     )
@@ -103,7 +110,7 @@ def compile_steps(
         special,
         mesh,
         cache_reader=cache_reader,
-        sources=teachers.source_names,
+        sources=start.split.source_names,
         local_samples=local_per_micro,
         local_rows=local_rows,
         sample_offset=sample_offset,

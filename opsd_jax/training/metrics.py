@@ -467,14 +467,16 @@ class MetricsLogger:
         # Namespaced extras (perf/, time/, data/ counters, ...) stay in TB/JSONL to keep the
         # line readable; plain keys are the headline numbers the trainer chose to report.
         parts += [f"{k} {format_number(v)}" for k, v in record.items() if "/" not in k]
-        # With a teacher per data source, each source's distillation (source/<name>/jsd).
-        by_source = [
-            f"{k[len('source/') : -len('/jsd')]} {format_number(v)}"
-            for k, v in record.items()
-            if k.startswith("source/") and k.endswith("/jsd")
-        ]
-        if by_source:
-            parts.append("jsd by source " + " ".join(by_source))
+        # With a teacher per data source, each source's distillation (source/<name>/jsd, or
+        # offline source/<name>/kd).
+        for term in ("jsd", "kd"):
+            by_source = [
+                f"{k[len('source/') : -len(term) - 1]} {format_number(v)}"
+                for k, v in record.items()
+                if k.startswith("source/") and k.endswith(f"/{term}")
+            ]
+            if by_source:
+                parts.append(f"{term} by source " + " ".join(by_source))
         parts.append(f"{format_number(record['perf/steps_per_sec'])} steps/s")
         if show_samples:
             parts.append(f"{format_number(record['perf/samples_per_sec'])} samples/s")

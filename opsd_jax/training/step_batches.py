@@ -253,7 +253,8 @@ class OpsdBatches(StepBatches):
         )
         if self.source_index:
             sources = handed.get("sources")
-            parts += (entry_sources(packs, samples, self.source_index, out=sources),)
+            packed = [samples[i] for i in packs.kept]
+            parts += (entry_sources(packs.student, packed, self.source_index, out=sources),)
         return parts, first_bucket + packs.bucket, tokens
 
 
@@ -292,16 +293,21 @@ class OfflineBatches(StepBatches):
 
     pack_names = ("offline",)
 
-    def __init__(self, *args, cache_reader: Any, **kwargs):
+    def __init__(self, *args, cache_reader: Any, sources: tuple[str, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
         self.cache_reader = cache_reader
+        # A cache collected per data source: each loss entry's source, a third part.
+        self.source_index = {name: i for i, name in enumerate(sources)}
 
     def empty_parts(self, bucket):
         # The cached teacher at each loss entry: fixed [rows, entries, top-k] too.
         entries = self.shapes["offline"][bucket].loss_entries
-        return super().empty_parts(bucket) + [
+        parts = super().empty_parts(bucket) + [
             offline_views.empty_cache(self.local_rows, entries, self.cache_reader.top_k)
         ]
+        if self.source_index:
+            parts.append(np.full((self.local_rows, entries), -1, np.int32))
+        return parts
 
     def describe(self, bucket):
         return super().describe(bucket) + f", cached teacher top-{self.cache_reader.top_k}"
@@ -320,20 +326,19 @@ class OfflineBatches(StepBatches):
         )
         self._add_mean(sums, "pack/offline_padding", batch.padding_fraction)
         self._add(sums, "pack/dropped", batch.num_dropped)
-        return (
-            (batch.pack, batch.cache),
-            first_bucket + batch.bucket,
-            int((batch.pack.segment_ids > 0).sum()),
-        )
+        parts = (batch.pack, batch.cache)
+        if self.source_index:
+            parts += (entry_sources(batch.pack, batch.packed, self.source_index),)
+        return parts, first_bucket + batch.bucket, int((batch.pack.segment_ids > 0).sum())
 
 
 def step_batches_for(
     mode: str, *args, cache_reader=None, sources: tuple[str, ...] = (), **kwargs
 ) -> StepBatches:
-    """The mode's StepBatches (arguments: StepBatches'; offline also takes the cache, OPSD the
-    data sources its teachers are chosen by)."""
+    """The mode's StepBatches (arguments: StepBatches'; offline also takes the cache; OPSD and
+    offline the data sources the teachers are chosen by, each loss entry's source a part)."""
     if mode == "sft":
         return SftBatches(*args, **kwargs)
     if mode == "offline":
-        return OfflineBatches(*args, cache_reader=cache_reader, **kwargs)
+        return OfflineBatches(*args, cache_reader=cache_reader, sources=sources, **kwargs)
     return OpsdBatches(*args, sources=sources, **kwargs)

@@ -10,7 +10,8 @@ into the run's datasets, -1 where the entry is empty; opsd_packs.entry_sources).
 each teacher over the whole teacher pack, skipping (`lax.cond`) a teacher whose sources have no
 entry in the micro-batch, and takes every entry's logits from its own source's teacher
 (`route`). The per-source loss (`source_metrics`) goes to the step log as source/<name>/jsd,
-the distillation per completion token of that source's samples in the step.
+the distillation per completion token of that source's samples in the step (offline mode,
+whose cache was collected per source, logs source/<name>/kd the same way).
 """
 
 from __future__ import annotations
@@ -116,26 +117,30 @@ SOURCE_PREFIX = "source/"
 
 
 def source_metrics(
-    teachers: StepTeachers, per_token: jax.Array, entry_sources: jax.Array, mask: jax.Array
+    source_names: tuple[str, ...],
+    per_token: jax.Array,
+    entry_sources: jax.Array,
+    mask: jax.Array,
+    metric: str = "jsd",
 ) -> dict:
-    """Per data source, the micro-batch's summed distillation over its live entries and their
-    count (source/<name>/jsd_sum, source/<name>/tokens); `finish_source_metrics` makes the
-    step's per-token mean of them."""
+    """Per data source, the micro-batch's summed loss term (`metric`: 'jsd' online, 'kd'
+    offline) over its live entries and their count (source/<name>/<metric>_sum,
+    source/<name>/tokens); `finish_source_metrics` makes the step's per-token mean of them."""
     metrics = {}
-    for s, name in enumerate(teachers.source_names):
+    for s, name in enumerate(source_names):
         mine = (entry_sources == s) & mask
-        metrics[f"{SOURCE_PREFIX}{name}/jsd_sum"] = jnp.sum(jnp.where(mine, per_token, 0.0))
+        metrics[f"{SOURCE_PREFIX}{name}/{metric}_sum"] = jnp.sum(jnp.where(mine, per_token, 0.0))
         metrics[f"{SOURCE_PREFIX}{name}/tokens"] = jnp.sum(mine).astype(jnp.float32)
     return metrics
 
 
 def finish_source_metrics(metrics: dict) -> dict:
-    """The step's metrics (micro-batch means) with each source's `jsd_sum` replaced by its
-    per-token mean `jsd` (NaN for a source without a token in the step)."""
+    """The step's metrics (micro-batch means) with each source's `<metric>_sum` replaced by its
+    per-token mean `<metric>` (NaN for a source without a token in the step)."""
     out = {}
     for key, value in metrics.items():
-        if key.startswith(SOURCE_PREFIX) and key.endswith("/jsd_sum"):
-            tokens = metrics[key[: -len("jsd_sum")] + "tokens"]
+        if key.startswith(SOURCE_PREFIX) and key.endswith("_sum"):
+            tokens = metrics[key.rsplit("/", 1)[0] + "/tokens"]
             value = jnp.where(tokens > 0, value / jnp.maximum(tokens, 1e-30), jnp.nan)
             key = key[: -len("_sum")]
         out[key] = value

@@ -261,7 +261,9 @@ def completion_loss(
     if by_source is not None:
         teachers, entry_sources = by_source
         metrics.update(
-            step_teachers.source_metrics(teachers, diag["per_token"], entry_sources, pack.loss_mask)
+            step_teachers.source_metrics(
+                teachers.source_names, diag["per_token"], entry_sources, pack.loss_mask
+            )
         )
     for key in ("clip_fraction", "teacher_topk_mass", "k1_reverse_kl"):
         if key in diag:
@@ -426,14 +428,22 @@ def make_sft_loss(graphdef, rest, settings: LossSettings) -> Loss:
 
 
 def make_loss(
-    mode: str, graphdef, rest, settings: LossSettings, teacher_mode, teacher_model=None
+    mode: str,
+    graphdef,
+    rest,
+    settings: LossSettings,
+    teacher_mode,
+    teacher_model=None,
+    *,
+    source_names: tuple[str, ...] = (),
 ) -> Loss:
     """The loss of a training mode: 'opsd' (student vs teacher: `teacher_mode` a kind or a
-    StepTeachers, as make_opsd_loss takes it), 'sft' or 'offline'."""
+    StepTeachers, as make_opsd_loss takes it), 'sft' or 'offline' (with `source_names`, its
+    cache collected per data source, each source's KD term logged)."""
     if mode == "sft":
         return make_sft_loss(graphdef, rest, settings)
     if mode == "offline":
-        return make_offline_loss(graphdef, rest, settings)
+        return make_offline_loss(graphdef, rest, settings, source_names)
     return make_opsd_loss(graphdef, rest, settings, teacher_mode, teacher_model)
 
 
@@ -460,9 +470,13 @@ def make_grad_step(graphdef, rest, settings: LossSettings, teacher_mode: str, te
     return grad_step
 
 
-def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
-    """Offline Visual-OPSD: loss(params, None, (pack, cache)) -> (`ce_weight * CE + kd_weight *
-    KL(cached teacher top-k || student)` on the text-only pack, metrics).
+def make_offline_loss(
+    graphdef, rest, settings: LossSettings, source_names: tuple[str, ...] = ()
+) -> Loss:
+    """Offline Visual-OPSD: loss(params, None, (pack, cache[, sources])) -> (`ce_weight * CE +
+    kd_weight * KL(cached teacher top-k || student)` on the text-only pack, metrics). With
+    `source_names` and `sources` (each loss entry's data source) the metrics hold each
+    source's KD term (source/<name>/kd, step_teachers.source_metrics).
 
     `cache` holds the teacher's top-k log-probs and ids and the VT-sensitivity weights at the
     pack's loss entries (offline_views.offline_batch). No teacher forward and no teacher copy
@@ -471,7 +485,7 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
 
     def loss_fn(params, teacher_params, packs):
         del teacher_params
-        pack, cache = packs
+        pack, cache = packs[:2]
         model = nnx.merge(graphdef, params, rest)
         logits = model.logits_at(model(pack), pack.loss_rows)
         common = dict(
@@ -479,7 +493,7 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
             num_samples=settings.num_samples,
             vocab_limit=settings.vocab_limit,
         )
-        kd, _ = losses.cached_top_k_kl(
+        kd, diag = losses.cached_top_k_kl(
             logits,
             cache["top_logprobs"],
             cache["top_ids"],
@@ -498,6 +512,12 @@ def make_offline_loss(graphdef, rest, settings: LossSettings) -> Loss:
             "vt_weight_mean": jnp.sum(jnp.where(pack.loss_mask, cache["vt_weights"], 0.0))
             / jnp.maximum(tokens, 1),
         }
+        if source_names and len(packs) > 2:
+            metrics.update(
+                step_teachers.source_metrics(
+                    source_names, diag["per_token"], packs[2], pack.loss_mask, "kd"
+                )
+            )
         if settings.ce_weight:
             ce, _ = losses.completion_ce(
                 logits, pack.loss_targets, pack.loss_mask, reduction=settings.reduction, **common

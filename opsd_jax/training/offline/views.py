@@ -169,6 +169,7 @@ class OfflineBatch:
     num_dropped: int  # samples skipped at collection, over max_forward_tokens or fitting no row
     padding_fraction: float
     bucket: int = 0  # the length bucket of the fixed shapes used (0 without shapes)
+    packed: tuple = ()  # the packed samples, by pack sample id
 
 
 def empty_cache(num_rows: int, loss_entries: int, top_k: int) -> dict:
@@ -235,5 +236,10 @@ def offline_batch(
         cache["top_ids"][row, cols] = cached.top_ids
         cache["vt_weights"][row, cols] = cached.vt_weights
     return OfflineBatch(
-        pack, cache, len(samples) - len(packs.kept), packs.padding_fraction, packs.bucket
+        pack,
+        cache,
+        len(samples) - len(packs.kept),
+        packs.padding_fraction,
+        packs.bucket,
+        tuple(usable[i] for i in packs.kept),
     )
