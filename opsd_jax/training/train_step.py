@@ -18,7 +18,9 @@ Teacher modes: `self` (stop-gradient of the current params: no extra memory), `e
 updated after every optimizer step: phi <- d * phi + (1 - d) * theta), `fixed` (the initial
 params, frozen; `fixed_teacher_dtype='bfloat16'` stores them in bf16 to halve their memory),
 `checkpoint` (another model's weights, `teacher_weights`: frozen, in the compute dtype, merged
-with that model's own graph, `TeacherModel`; never checkpointed).
+with that model's own graph, `TeacherModel`; never checkpointed). With a teacher per data source
+several run in one step, each scoring its sources' loss entries (`StepTeachers`,
+opsd_jax/training/step_teachers.py).
 
 Parameters and optimizer state are fp32 (the "master" copy); the forward computes in the model
 config's compute dtype. With LoRA (`lora_rank > 0`, models/lora.py) `params` are the adapters
@@ -370,10 +372,10 @@ def make_opsd_loss(
         student = nnx.merge(graphdef, _fresh(params), rest)
         student_logits = student.logits_at(student(student_pack), student_pack.loss_rows)
         states = (teacher_params,) if one_state else teacher_params
-        sources = [teacher_source(k, params, x) for k, x in zip(teachers.kinds, states)]
+        weights = [teacher_source(k, params, x) for k, x in zip(teachers.kinds, states)]
 
         def logits_of(t):
-            return teacher_logits(t, sources[t], teacher_pack)
+            return teacher_logits(t, weights[t], teacher_pack)
 
         by_source = None
         if teachers.by_source:
