@@ -166,14 +166,16 @@ def main(argv) -> None:
         teacher=None if by_source else teacher.identity,
         teachers_by_source={n: t.identity for n, t in teachers.items()} if by_source else None,
     )
-    steps = {}  # one collect step per distinct teacher
+    # One collect step per distinct teacher; sources sharing a teacher share its batches.
+    steps = {}
     for t in teachers.values():
         if id(t) not in steps:
-            steps[id(t)] = offline_collect.make_collect_step(
+            step = offline_collect.make_collect_step(
                 t.graphdef, t.rest, top_k=config.offline_top_k, vocab_limit=tokenizer.vocab_length
             )
-    per_source = {n: (steps[id(t)], t.params) for n, t in teachers.items()} if by_source else None
-    step = steps[id(teacher)]
+            steps[id(t)] = (step, t.params)
+    per_source = {n: steps[id(t)] for n, t in teachers.items()} if by_source else None
+    step = steps[id(teacher)][0]
     try:
         summary = offline_collect.collect(
             collect_step=step,

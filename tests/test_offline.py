@@ -161,7 +161,7 @@ def toy_data(tmp_path_factory):
     return config
 
 
-def _collect(directory, data_config, process=0, count=1, **kwargs):
+def _collect(directory, data_config, process=0, count=1, samples_per_batch=2, **kwargs):
     manifest = offline_cache.make_manifest(
         BagelConfig.tiny(),
         _Tokenizer(),
@@ -180,7 +180,7 @@ def _collect(directory, data_config, process=0, count=1, **kwargs):
         mesh=mesh,
         directory=str(directory),
         manifest=manifest,
-        samples_per_batch=2,
+        samples_per_batch=samples_per_batch,
         rows_per_batch=1,
         max_forward_tokens=4096,
         shard_samples=3,
@@ -189,6 +189,46 @@ def _collect(directory, data_config, process=0, count=1, **kwargs):
         log=lambda line: None,
         **kwargs,
     )
+
+
+def test_each_source_is_collected_by_its_teacher_in_batches_of_its_own(tmp_path, toy_data):
+    """by_source: count's samples go through one teacher, maze's through another, never in one
+    batch; two sources of one teacher share its batches."""
+    calls = []
+
+    def teacher(name, shift):
+        def step(params, teacher_pack, text_pack):
+            calls.append((name, int((teacher_pack.segment_ids > 0).any(axis=-1).sum())))
+            top_logprobs, top_ids, kl = _fake_step(params, teacher_pack, text_pack)
+            return top_logprobs + shift, top_ids, kl
+
+        return step, None
+
+    first, second = teacher("first", 0.0), teacher("second", -1000.0)
+    summary = _collect(tmp_path / "two", toy_data, by_source={"count": first, "maze": second})
+    assert summary.written == 23 and {name for name, _ in calls} == {"first", "second"}
+    reader = offline_cache.CacheReader(str(tmp_path / "two"))
+    for key in reader.keys():  # the shift tells which teacher wrote each sample
+        top = reader.lookup(key).top_logprobs
+        shifted = key.startswith("maze/")
+        assert np.all(top < -500) if shifted else np.all(top > -500), key
+    # Batches of 4: count's 14 samples and maze's 9 take 4 + 3 batches apart, 6 together.
+    calls.clear()
+    _collect(
+        tmp_path / "apart",
+        toy_data,
+        samples_per_batch=4,
+        by_source={"count": first, "maze": second},
+    )
+    assert len(calls) == 7
+    calls.clear()
+    _collect(
+        tmp_path / "shared",
+        toy_data,
+        samples_per_batch=4,
+        by_source={"count": first, "maze": first},
+    )
+    assert len(calls) == 6
 
 
 def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_path, toy_data):
