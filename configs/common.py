@@ -26,6 +26,9 @@ def base_config() -> ml_collections.ConfigDict:
         "full"  # per-layer rematerialisation: none | full | dots | dots_no_batch | minimal_flash
     )
     c.vit_remat = "same"  # the ViT's own: 'same' (the LLM's) or any of remat's
+    # The ViT's own attention backend: 'auto' (the LLM's, as resolved) or any of
+    # attention_backend's; 'cudnn' takes its head dim 72 unpadded (the Pallas kernel pads to 128)
+    c.vit_attention_backend = "auto"
     # The train step's XLA:GPU options (opsd_jax/training/step_compiler_flags.py): xla (XLA's
     # defaults) | maxtext (cuBLAS matmuls, latency-hiding scheduler, per-layer collectives)
     c.step_compiler_flags = "xla"

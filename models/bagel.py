@@ -82,7 +82,11 @@ class Bagel(nnx.Module):
             self.vit_model = SiglipVisionEncoder(
                 config.vit,
                 compute_dtype=llm.compute_dtype,
-                attention_backend=llm.attention_backend,
+                attention_backend=(
+                    llm.attention_backend
+                    if llm.vit_attention_backend == "auto"
+                    else llm.vit_attention_backend
+                ),
                 remat=llm.remat if llm.vit_remat == "same" else llm.vit_remat,
                 rngs=rngs,
             )

@@ -36,6 +36,7 @@ RUNTIME_FIELDS = (
     "attention_backend",
     "remat",
     "vit_remat",
+    "vit_attention_backend",
     "unroll_layers",
     "unroll_decode_layers",
     "attention_block",
@@ -86,6 +87,10 @@ class Qwen2Config:
     # activations and a larger part of its recompute than their FLOPs suggest (16 heads of 72
     # over whole images), so a lighter policy can pay there when the LLM's must stay 'full'.
     vit_remat: str = "same"
+    # The ViT's own attention backend ('auto': the LLM's). Its 16 heads of 72 over whole images
+    # bidirectionally are another problem than the LLM's causal 128-dim heads: the Pallas range
+    # kernel pads 72 to 128, and 'cudnn' takes 72 as it is (with a dense mask per row).
+    vit_attention_backend: str = "auto"
     # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
     # deep models anywhere.
     unroll_layers: bool = False
@@ -137,6 +142,9 @@ class Qwen2Config:
             )
         _check_choice(owner, "remat", self.remat, REMAT_CHOICES)
         _check_choice(owner, "vit_remat", self.vit_remat, ("same",) + REMAT_CHOICES)
+        _check_choice(
+            owner, "vit_attention_backend", self.vit_attention_backend, attention.BACKENDS
+        )
         if self.tie_word_embeddings:
             raise ValueError(
                 f"{owner}.tie_word_embeddings=True is not supported: BAGEL's lm_head is "

@@ -158,3 +158,32 @@ def test_text_only_pack_and_refused_configurations():
         no_vit(pack_samples([[random_image(rng, 1, 1), Text([3])]], row_length=8, special=SPECIAL))
     with pytest.raises(ValueError, match="sample 0 needs 9 tokens"):
         pack_samples([[Text([1] * 7)]], row_length=8, special=SPECIAL)
+
+
+def test_the_vit_runs_on_its_own_attention_backend(monkeypatch):
+    """vit_attention_backend: 'auto' is the LLM's backend (as before it existed); another value
+    is the ViT's alone, the LLM keeping its own; the hidden states agree across backends."""
+    rng = np.random.default_rng(0)
+    sample = [random_image(rng, 2, 3), Text([5, 6, 7]), random_image(rng, 1, 2), Text([8], True)]
+    pack = pack_samples([sample], row_length=32, special=SPECIAL)
+    from models import attention
+
+    called, real = [], attention.attention
+
+    def spy(q, k, v, **kwargs):
+        called.append((q.shape[1], kwargs["backend"]))  # rows' length: patches or tokens
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention, "attention", spy)
+    hidden = {}
+    for vit_backend in ("auto", "reference"):
+        called.clear()
+        model = tiny_model(attention_backend="chunked", vit_attention_backend=vit_backend)
+        hidden[vit_backend] = hidden_of(model, pack)
+        patches, tokens = pack.vit_patches.shape[1], pack.tokens.shape[1]
+        assert patches != tokens
+        want = "chunked" if vit_backend == "auto" else vit_backend
+        assert set(called) == {(patches, want), (tokens, "chunked")}, called
+    np.testing.assert_allclose(hidden["reference"], hidden["auto"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="vit_attention_backend"):
+        tiny_model(vit_attention_backend="flash")

@@ -595,3 +595,52 @@ def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph(h1
     grids = {k.grid for k in thunk_launches.kernels(thunks, decode_attention_pallas.KERNEL_NAME)}
     local_kv_heads = llm.num_key_value_heads // 2
     assert grids == {decode_attention_pallas.grid(rows, local_kv_heads, slots)}, grids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "backend, kernels, padded",
+    [
+        ("pallas", {TRITON.strip('"')}, True),
+        ("cudnn", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}, False),
+    ],
+)
+def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, kernels, padded):
+    """SigLIP's head dim 72 (one layer, two heads, forward and backward) on the ViT's backend
+    (vit_attention_backend): the Pallas range kernel pads it to 128; cuDNN's fused attention
+    takes it as it is (its mask a bias over each row's patches)."""
+    import re
+
+    from models.configs import SiglipConfig
+    from models.siglip import SiglipVisionEncoder
+
+    mesh = gpu_target.make_mesh("h100", 1)
+    config = SiglipConfig(
+        hidden_size=144, intermediate_size=64, num_attention_heads=2, num_hidden_layers=1
+    )
+
+    def make():
+        return SiglipVisionEncoder(
+            config,
+            compute_dtype="bfloat16",
+            attention_backend=backend,
+            remat="none",
+            rngs=nnx.Rngs(0),
+        )
+
+    graphdef, abstract = mesh_lib.abstract_model(make, mesh)
+    params = nnx.split_state(abstract, nnx.Param, ...)[0]
+    rest = gpu_target.host_rest(make)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    patches = jax.ShapeDtypeStruct((1, 512, config.patch_dim), jnp.float32, sharding=replicated)
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32, sharding=replicated)
+
+    def loss(params, patches, position_ids, image_ids):
+        features = nnx.merge(graphdef, params, rest)(patches, position_ids, image_ids)
+        return features.astype(jnp.float32).sum()
+
+    with mesh_lib.use_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss)).lower(params, patches, ids, ids)
+    text = gpu_target.compile(lowered, mesh).as_text()
+    assert set(re.findall(r'custom_call_target="([^"]+)"', text)) == kernels
+    assert bool(re.search(r"bf16\[1,512,2,128\]", text)) == padded

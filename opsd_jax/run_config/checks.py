@@ -34,6 +34,7 @@ _CHOICES = {
     "compute_dtype": configs.COMPUTE_DTYPES,
     "fixed_teacher_dtype": ("float32", "bfloat16"),
     "attention_backend": attention.BACKENDS,
+    "vit_attention_backend": attention.BACKENDS,
     "sampler_layout": tuple(mesh.SAMPLER_LAYOUTS),
     "remat": configs.REMAT_CHOICES,
     "vit_remat": ("same",) + configs.REMAT_CHOICES,
