@@ -108,6 +108,14 @@ def parse_args():
         "with the first, each other is timed at the sweep's largest layer count beside it",
     )
     parser.add_argument(
+        "--vit-backends",
+        nargs="+",
+        default=["auto"],
+        help="the ViT's attention backends (vit_attention_backend; 'auto': the LLM's): the "
+        "sweep runs the first, each other is timed at the sweep's largest layer count beside "
+        "it (e.g. auto cudnn: SigLIP's head dim 72 unpadded)",
+    )
+    parser.add_argument(
         "--train-layers", type=int, default=2, help="LM layers of the train section's model"
     )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
@@ -160,6 +168,8 @@ def section_command(name, args, *extra) -> list[str]:
         *args.remats,
         "--step-flags",
         *args.step_flags,
+        "--vit-backends",
+        *args.vit_backends,
         "--repeats",
         str(args.repeats),
         "--train-layers",

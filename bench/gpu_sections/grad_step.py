@@ -72,9 +72,10 @@ def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng
     return student, teacher
 
 
-def step_case(args, layers: int, remat: str = "full"):
+def step_case(args, layers: int, remat: str = "full", vit_backend: str = "auto"):
     """(model config, student pack, teacher pack, loss settings) of the grad step at `layers`
-    LM layers under `remat` (the dry run: the tiny model, short rows)."""
+    LM layers under `remat`, the ViT's attention on `vit_backend` ('auto': the LLM's) (the dry
+    run: the tiny model, short rows, and any GPU-only ViT backend as 'reference')."""
     import numpy as np
 
     from configs import thinkmorph_7b
@@ -85,6 +86,9 @@ def step_case(args, layers: int, remat: str = "full"):
         compute_dtype="bfloat16",
         remat=remat,
         attention_backend="pallas" if not args.dry_run else "chunked",
+        vit_attention_backend=vit_backend
+        if not args.dry_run or vit_backend not in ("pallas", "cudnn")
+        else "reference",
         num_hidden_layers=layers,
     )
     if args.dry_run:
@@ -100,9 +104,12 @@ def step_case(args, layers: int, remat: str = "full"):
     return config, student, teacher, settings
 
 
-def build_step(args, layers: int, mesh, remat: str = "full", flags: str = "xla"):
+def build_step(
+    args, layers: int, mesh, remat: str = "full", flags: str = "xla", vit_backend: str = "auto"
+):
     """(the grad step compiled with the `flags` option set, its arguments on `mesh`, the case)
-    at `layers` LM layers under `remat`, with random weights and an EMA teacher copy."""
+    at `layers` LM layers under `remat`, the ViT's attention on `vit_backend`, with random
+    weights and an EMA teacher copy."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -111,7 +118,7 @@ def build_step(args, layers: int, mesh, remat: str = "full", flags: str = "xla")
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.training import step_compiler_flags, train_step
 
-    config, student, teacher, settings = step_case(args, layers, remat)
+    config, student, teacher, settings = step_case(args, layers, remat, vit_backend)
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     step = train_step.make_grad_step(graphdef, rest, settings, "ema")
@@ -183,8 +190,9 @@ def run(args):
     mesh = mesh_lib.make_mesh(devices=jax.devices()[:1])
     sweep = sorted(set(args.sweep))
     seconds, case = {}, None
+    first = (args.remats[0], args.step_flags[0], args.vit_backends[0])
     for layers in sweep:
-        step, arguments, case = build_step(args, layers, mesh, args.remats[0], args.step_flags[0])
+        step, arguments, case = build_step(args, layers, mesh, *first)
         with mesh_lib.use_mesh(mesh):
             seconds[layers], _ = timed(step, *arguments, repeats=args.repeats)
         flops = step_flops_at(case[0], case[1], case[2], layers)
@@ -228,19 +236,21 @@ def run(args):
             ok=judge["ok"],
             kind=judge["kind"],
         )
-    # Each other remat policy and option set at the largest layer count: the same step, before
-    # and after (the first of each is the sweep's).
-    others = [(remat, args.step_flags[0]) for remat in args.remats[1:]]
-    others += [(args.remats[0], flags) for flags in args.step_flags[1:]]
-    for remat, flags in others:
-        step, arguments, case = build_step(args, sweep[-1], mesh, remat, flags)
+    # Each other remat policy, option set and ViT attention backend at the largest layer count:
+    # the same step, before and after (the first of each is the sweep's).
+    others = [(remat, first[1], first[2]) for remat in args.remats[1:]]
+    others += [(first[0], flags, first[2]) for flags in args.step_flags[1:]]
+    others += [(first[0], first[1], vit) for vit in args.vit_backends[1:]]
+    for remat, flags, vit in others:
+        step, arguments, case = build_step(args, sweep[-1], mesh, remat, flags, vit)
         with mesh_lib.use_mesh(mesh):
             taken, _ = timed(step, *arguments, repeats=args.repeats)
         flops = step_flops_at(case[0], case[1], case[2], sweep[-1])
         emit(
             section="grad_step",
-            case=f"{sweep[-1]} LM layer(s), remat {remat}, flags {flags} (against "
-            f"{args.remats[0]}, {args.step_flags[0]})",
+            case=f"{sweep[-1]} LM layer(s), remat {remat}, flags {flags}, ViT attention {vit} "
+            f"(against {', '.join(first)})"
+            + (" (dry run: 'reference')" if args.dry_run and vit in ("pallas", "cudnn") else ""),
             value=f"{taken * 1e3:.1f} ms, MFU {utilisation(flops.model, taken, peak_flops):.1%}",
             unit=f"{seconds[sweep[-1]] / taken:.2f}x the first step's speed; HFU "
             f"{utilisation(flops.executed, taken, peak_flops):.1%}",
