@@ -213,22 +213,11 @@ def test_each_source_is_collected_by_its_teacher_in_batches_of_its_own(tmp_path,
         shifted = key.startswith("maze/")
         assert np.all(top < -500) if shifted else np.all(top > -500), key
     # Batches of 4: count's 14 samples and maze's 9 take 4 + 3 batches apart, 6 together.
-    calls.clear()
-    _collect(
-        tmp_path / "apart",
-        toy_data,
-        samples_per_batch=4,
-        by_source={"count": first, "maze": second},
-    )
-    assert len(calls) == 7
-    calls.clear()
-    _collect(
-        tmp_path / "shared",
-        toy_data,
-        samples_per_batch=4,
-        by_source={"count": first, "maze": first},
-    )
-    assert len(calls) == 6
+    for name, maze_teacher, batches in (("apart", second, 7), ("shared", first, 6)):
+        calls.clear()
+        by_source = {"count": first, "maze": maze_teacher}
+        _collect(tmp_path / name, toy_data, samples_per_batch=4, by_source=by_source)
+        assert len(calls) == batches, name
 
 
 def test_collection_resumes_after_a_crash_with_every_sample_exactly_once(tmp_path, toy_data):
