@@ -52,7 +52,7 @@ class _Teacher:
     identity: dict | None  # a checkpoint teacher's (weights_digest.identity), else None
 
 
-def load_teacher(config, mesh, config_changes, path: str = "") -> _Teacher:
+def load_teacher(config, mesh, config_changes, path: str = "", student=None) -> _Teacher:
     """A model a cache is collected from: `path`, a checkpoint teacher's directory (checked
     against the student's tokenizer and shapes, read from model_path without its weights), or
     '' for the student's starting weights (the PyTorch collector loads the model file;
@@ -69,7 +69,7 @@ def load_teacher(config, mesh, config_changes, path: str = "") -> _Teacher:
             config.model_path,
             None,
         )
-    _, student_config, tokenizer = student_shapes(config, mesh, config_changes)
+    _, student_config, tokenizer = student or student_shapes(config, mesh, config_changes)
     try:
         teacher = teacher_checkpoint.load(
             path,
@@ -98,17 +98,18 @@ def student_shapes(config, mesh, config_changes):
     )
 
 
-def load_teachers(config, mesh, config_changes) -> dict[str, _Teacher]:
+def load_teachers(config, mesh, config_changes, student) -> dict[str, _Teacher]:
     """Each data source's teacher, by dataset name (one model loaded per distinct teacher), or
-    {'': the one teacher} without teacher_by_source."""
+    {'': the one teacher} without teacher_by_source. `student`: student_shapes' (read once)."""
     split = run_config.TrainedSplit.of_config(config)
     if not split.cache_teacher_by_source:
-        return {"": load_teacher(config, mesh, config_changes, split.cache_teacher_path)}
+        path = split.cache_teacher_path
+        return {"": load_teacher(config, mesh, config_changes, path, student)}
     loaded = {}
     for name, teacher in split.cache_teacher_by_source:
         path = "" if teacher == "self" else teacher
         if path not in loaded:
-            loaded[path] = load_teacher(config, mesh, config_changes, path)
+            loaded[path] = load_teacher(config, mesh, config_changes, path, student)
         loaded[name] = loaded[path]
     return {name: loaded[name] for name, _ in split.cache_teacher_by_source}
 
@@ -132,7 +133,13 @@ def main(argv) -> None:
     mesh = mesh_lib.make_mesh(*run_config.mesh_shape(config, len(devices)), devices=devices)
     runtime = run_config.model_runtime(config)
     t0 = time.perf_counter()
-    teachers = load_teachers(config, mesh, {"llm": runtime})
+    # The student's config and tokenizer (no weights), read once for the checkpoint teachers'
+    # checks and a per-source manifest; a cache of model_path's weights alone needs none.
+    split = run_config.TrainedSplit.of_config(config)
+    student = None
+    if split.cache_teacher_by_source or split.cache_teacher_path:
+        student = student_shapes(config, mesh, {"llm": runtime})
+    teachers = load_teachers(config, mesh, {"llm": runtime}, student)
     by_source = "" not in teachers
     sources = {id(t): t.source for t in teachers.values()}
     print(
@@ -144,7 +151,7 @@ def main(argv) -> None:
     tokenizer = teacher.tokenizer
     # With a teacher per source the packs and the manifest are the student's (each teacher
     # reads them as the student does: checked where it is loaded).
-    model_config = student_shapes(config, mesh, {"llm": runtime})[1] if by_source else None
+    model_config = student[1] if by_source else None
     data_config = run_config.data_config(config).for_model(model_config or teacher.model_config)
     options = run_config.prompt_options(config)
     data = dict(

@@ -51,10 +51,11 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
         runtime = {"llm": run_config.model_runtime(config)}
         model_config = teacher_checkpoint.model_config_of(teacher_path, runtime)[0]
         teacher = teacher_checkpoint.identity(teacher_path)
-    by_source = {  # a teacher per data source: the manifest holds the student's model config
-        name: None if t == "self" else teacher_checkpoint.identity(t)
-        for name, t in split.cache_teacher_by_source
-    }
+    # A teacher per data source (the manifest then holds the student's model config): each
+    # distinct checkpoint's digest read once.
+    paths = {t for _, t in split.cache_teacher_by_source if t != "self"}
+    identities = {path: teacher_checkpoint.identity(path) for path in paths}
+    by_source = {name: identities.get(t) for name, t in split.cache_teacher_by_source}
     try:
         manifest = offline_cache.check_manifest(
             config.offline_cache_dir, model_config, tokenizer, options, teacher, by_source
