@@ -379,6 +379,73 @@ def test_cudnn_backend_refuses_cpu():
         attention(q, k, v, **ids(seg, seg, k_start, k_end), backend="cudnn")
 
 
+def image_rows(images_per_row, length):
+    """ViT rows as siglip packs them: images (runs of ids 1, 2, ... of the given sizes) from
+    position 0, then padding; each patch sees its own image (siglip.image_ranges)."""
+    from models.siglip import image_ranges
+
+    seg = np.zeros((len(images_per_row), length), np.int32)
+    for b, sizes in enumerate(images_per_row):
+        t = 0
+        for i, n in enumerate(sizes, 1):
+            seg[b, t : t + n] = i
+            t += n
+    k_start, k_end = (np.asarray(x) for x in image_ranges(jnp.asarray(seg)))
+    return seg, k_start, k_end
+
+
+@pytest.mark.parametrize(
+    "images, plain",
+    [
+        ([[29], [40], [], [7]], True),  # one image a row (and a row of padding): lengths
+        ([[29], [12, 20], [40]], False),  # a row of two images: the dense mask
+    ],
+    ids=["one_image_a_row", "two_images_in_a_row"],
+)
+def test_cudnns_lengths_path_is_taken_for_rows_of_one_image_and_equals_the_reference(images, plain):
+    """backend='cudnn' runs cuDNN with sequence lengths and no mask array where every row is
+    one image (padding_lengths), else with the dense mask. The same selection runs here with
+    jax's XLA implementation in place of cuDNN: its output and gradients equal the reference
+    backend's in both cases, padding exactly 0. Were a row of two images sent down the lengths
+    path, its images would see each other and the second case would fail."""
+    rng = np.random.default_rng(11)
+    seg, k_start, k_end = image_rows(images, 48)
+    q_len, kv_len, is_plain = attention_lib.padding_lengths(seg, seg, k_start, k_end)
+    assert bool(is_plain) == plain
+    if plain:
+        np.testing.assert_array_equal(q_len, [len(r) and sum(r) for r in images])
+    q, k, v = random_qkv(rng, len(images), 48, 48, 4, 2, 8)
+    cotangent = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+    def run(kernel):
+        def loss(q, k, v):
+            out = kernel(q, k, v, seg, seg, k_start, k_end)
+            return jnp.sum(out * cotangent), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+        return (out, *grads)
+
+    cudnn_as_xla = functools.partial(attention_lib._cudnn, implementation="xla")
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), run(cudnn_as_xla), run(attention_lib._reference)
+    ):
+        assert np.isfinite(np.asarray(got)).all(), name
+        assert max_diff(got, want) < 2e-5, (name, max_diff(got, want))
+    padding = np.asarray(seg) == 0
+    assert (np.asarray(run(cudnn_as_xla)[0])[padding] == 0).all()
+
+
+def test_padding_lengths_refuses_what_is_not_a_padding_mask():
+    """Only a row of one segment from position 0, every query seeing all of it, is plain."""
+    seg = np.array([[1, 1, 1, 0]], np.int32)
+    whole = (np.zeros((1, 4), np.int32), np.array([[3, 3, 3, 0]], np.int32))
+    causal = (np.zeros((1, 4), np.int32), np.array([[1, 2, 3, 0]], np.int32))
+    late = np.array([[0, 1, 1, 0]], np.int32)  # the segment starts at position 1
+    assert bool(attention_lib.padding_lengths(seg, seg, *whole)[2])
+    assert not bool(attention_lib.padding_lengths(seg, seg, *causal)[2])
+    assert not bool(attention_lib.padding_lengths(late, late, *whole)[2])
+
+
 @pytest.mark.slow
 def test_a_cpu_run_never_imports_the_gpu_kernels():
     """'auto' on a CPU resolves without importing the Pallas kernels, and a forward with it

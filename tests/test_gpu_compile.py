@@ -602,13 +602,24 @@ def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph(h1
     "backend, kernels, padded",
     [
         ("pallas", {TRITON.strip('"')}, True),
-        ("cudnn", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}, False),
+        (
+            "cudnn",
+            {
+                "__cudnn$fmhaSoftmax",
+                "__cudnn$fmhaSoftmaxBackward",
+                "__cudnn$fmhaScaleBiasSoftmax",
+                "__cudnn$fmhaScaleBiasSoftmaxBackward",
+            },
+            False,
+        ),
     ],
 )
 def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, kernels, padded):
     """SigLIP's head dim 72 (one layer, two heads, forward and backward) on the ViT's backend
     (vit_attention_backend): the Pallas range kernel pads it to 128; cuDNN's fused attention
-    takes it as it is (its mask a bias over each row's patches)."""
+    takes it as it is, in two branches: rows of one image with their lengths and no mask array
+    (fmhaSoftmax, the operands q, k, v and two lengths), other rows with the dense mask as a
+    bias over each row's patches (fmhaScaleBiasSoftmax, a [1, 1, 512, 512] operand)."""
     import re
 
     from models.configs import SiglipConfig
@@ -644,3 +655,6 @@ def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, ker
     text = gpu_target.compile(lowered, mesh).as_text()
     assert set(re.findall(r'custom_call_target="([^"]+)"', text)) == kernels
     assert bool(re.search(r"bf16\[1,512,2,128\]", text)) == padded
+    for call in re.findall(r'.*custom_call_target="__cudnn\$fmha.*', text):
+        has_mask = "bf16[1,1,512,512]" in call
+        assert has_mask == ("ScaleBias" in call), call[:300]
