@@ -16,8 +16,8 @@ what it measures and when it fails:
              time and MFU as MaxText counts it, the fixed part, the 28-layer extrapolation;
   profile    (with --profile) one grad step traced with command buffers off, reduced to a CSV
              of GPU time by kernel class;
-  parity     the range kernel and the decode kernel against references (the decode kernel
-             twice, bit for bit);
+  parity     the range kernel, cuDNN as the ViT's backend and the decode kernel against
+             references (the decode kernel twice, bit for bit);
   decode     the decode round at B = 1, 8, 32 against the HBM roofline, the kernel alone;
   attention  the range kernel against cuDNN and the chunked backend at 4k .. 40k tokens;
   train      train.py at a few 7B-width layers, full and LoRA, with a save and a resume;

@@ -101,7 +101,7 @@ def attention(
             )
         kernel = _dense
     elif backend == "cudnn":
-        kernel = _cudnn
+        kernel = cudnn_attention
     elif resolve_backend(backend) == "pallas":
         from models import gpu_support  # Pallas/Triton is imported only when used
 
@@ -262,7 +262,7 @@ def _dense(q, k, v, q_seg, kv_seg, k_start, k_end):
     return jnp.einsum("bhgtd->bthgd", out).reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def _cudnn(q, k, v, q_seg, kv_seg, k_start, k_end, *, implementation="cudnn"):
+def cudnn_attention(q, k, v, q_seg, kv_seg, k_start, k_end, *, implementation="cudnn"):
     """cuDNN's fused attention: with sequence lengths and no mask array where every row's mask
     is a padding mask (`padding_lengths`: a ViT row of one image), else with the dense mask as
     a bias. `implementation` is jax.nn.dot_product_attention's; tests give "xla" to run the

@@ -425,7 +425,7 @@ def test_cudnns_lengths_path_is_taken_for_rows_of_one_image_and_equals_the_refer
         (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
         return (out, *grads)
 
-    cudnn_as_xla = functools.partial(attention_lib._cudnn, implementation="xla")
+    cudnn_as_xla = functools.partial(attention_lib.cudnn_attention, implementation="xla")
     for name, got, want in zip(
         ("out", "dq", "dk", "dv"), run(cudnn_as_xla), run(attention_lib._reference)
     ):

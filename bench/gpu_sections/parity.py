@@ -2,7 +2,9 @@
 
 The range kernel (models/attention_pallas.py) against the dense `reference` backend, forward
 and dq / dk / dv, at BAGEL's LLM shapes (28 query / 4 kv heads, head dim 128) and SigLIP's
-(16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows; the sampler's decode
+(16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows; cuDNN's fused attention
+as the ViT's backend the same way, on rows of one image (its lengths) and of two (the dense
+mask; `_cudnn_vit_parity`); the sampler's decode
 kernel (models/decode_attention_pallas.py) against XLA's decode attention, run twice and the
 two outputs compared bit for bit. Fails on an error above PARITY_MAX_ERROR or two runs that
 differ.
@@ -101,6 +103,8 @@ def run(args):
             kind="check",
         )
 
+    _cudnn_vit_parity(args, rng)
+
     # The sampler's decode attention kernel on the stacked cache against XLA's on the layer's
     # slice, rows of lengths from 1 to the whole cache.
     from models.attention import decode_attention
@@ -137,3 +141,70 @@ def run(args):
         ok=same,
         kind="check",
     )
+
+
+def _cudnn_vit_parity(args, rng):
+    """cuDNN's fused attention as the ViT's backend (vit_attention_backend='cudnn') against the
+    reference, forward and gradients, at SigLIP's 16 heads of 72: rows of one image each (its
+    lengths, no mask array) and rows of two images (the dense mask). The dry run runs the same
+    selection with jax's XLA implementation in place of cuDNN."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.attention import attention, cudnn_attention, padding_lengths
+    from models.siglip import image_ranges
+
+    row = 128 if args.dry_run else 4992
+    heads = 2 if args.dry_run else 16
+    implementation = "xla" if args.dry_run else "cudnn"
+    fused = functools.partial(cudnn_attention, implementation=implementation)
+    for name, images in (
+        ("one image a row", [[row - 92], [row // 2]]),
+        ("two images a row", [[row // 2, row // 3], [row - 92]]),
+    ):
+        seg = np.zeros((len(images), row), np.int32)
+        for b, sizes in enumerate(images):
+            ends = np.cumsum(sizes)
+            for i, (start, end) in enumerate(zip(ends - sizes, ends), 1):
+                seg[b, start:end] = i
+        seg = jnp.asarray(seg)
+        ids = (seg, seg, *image_ranges(seg))
+        lengths = bool(padding_lengths(*ids)[2])
+        q, k, v = (
+            jnp.asarray(rng.normal(size=(len(images), row, heads, 72)), jnp.bfloat16) for _ in "qkv"
+        )
+        cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
+
+        def run(fn):
+            def loss(q, k, v):
+                return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
+
+            out = jax.jit(fn)(q, k, v)
+            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+            return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+        def reference(q, k, v):
+            ranges = dict(zip(("q_segment_ids", "kv_segment_ids", "k_start", "k_end"), ids))
+            as_f32 = (x.astype(jnp.float32) for x in (q, k, v))
+            return attention(*as_f32, **ranges, backend="reference")
+
+        got = run(lambda q, k, v: fused(q, k, v, *ids))
+        want = run(reference)
+        errors = [
+            float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
+            for a, b in zip(got, want)
+        ]
+        ok = max(errors) <= PARITY_MAX_ERROR and all(np.isfinite(g).all() for g in got)
+        emit(
+            section="parity",
+            case=f"SigLIP {heads}/{heads}/72 cuDNN ({implementation}), {name}, T={row}",
+            value=" / ".join(f"{e:.1e}" for e in errors),
+            unit=f"max error out / dq / dk / dv (vs reference; "
+            f"{'lengths, no mask' if lengths else 'dense mask'}), "
+            f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+            ok=bool(ok),
+            kind="check",
+        )
