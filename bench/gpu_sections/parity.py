@@ -55,14 +55,6 @@ def run(args):
         k, v = (jnp.asarray(rng.normal(size=(1, length, hkv, d)), jnp.bfloat16) for _ in "kv")
         cot = jnp.asarray(rng.normal(size=(1, length, hq, d)), jnp.float32)
 
-        def run(fn):
-            def loss(q, k, v):
-                return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
-
-            out = jax.jit(fn)(q, k, v)
-            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-            return [np.asarray(x, np.float32) for x in (out, *grads)]
-
         def pallas(q, k, v):
             return range_attention(
                 q,
@@ -87,11 +79,8 @@ def run(args):
                 backend="reference",
             )
 
-        got, want = run(pallas), run(reference)
-        errors = [
-            float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
-            for a, b in zip(got, want)
-        ]
+        got, want = (_out_and_grads(fn, q, k, v, cot) for fn in (pallas, reference))
+        errors = _errors(got, want)
         ok = max(errors) <= PARITY_MAX_ERROR
         emit(
             section="parity",
@@ -143,6 +132,29 @@ def run(args):
     )
 
 
+def _out_and_grads(fn, q, k, v, cot):
+    """fn(q, k, v) and the gradients of sum(out * cot) in q, k, v, as float32 numpy arrays."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def loss(q, k, v):
+        return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
+
+    out = jax.jit(fn)(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return [np.asarray(x, np.float32) for x in (out, *grads)]
+
+
+def _errors(got, want):
+    """Each array's largest error relative to max(1, |reference|)."""
+    import numpy as np
+
+    return [
+        float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b)))) for a, b in zip(got, want)
+    ]
+
+
 def _cudnn_vit_parity(args, rng):
     """cuDNN's fused attention as the ViT's backend (vit_attention_backend='cudnn') against the
     reference, forward and gradients, at SigLIP's 16 heads of 72: rows of one image each (its
@@ -150,7 +162,6 @@ def _cudnn_vit_parity(args, rng):
     selection with jax's XLA implementation in place of cuDNN."""
     import functools
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -178,25 +189,14 @@ def _cudnn_vit_parity(args, rng):
         )
         cot = jnp.asarray(rng.normal(size=q.shape), jnp.float32)
 
-        def run(fn):
-            def loss(q, k, v):
-                return jnp.sum(fn(q, k, v).astype(jnp.float32) * cot)
-
-            out = jax.jit(fn)(q, k, v)
-            grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-            return [np.asarray(x, np.float32) for x in (out, *grads)]
-
         def reference(q, k, v):
             ranges = dict(zip(("q_segment_ids", "kv_segment_ids", "k_start", "k_end"), ids))
             as_f32 = (x.astype(jnp.float32) for x in (q, k, v))
             return attention(*as_f32, **ranges, backend="reference")
 
-        got = run(lambda q, k, v: fused(q, k, v, *ids))
-        want = run(reference)
-        errors = [
-            float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b))))
-            for a, b in zip(got, want)
-        ]
+        got = _out_and_grads(lambda q, k, v: fused(q, k, v, *ids), q, k, v, cot)
+        want = _out_and_grads(reference, q, k, v, cot)
+        errors = _errors(got, want)
         ok = max(errors) <= PARITY_MAX_ERROR and all(np.isfinite(g).all() for g in got)
         emit(
             section="parity",
