@@ -27,7 +27,8 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.vit_remat = "same"  # the ViT's own: 'same' (the LLM's) or any of remat's
     # The ViT's own attention backend: 'auto' (the LLM's, as resolved) or any of
-    # attention_backend's; 'cudnn' takes its head dim 72 unpadded (the Pallas kernel pads to 128)
+    # attention_backend's; 'cudnn' takes its head dim 72 unpadded (the Pallas kernel pads to 128),
+    # each image with its length and no mask array (models/attention_cudnn.py)
     c.vit_attention_backend = "auto"
     # The train step's XLA:GPU options (opsd_jax/training/step_compiler_flags.py): xla (XLA's
     # defaults) | maxtext (cuBLAS matmuls, latency-hiding scheduler, per-layer collectives)

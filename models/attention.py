@@ -25,10 +25,10 @@ Backends:
               heads; memory O(T * S) per head, so only for rows of a few thousand tokens. It
               computes every (query, key) pair, so rows packed with many samples favour
               "chunked", which skips the blocks between them (see configs/smoke.py).
-  "cudnn"     jax.nn.dot_product_attention(implementation="cudnn"): with sequence lengths and no
-              mask array when every row is one segment from its start plus padding (a ViT row
-              of one image: `padding_lengths`), else with the dense mask as a bias (a
-              lax.cond picks, per call); GPU only, fp16/bf16 only, never the default.
+  "cudnn"     jax.nn.dot_product_attention(implementation="cudnn") (attention_cudnn.py): with
+              sequence lengths and no mask array where the rows are whole segments (a ViT's
+              images), else with the dense mask as a bias; GPU only, fp16/bf16 only, never the
+              default.
   "pallas"    flash attention as a Pallas/Triton kernel with block skipping (attention_pallas.py);
               NVIDIA GPUs sm80+ (A100, H100, H200).
   "auto"      "pallas" where it runs, else "chunked" (resolve_backend).
@@ -70,6 +70,7 @@ def attention(
     backend: str = "chunked",
     q_block: int = 512,
     kv_block: int = 512,
+    cudnn_segment_length: int = 0,
 ) -> jax.Array:
     """Masked multi-head attention over packed rows (see the module docstring for the mask).
 
@@ -81,6 +82,8 @@ def attention(
       kv_segment_ids: [B, S] int32, per key.
       backend: one of BACKENDS (see the module docstring).
       q_block, kv_block: tile sizes of the chunked backend (clamped to the sequence lengths).
+      cudnn_segment_length: the cudnn backend's longest segment for its segments layout (0:
+        none; models/attention_cudnn.py).
 
     Returns:
       [B, T, Hq, D] in q.dtype. Logits and softmax statistics are float32 whatever the input dtype.
@@ -101,7 +104,11 @@ def attention(
             )
         kernel = _dense
     elif backend == "cudnn":
-        kernel = cudnn_attention
+        from models import attention_cudnn  # it builds on dense_mask below
+
+        kernel = functools.partial(
+            attention_cudnn.cudnn_attention, segment_length=cudnn_segment_length
+        )
     elif resolve_backend(backend) == "pallas":
         from models import gpu_support  # Pallas/Triton is imported only when used
 
@@ -215,7 +222,7 @@ def _check_inputs(q, k, v, q_seg, kv_seg, k_start, k_end, q_block, kv_block):
 
 
 # --------------------------------------------------------------------------------------------
-# Reference and cuDNN backends (dense mask; cuDNN's lengths where a row is one segment)
+# Reference backend (dense mask)
 
 
 def _reference(q, k, v, q_seg, kv_seg, k_start, k_end):
@@ -260,69 +267,6 @@ def _dense(q, k, v, q_seg, kv_seg, k_start, k_end):
     out = jnp.einsum("bhts,bhsd->bhtd", e.reshape(B, Hkv, G * T, S), v_heads)
     out = out.reshape(B, Hkv, G, T, D) / denom
     return jnp.einsum("bhgtd->bthgd", out).reshape(B, T, Hq, D).astype(q.dtype)
-
-
-def cudnn_attention(q, k, v, q_seg, kv_seg, k_start, k_end, *, implementation="cudnn"):
-    """cuDNN's fused attention: with sequence lengths and no mask array where every row's mask
-    is a padding mask (`padding_lengths`: a ViT row of one image), else with the dense mask as
-    a bias. `implementation` is jax.nn.dot_product_attention's; tests give "xla" to run the
-    same selection on a CPU."""
-    if implementation == "cudnn":
-        from models import gpu_support  # a compile for a GPU target without one may use it too
-
-        if jax.default_backend() != "gpu" and not gpu_support.compiling_for_gpu_without_one():
-            raise ValueError(
-                f"backend='cudnn' needs a CUDA GPU; the default JAX backend is "
-                f"{jax.default_backend()!r}. Use backend='chunked' instead."
-            )
-        if q.dtype not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(f"backend='cudnn' needs bfloat16 or float16 inputs, got {q.dtype}")
-    q_len, kv_len, plain = padding_lengths(q_seg, kv_seg, k_start, k_end)
-    q_valid = (q_seg != 0)[:, :, None, None]
-    kv_valid = (kv_seg != 0)[:, :, None, None]
-
-    def with_lengths(q, k, v):
-        # Padding positions get no gradient whatever cuDNN leaves in them (its value for a
-        # query with no keys is not specified): zero cotangent in, zero gradient out.
-        q = jnp.where(q_valid, q, lax.stop_gradient(q))
-        k, v = (jnp.where(kv_valid, x, lax.stop_gradient(x)) for x in (k, v))
-        return jax.nn.dot_product_attention(
-            q,
-            k,
-            v,
-            query_seq_lengths=q_len,
-            key_value_seq_lengths=kv_len,
-            implementation=implementation,
-        )
-
-    def with_mask(q, k, v):
-        mask = dense_mask(q_seg, kv_seg, k_start, k_end)
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
-        # A query with no visible key (not only padding) gets exactly 0 below too.
-        return jnp.where(jnp.any(mask, axis=-1)[:, 0, :, None, None], out, 0)
-
-    out = lax.cond(plain, with_lengths, with_mask, q, k, v)
-    # cuDNN's value for a query with nothing visible is not specified; the contract is 0.
-    return jnp.where(q_valid, out, jnp.zeros((), out.dtype)).astype(q.dtype)
-
-
-def padding_lengths(q_segment_ids, kv_segment_ids, k_start, k_end):
-    """(q_len [B], kv_len [B], plain): `plain` (a scalar) is True when every row's mask is a
-    padding mask, (t < q_len) & (j < kv_len) for its valid queries: the row's keys are one
-    segment from position 0 (kv_len of them, then padding), its queries that segment from
-    position 0 (q_len of them, then padding), and each query's range covers all kv_len keys.
-    A ViT row holding one image is such a row (so is a row of padding only); a row of two
-    images or of causal text is not. cuDNN then needs the two lengths and no [T, S] mask."""
-    q_valid, kv_valid = q_segment_ids != 0, kv_segment_ids != 0
-    q_len = jnp.sum(q_valid, axis=-1, dtype=jnp.int32)
-    kv_len = jnp.sum(kv_valid, axis=-1, dtype=jnp.int32)
-    t = jnp.arange(q_segment_ids.shape[1])
-    j = jnp.arange(kv_segment_ids.shape[1])
-    segment = kv_segment_ids[:, :1]  # the row's one segment if plain (0: a row of padding)
-    keys_ok = (kv_valid == (j < kv_len[:, None])) & (~kv_valid | (kv_segment_ids == segment))
-    sees_all = (q_segment_ids == segment) & (k_start <= 0) & (k_end >= kv_len[:, None])
-    queries_ok = (q_valid == (t < q_len[:, None])) & (~q_valid | sees_all)
-    return q_len, kv_len, jnp.all(keys_ok) & jnp.all(queries_ok)
 
 
 # --------------------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class Bagel(nnx.Module):
                     else llm.vit_attention_backend
                 ),
                 remat=llm.remat if llm.vit_remat == "same" else llm.vit_remat,
+                image_patches=llm.vit_image_patches,
                 rngs=rngs,
             )
             self.connector = Connector(config.vit.hidden_size, llm.hidden_size, rngs)

@@ -41,6 +41,9 @@ RUNTIME_FIELDS = (
     "unroll_decode_layers",
     "attention_block",
 )
+# Runtime switches the run config derives rather than takes as keys of their own
+# (opsd_jax/run_config/builds.py model_runtime): the most patches one image has.
+DERIVED_RUNTIME_FIELDS = ("vit_image_patches",)
 
 
 def _check_choice(owner: str, name: str, value: Any, allowed: tuple) -> None:
@@ -89,8 +92,12 @@ class Qwen2Config:
     vit_remat: str = "same"
     # The ViT's own attention backend ('auto': the LLM's). Its 16 heads of 72 over whole images
     # bidirectionally are another problem than the LLM's causal 128-dim heads: the Pallas range
-    # kernel pads 72 to 128, and 'cudnn' takes 72 as it is (with a dense mask per row).
+    # kernel pads 72 to 128, and 'cudnn' takes 72 as it is, each image in a row of its own
+    # with its length where the images fit `vit_image_patches` (models/attention_cudnn.py).
     vit_attention_backend: str = "auto"
+    # The most patches one image has (the data's image transform; 0: unknown, so only rows of
+    # one image go to cuDNN without a mask). Set by the run config, not a key of its own.
+    vit_image_patches: int = 0
     # Unroll the layer loop (models/layers.scan_layers): faster on a CPU, slower to compile for
     # deep models anywhere.
     unroll_layers: bool = False
@@ -145,6 +152,10 @@ class Qwen2Config:
         _check_choice(
             owner, "vit_attention_backend", self.vit_attention_backend, attention.BACKENDS
         )
+        if not isinstance(self.vit_image_patches, int) or self.vit_image_patches < 0:
+            raise ValueError(
+                f"{owner}.vit_image_patches must be an integer >= 0, got {self.vit_image_patches!r}"
+            )
         if self.tie_word_embeddings:
             raise ValueError(
                 f"{owner}.tie_word_embeddings=True is not supported: BAGEL's lm_head is "

@@ -52,12 +52,18 @@ def image_ranges(image_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 class EncoderLayer(nnx.Module):
     def __init__(
-        self, config: SiglipConfig, compute_dtype: str, attention_backend: str, rngs: nnx.Rngs
+        self,
+        config: SiglipConfig,
+        compute_dtype: str,
+        attention_backend: str,
+        image_patches: int,
+        rngs: nnx.Rngs,
     ):
         d, f = config.hidden_size, config.intermediate_size
         h, dh = config.num_attention_heads, config.head_dim
         eps = config.layer_norm_eps
         self.attention_backend = attention_backend
+        self.image_patches = image_patches
         self.layer_norm1 = LayerNorm(d, eps)
         self.q_proj = Projection(
             rngs,
@@ -103,6 +109,7 @@ class EncoderLayer(nnx.Module):
             k_start=k_start,
             k_end=k_end,
             backend=self.attention_backend,
+            cudnn_segment_length=self.image_patches,  # each image a row of its own (cudnn)
         )
         h = h + self.out_proj(constrain(out, ROWS_HEADS))
         hidden = constrain(jax.nn.gelu(self.fc1(self.layer_norm2(h)), approximate=True), ROWS_MLP)
@@ -119,8 +126,11 @@ class SiglipVisionEncoder(nnx.Module):
         compute_dtype: str = "bfloat16",
         attention_backend: str = "chunked",
         remat: str = "full",
+        image_patches: int = 0,
         rngs: nnx.Rngs,
     ):
+        """`image_patches`: the most patches one image has (0: unknown), the row length of the
+        cudnn backend's one-image-a-row layout (models/attention_cudnn.py)."""
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
         self.remat = remat
@@ -132,7 +142,9 @@ class SiglipVisionEncoder(nnx.Module):
             rngs, (config.num_patches_per_side**2, d), ("vit_positions", "vit_embed")
         )
         self.layers = stack_layers(
-            lambda rngs: EncoderLayer(config, compute_dtype, attention_backend, rngs),
+            lambda rngs: EncoderLayer(
+                config, compute_dtype, attention_backend, image_patches, rngs
+            ),
             config.num_hidden_layers,
             rngs,
         )

@@ -9,6 +9,7 @@ and the HBM counter of the decode step sees at least the weights it must read. j
 plugin is in requirements-test.txt: without it these fail (they are not skipped).
 """
 
+import collections
 import dataclasses
 import os
 
@@ -597,29 +598,34 @@ def test_decode_round_on_the_tensor_layout_keeps_its_all_reduces_in_the_graph(h1
     assert grids == {decode_attention_pallas.grid(rows, local_kv_heads, slots)}, grids
 
 
+# The ViT's cuDNN calls compiled for an H100 (test below): {(custom call, [rows, patches] of
+# its q operand, takes the [1, 1, 512, 512] mask): count}.
+CUDNN_CALLS = {
+    ("fmhaSoftmax", "1,512", False): 1,  # rows of one image: lengths, no mask
+    ("fmhaSoftmaxBackward", "1,512", False): 1,
+    ("fmhaSoftmax", "4,128", False): 1,  # each image a row of its own: lengths, no mask
+    ("fmhaSoftmaxBackward", "4,128", False): 1,
+    ("fmhaScaleBiasSoftmax", "1,512", True): 1,  # anything else: the dense mask
+    ("fmhaScaleBiasSoftmaxBackward", "1,512", True): 1,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "backend, kernels, padded",
     [
         ("pallas", {TRITON.strip('"')}, True),
-        (
-            "cudnn",
-            {
-                "__cudnn$fmhaSoftmax",
-                "__cudnn$fmhaSoftmaxBackward",
-                "__cudnn$fmhaScaleBiasSoftmax",
-                "__cudnn$fmhaScaleBiasSoftmaxBackward",
-            },
-            False,
-        ),
+        ("cudnn", {f"__cudnn${name}" for name, _, _ in CUDNN_CALLS}, False),
     ],
 )
 def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, kernels, padded):
     """SigLIP's head dim 72 (one layer, two heads, forward and backward) on the ViT's backend
     (vit_attention_backend): the Pallas range kernel pads it to 128; cuDNN's fused attention
-    takes it as it is, in two branches: rows of one image with their lengths and no mask array
-    (fmhaSoftmax, the operands q, k, v and two lengths), other rows with the dense mask as a
-    bias over each row's patches (fmhaScaleBiasSoftmax, a [1, 1, 512, 512] operand)."""
+    takes it as it is, in three branches (models/attention_cudnn.py): rows of one image with
+    their lengths and no mask array (fmhaSoftmax on [1, 512] rows), rows of images of up to
+    128 patches each in a row of its own, with their lengths (fmhaSoftmax on [4, 128] rows),
+    other rows with the dense mask as a bias (fmhaScaleBiasSoftmax, a [1, 1, 512, 512]
+    operand)."""
     import re
 
     from models.configs import SiglipConfig
@@ -636,6 +642,7 @@ def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, ker
             compute_dtype="bfloat16",
             attention_backend=backend,
             remat="none",
+            image_patches=128,
             rngs=nnx.Rngs(0),
         )
 
@@ -655,6 +662,10 @@ def test_the_vits_attention_on_its_own_backend_compiled_for_an_h100(backend, ker
     text = gpu_target.compile(lowered, mesh).as_text()
     assert set(re.findall(r'custom_call_target="([^"]+)"', text)) == kernels
     assert bool(re.search(r"bf16\[1,512,2,128\]", text)) == padded
+    operands = collections.Counter()
     for call in re.findall(r'.*custom_call_target="__cudnn\$fmha.*', text):
-        has_mask = "bf16[1,1,512,512]" in call
-        assert has_mask == ("ScaleBias" in call), call[:300]
+        name = re.search(r'custom_call_target="__cudnn\$(\w+)"', call).group(1)
+        rows = re.search(r"operand_layout_constraints=\{bf16\[(\d+,\d+),2,72\]", call).group(1)
+        operands[name, rows, "bf16[1,1,512,512]" in call] += 1
+    if backend == "cudnn":
+        assert operands == CUDNN_CALLS, operands

@@ -91,6 +91,8 @@ def step_case(args, layers: int, remat: str = "full", vit_backend: str = "auto")
         else "reference",
         num_hidden_layers=layers,
     )
+    if not args.dry_run:  # the problem image's 70 x 70 patches: the largest image here
+        llm["vit_image_patches"] = 70 * 70
     if args.dry_run:
         config = BagelConfig.tiny(llm=llm)
         student_len, teacher_len, entries, side = 256, 384, 64, 8

@@ -165,7 +165,8 @@ def _cudnn_vit_parity(args, rng):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.attention import attention, cudnn_attention, padding_lengths
+    from models.attention import attention
+    from models.attention_cudnn import cudnn_attention, padding_lengths
     from models.siglip import image_ranges
 
     row = 128 if args.dry_run else 4992

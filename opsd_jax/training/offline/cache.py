@@ -102,7 +102,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 # Switches that change how the model computes, not what (a cache made with one fits the others).
 # The gen expert's capacity is one too: OPSD never routes a token to the gen expert.
-_RUNTIME_KEYS = model_configs.RUNTIME_FIELDS + ("gen_token_capacity",)
+_RUNTIME_KEYS = (
+    model_configs.RUNTIME_FIELDS + model_configs.DERIVED_RUNTIME_FIELDS + ("gen_token_capacity",)
+)
 
 
 def _architecture(config: dict) -> dict:
