@@ -3,8 +3,8 @@
 The range kernel (models/attention_pallas.py) against the dense `reference` backend, forward
 and dq / dk / dv, at BAGEL's LLM shapes (28 query / 4 kv heads, head dim 128) and SigLIP's
 (16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows; cuDNN's fused attention
-as the ViT's backend the same way, on rows of one image (its lengths) and of two (the dense
-mask; `_cudnn_vit_parity`); the sampler's decode
+as the ViT's backend the same way, in each of its three branches (`_cudnn_vit_parity`); the
+sampler's decode
 kernel (models/decode_attention_pallas.py) against XLA's decode attention, run twice and the
 two outputs compared bit for bit. Fails on an error above PARITY_MAX_ERROR or two runs that
 differ.
@@ -157,26 +157,32 @@ def _errors(got, want):
 
 def _cudnn_vit_parity(args, rng):
     """cuDNN's fused attention as the ViT's backend (vit_attention_backend='cudnn') against the
-    reference, forward and gradients, at SigLIP's 16 heads of 72: rows of one image each (its
-    lengths, no mask array) and rows of two images (the dense mask). The dry run runs the same
-    selection with jax's XLA implementation in place of cuDNN."""
+    reference, forward and gradients, at SigLIP's 16 heads of 72, each of its three branches
+    (models/attention_cudnn.py): rows of one image (their lengths, no mask array), rows of
+    images each gathered into a row of its own (lengths, no mask), and rows of more images than
+    that layout holds (the dense mask). The dry run runs the same selection with jax's XLA
+    implementation in place of cuDNN."""
     import functools
 
     import jax.numpy as jnp
     import numpy as np
 
     from models.attention import attention
-    from models.attention_cudnn import cudnn_attention, padding_lengths
+    from models.attention_cudnn import cudnn_attention, padding_lengths, segment_layout
     from models.siglip import image_ranges
 
     row = 128 if args.dry_run else 4992
     heads = 2 if args.dry_run else 16
     implementation = "xla" if args.dry_run else "cudnn"
-    fused = functools.partial(cudnn_attention, implementation=implementation)
-    for name, images in (
-        ("one image a row", [[row - 92], [row // 2]]),
-        ("two images a row", [[row // 2, row // 3], [row - 92]]),
+    half = row // 2  # the segment rows' length: two a row
+    for name, images, segment_length in (
+        ("one image a row", [[row - 92], [half]], 0),
+        ("images in rows of their own", [[half, row // 3], [half]], half),
+        ("three images, two rows", [[row // 4] * 3, [half]], half),
     ):
+        fused = functools.partial(
+            cudnn_attention, implementation=implementation, segment_length=segment_length
+        )
         seg = np.zeros((len(images), row), np.int32)
         for b, sizes in enumerate(images):
             ends = np.cumsum(sizes)
@@ -184,7 +190,12 @@ def _cudnn_vit_parity(args, rng):
                 seg[b, start:end] = i
         seg = jnp.asarray(seg)
         ids = (seg, seg, *image_ranges(seg))
-        lengths = bool(padding_lengths(*ids)[2])
+        if bool(padding_lengths(*ids)[2]):
+            path = "lengths, no mask"
+        elif segment_length and bool(segment_layout(*ids, segment_length).fits):
+            path = "a row per image, lengths, no mask"
+        else:
+            path = "dense mask"
         q, k, v = (
             jnp.asarray(rng.normal(size=(len(images), row, heads, 72)), jnp.bfloat16) for _ in "qkv"
         )
@@ -203,8 +214,7 @@ def _cudnn_vit_parity(args, rng):
             section="parity",
             case=f"SigLIP {heads}/{heads}/72 cuDNN ({implementation}), {name}, T={row}",
             value=" / ".join(f"{e:.1e}" for e in errors),
-            unit=f"max error out / dq / dk / dv (vs reference; "
-            f"{'lengths, no mask' if lengths else 'dense mask'}), "
+            unit=f"max error out / dq / dk / dv (vs reference; {path}), "
             f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
             ok=bool(ok),
             kind="check",
