@@ -4,9 +4,8 @@ The range kernel (models/attention_pallas.py) against the dense `reference` back
 and dq / dk / dv, at BAGEL's LLM shapes (28 query / 4 kv heads, head dim 128) and SigLIP's
 (16 / 16 heads, head dim 72), bf16 inputs, on packed BAGEL-style rows; cuDNN's fused attention
 as the ViT's backend the same way, in each of its three branches (`_cudnn_vit_parity`); the
-sampler's decode
-kernel (models/decode_attention_pallas.py) against XLA's decode attention, run twice and the
-two outputs compared bit for bit. Fails on an error above PARITY_MAX_ERROR or two runs that
+sampler's decode kernel (models/decode_attention_pallas.py) against XLA's decode attention, run
+twice and the two outputs compared bit for bit. Fails on an error above PARITY_MAX_ERROR or two runs that
 differ.
 """
 
