@@ -66,7 +66,7 @@ def cudnn_attention(
         k, v = (jnp.where(kv_valid, x, lax.stop_gradient(x)) for x in (k, v))
         return fused(q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=kv_len)
 
-    branches, choice = [with_mask, with_lengths], plain.astype(jnp.int32)
+    branches = [with_mask, with_lengths]  # in the order of PATHS
     if segment_length and q.shape[1] == k.shape[1]:
         layout = segment_layout(q_seg, kv_seg, k_start, k_end, segment_length)
 
@@ -79,10 +79,23 @@ def cudnn_attention(
             return _gather_rows(out.reshape(q.shape[0], -1, *q.shape[2:]), layout.back, 1, None)
 
         branches.append(with_segments)
-        choice = jnp.where(plain, 1, jnp.where(layout.fits, 2, 0))
+    choice = path_taken(q_seg, kv_seg, k_start, k_end, segment_length)
     out = lax.switch(choice, branches, q, k, v)
     # cuDNN's value for a query with nothing visible is not specified; the contract is 0.
     return jnp.where(q_valid, out, jnp.zeros((), out.dtype)).astype(q.dtype)
+
+
+# The branches of `cudnn_attention`, by the index `path_taken` gives.
+PATHS = ("dense mask", "lengths", "a row per image")
+
+
+def path_taken(q_segment_ids, kv_segment_ids, k_start, k_end, segment_length=0) -> jax.Array:
+    """The index in PATHS of the branch `cudnn_attention` takes for these rows (traced)."""
+    plain = padding_lengths(q_segment_ids, kv_segment_ids, k_start, k_end)[2]
+    if not segment_length or q_segment_ids.shape[1] != kv_segment_ids.shape[1]:
+        return plain.astype(jnp.int32)
+    fits = segment_layout(q_segment_ids, kv_segment_ids, k_start, k_end, segment_length).fits
+    return jnp.where(plain, 1, jnp.where(fits, 2, 0))
 
 
 def padding_lengths(q_segment_ids, kv_segment_ids, k_start, k_end):

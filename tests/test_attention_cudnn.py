@@ -15,7 +15,7 @@ from models import attention as attention_lib
 from models import attention_cudnn
 from models.siglip import image_ranges
 
-LENGTHS, SEGMENTS, MASK = "lengths", "segments", "dense mask"
+MASK, LENGTHS, SEGMENTS = attention_cudnn.PATHS
 
 
 def image_rows(images_per_row, length):
@@ -33,11 +33,7 @@ def image_rows(images_per_row, length):
 
 def branch(ids, segment_length):
     """Which of the three the backend takes for these rows."""
-    if bool(attention_cudnn.padding_lengths(*ids)[2]):
-        return LENGTHS
-    if segment_length and bool(attention_cudnn.segment_layout(*ids, segment_length).fits):
-        return SEGMENTS
-    return MASK
+    return attention_cudnn.PATHS[int(attention_cudnn.path_taken(*ids, segment_length))]
 
 
 @pytest.mark.parametrize(

@@ -79,17 +79,7 @@ def run(args):
             )
 
         got, want = (_out_and_grads(fn, q, k, v, cot) for fn in (pallas, reference))
-        errors = _errors(got, want)
-        ok = max(errors) <= PARITY_MAX_ERROR
-        emit(
-            section="parity",
-            case=f"{name}, T={length}",
-            value=" / ".join(f"{e:.1e}" for e in errors),
-            unit=f"max error out / dq / dk / dv (vs reference), "
-            f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
-            ok=bool(ok),
-            kind="check",
-        )
+        _emit_gradient_parity(f"{name}, T={length}", got, want, "vs reference")
 
     _cudnn_vit_parity(args, rng)
 
@@ -145,13 +135,24 @@ def _out_and_grads(fn, q, k, v, cot):
     return [np.asarray(x, np.float32) for x in (out, *grads)]
 
 
-def _errors(got, want):
-    """Each array's largest error relative to max(1, |reference|)."""
+def _emit_gradient_parity(case, got, want, against):
+    """The parity row of an output and its three gradients: each one's largest error relative
+    to max(1, |reference|), checked against PARITY_MAX_ERROR (a NaN fails it)."""
     import numpy as np
 
-    return [
+    errors = [
         float(np.max(np.abs(a - b))) / max(1.0, float(np.max(np.abs(b)))) for a, b in zip(got, want)
     ]
+    ok = max(errors) <= PARITY_MAX_ERROR
+    emit(
+        section="parity",
+        case=case,
+        value=" / ".join(f"{e:.1e}" for e in errors),
+        unit=f"max error out / dq / dk / dv ({against}), "
+        f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
+        ok=bool(ok),
+        kind="check",
+    )
 
 
 def _cudnn_vit_parity(args, rng):
@@ -167,7 +168,7 @@ def _cudnn_vit_parity(args, rng):
     import numpy as np
 
     from models.attention import attention
-    from models.attention_cudnn import cudnn_attention, padding_lengths, segment_layout
+    from models.attention_cudnn import PATHS, cudnn_attention, path_taken
     from models.siglip import image_ranges
 
     row = 128 if args.dry_run else 4992
@@ -189,12 +190,7 @@ def _cudnn_vit_parity(args, rng):
                 seg[b, start:end] = i
         seg = jnp.asarray(seg)
         ids = (seg, seg, *image_ranges(seg))
-        if bool(padding_lengths(*ids)[2]):
-            path = "lengths, no mask"
-        elif segment_length and bool(segment_layout(*ids, segment_length).fits):
-            path = "a row per image, lengths, no mask"
-        else:
-            path = "dense mask"
+        path = PATHS[int(path_taken(*ids, segment_length))]
         q, k, v = (
             jnp.asarray(rng.normal(size=(len(images), row, heads, 72)), jnp.bfloat16) for _ in "qkv"
         )
@@ -207,14 +203,5 @@ def _cudnn_vit_parity(args, rng):
 
         got = _out_and_grads(lambda q, k, v: fused(q, k, v, *ids), q, k, v, cot)
         want = _out_and_grads(reference, q, k, v, cot)
-        errors = _errors(got, want)
-        ok = max(errors) <= PARITY_MAX_ERROR and all(np.isfinite(g).all() for g in got)
-        emit(
-            section="parity",
-            case=f"SigLIP {heads}/{heads}/72 cuDNN ({implementation}), {name}, T={row}",
-            value=" / ".join(f"{e:.1e}" for e in errors),
-            unit=f"max error out / dq / dk / dv (vs reference; {path}), "
-            f"{'at most' if ok else 'above'} {PARITY_MAX_ERROR:.0e}",
-            ok=bool(ok),
-            kind="check",
-        )
+        case = f"SigLIP {heads}/{heads}/72 cuDNN ({implementation}), {name}, T={row}"
+        _emit_gradient_parity(case, got, want, f"vs reference; {path}")
