@@ -12,6 +12,7 @@ plugin is in requirements-test.txt: without it these fail (they are not skipped)
 import collections
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -159,6 +160,39 @@ def test_a_deviceless_compile_needs_the_cub_flag():
     with pytest.raises(Exception, match="cudaErrorInvalidDevice"):
         lowered.compile()
     assert lowered.compile(compiler_options=gpu_target.DEVICELESS_OPTIONS) is not None
+
+
+def test_the_suites_autotune_flag_changes_only_empty_emitter_configs():
+    """tests/conftest.py compiles for the GPU with autotuning off (NO_DEVICELESS_AUTOTUNE): the
+    tests read programs that must be XLA's own. A matmul with loop and reduce fusions, compiled
+    at XLA's default level and at 0: the same instructions, buffers and sizes, and the default
+    differs only in the empty emitter config it assigns each fusion (compile options override
+    the environment's flag, so both levels compile here)."""
+    mesh = gpu_target.make_mesh("h100", 1)
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=replicated)
+    w = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16, sharding=replicated)
+    lowered = jax.jit(lambda x, w: jnp.sum(jax.nn.softmax(jnp.tanh(x @ w), axis=-1) ** 2, 0)).lower(
+        x, w
+    )
+    default, off = (
+        gpu_target.compile(lowered, mesh, xla_gpu_autotune_level=level) for level in (4, 0)
+    )
+    assert default.as_text() != off.as_text()  # the level did take effect
+    # The module line carries a fingerprint of the options; every other line, less its
+    # backend_config, is the same, and the configs that differ are the empty emitter ones.
+    strip = lambda text: re.sub(r", backend_config=\{.*$", "", text, flags=re.M).splitlines()[1:]  # noqa: E731
+    assert strip(default.as_text()) == strip(off.as_text())
+    for line_default, line_off in zip(
+        default.as_text().splitlines()[1:], off.as_text().splitlines()[1:]
+    ):
+        if line_default != line_off:
+            assert (
+                '"native_emitter_backend_config":{"type":"NATIVE_EMITTER_TYPE_INVALID"'
+                in line_default
+            )
+    for field in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes"):
+        assert getattr(default.memory_analysis(), field) == getattr(off.memory_analysis(), field)
 
 
 def abstract_state(view, llm, rows, slots, new_tokens):
