@@ -185,6 +185,31 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         own = start.saved_config if start.resumed == checkpoint_dir else None
         config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
+    def close(stopped_at: int | None, summary) -> None:
+        """Wait for the last save, close the logs, say the closing lines (run_end.py)."""
+        run_end.close_run(
+            config,
+            checkpoint_dir,
+            checkpointer,
+            logger,
+            data,
+            summary,
+            (start_step, stopped_at),
+            (cache_dir, cache_counter),
+            say,
+        )
+
+    # ---- a finished run launched again: no step or rollout to compile (minutes at 7B), only
+    # the closing lines. A fresh run of total_steps=0 still evaluates its baseline below. ------
+    if start_step >= config.total_steps and (start_step > 0 or not config.eval_at_start):
+        say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
+        logger = step_log.open_logger(config, start_step)
+        log = step_log.StepLog(
+            config, logger, checkpointer, checkpoint_dir, start, None, start.resumed
+        )
+        close(None, log.summary)
+        return
+
     # ---- the train step, compiled for every length bucket (step_program.py) ----------------
     options = run_config.prompt_options(config)  # the same wording everywhere
     program = step_program.compile_steps(
@@ -203,8 +228,6 @@ def main(argv, opened: OpenedCheckpoints | None = None):
 
     # ---- loop ----------------------------------------------------------------------------------
     stop, stopped_at = StopRequest(), None
-    if start_step >= config.total_steps:
-        say(f"nothing left to train: step {start_step} >= total_steps={config.total_steps}")
     if held_out and config.eval_at_start and start_step == 0:  # the baseline of every curve
         with logger.phase("eval"):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
@@ -266,18 +289,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     if pending is not None:
         log.finish(pending, state)
 
-    # ---- finish: the closing lines (run_end.py) ----------------------------------------------
-    run_end.close_run(
-        config,
-        checkpoint_dir,
-        checkpointer,
-        logger,
-        data,
-        log.summary,
-        (start_step, stopped_at),
-        (cache_dir, cache_counter),
-        say,
-    )
+    close(stopped_at, log.summary)
 
 
 @dataclasses.dataclass

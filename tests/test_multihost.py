@@ -162,9 +162,10 @@ def test_two_processes_train_like_one_process_and_restore(tmp_path):
     for step in (1, 2, 3):
         assert (multi / "checkpoints" / str(step) / "commit_success.txt").exists()
     # A second launch of both restores the state they wrote together (each process its shards
-    # and its own data-iterator state); nothing is left to train.
+    # and its own data-iterator state); nothing is left to train, so nothing is compiled.
     second = _wait(_start_two_processes(multi, 3, model_path))
     assert "at step 3" in second[0] and "nothing left to train" in second[0], second[0][-2000:]
+    assert "compiling the train step" not in second[0], second[0][-2000:]
 
     for step in (1, 2, 3):
         difference = _max_difference(
