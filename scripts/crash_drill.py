@@ -11,10 +11,13 @@ bit-identical to the uninterrupted run's. Kills are of two kinds, in random orde
 Every relaunch must resume from the newest *complete* step on disk, never a half-written one.
 
 Why: a half-written checkpoint must never be restored and a resumed run must continue exactly.
-tests/test_train_cli.py runs `kill_and_resume` with five kills on every CI run; this script runs
-the same drill on your machine, with as many steps, kills and seeds as you like.
+tests/test_train_cli.py runs this drill with five kills on every CI run; run it on your machine
+with as many steps, kills and seeds as you like.
 
     python scripts/crash_drill.py [--kills 5] [--steps 8] [--seed 0] [--out /tmp/crash_drill]
+
+`--straight DIR` compares against an uninterrupted run already made (tests/test_train_cli.py
+runs the drill so, against its reference run).
 """
 
 from __future__ import annotations
@@ -226,17 +229,24 @@ def saved_arrays(checkpoint_dir: str | os.PathLike, step: int, item: str = "para
     return [np.asarray(x) for x in jax.tree.leaves(restored)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="/tmp/crash_drill")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--straight",
+        default=None,
+        help="the results_dir of an uninterrupted run of the drill's command with --steps "
+        "steps, to compare against (and take the toy data from) instead of running one",
+    )
+    args = parser.parse_args(argv)
     if args.kills < 1 or args.steps <= args.kills:
         parser.error("--kills must be >= 1 and --steps > --kills")
     shutil.rmtree(args.out, ignore_errors=True)
-    straight, killed = os.path.join(args.out, "straight"), os.path.join(args.out, "killed")
+    straight = args.straight or os.path.join(args.out, "straight")
+    killed = os.path.join(args.out, "killed")
     # One device per launch (a forced device count in the caller's XLA_FLAGS is dropped); the
     # caller's other flags stay, so launches share its compilation cache entries.
     env = dict(os.environ)
@@ -246,13 +256,14 @@ def main() -> int:
     )
 
     start = time.perf_counter()
-    print(f"uninterrupted run of {args.steps} steps ...", flush=True)
-    result = subprocess.run(
-        _command(straight, args.steps), cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        print(result.stdout[-3000:], result.stderr[-3000:])
-        return 1
+    if args.straight is None:
+        print(f"uninterrupted run of {args.steps} steps ...", flush=True)
+        result = subprocess.run(
+            _command(straight, args.steps), cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            print(result.stdout[-3000:], result.stderr[-3000:])
+            return 1
     os.makedirs(killed)
     shutil.copytree(os.path.join(straight, "toy"), os.path.join(killed, "toy"))
     checkpoints = os.path.join(killed, "checkpoints")
@@ -264,20 +275,25 @@ def main() -> int:
         kills=args.kills,
         rng=random.Random(args.seed),
     )
+    # A launch resumed from anything but the newest complete step, or (the one that finished)
+    # started afresh though a complete step was on disk.
     wrong = [
         i + 1
         for i, x in enumerate(launches)
-        if x.resumed_at is not None and x.resumed_at != x.committed_before
+        if x.resumed_at != x.committed_before
+        and (x.resumed_at is not None or (x.kill is None and x.committed_before is not None))
     ]
     print(
-        f"run completed after {args.kills} kills; "
+        f"run completed after {args.kills} kills "
+        f"({sum(x.kill == 'save' for x in launches)} during a save, "
+        f"{sum(x.kill == 'startup' for x in launches)} at startup); "
         f"{sum(x.killed_mid_save for x in launches)} landed while a checkpoint was written; "
         f"launches that resumed from anything but the newest complete step: {wrong or 'none'}"
     )
 
     a = saved_arrays(os.path.join(straight, "checkpoints"), args.steps)
     b = saved_arrays(checkpoints, args.steps)
-    identical = len(a) == len(b) and all(
+    identical = len(a) == len(b) > 0 and all(
         x.shape == y.shape and (x == y).all() for x, y in zip(a, b)
     )
     print(
