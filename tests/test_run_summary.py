@@ -1,6 +1,7 @@
 """The end-of-run summary: the accuracy table, the change of the no-VT accuracy, the plot."""
 
 import json
+import warnings
 
 from opsd_jax.evaluation.evaluate import EvalResult, save_results, summarize
 from opsd_jax.evaluation.run_summary import EVAL_DIR, RunSummary, eval_name
@@ -116,3 +117,15 @@ def test_a_resumed_run_summary_starts_at_the_run_first_evaluation(tmp_path):
     fresh = RunSummary()
     fresh.add_history(str(tmp_path / "nothing here"), up_to_step=4)
     assert fresh.evals == {} and fresh.losses == {} and fresh.first_step() is None
+
+
+def test_a_run_without_evaluations_plots_its_losses_without_a_warning(tmp_path):
+    """eval_every=0 and no chance line: the accuracy panel is empty, and matplotlib's 'no
+    artists with labels' warning (printed at the end of such a run) is not raised."""
+    summary = RunSummary()
+    summary.add_logged(2, {"loss": 0.05, "jsd": 0.05})
+    path = tmp_path / "summary.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary.plot(str(path), "a run without evaluations")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

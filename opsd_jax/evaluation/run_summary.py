@@ -169,7 +169,8 @@ class RunSummary:
             title="held-out exact match (greedy)",
         )
         left.grid(alpha=0.3)
-        left.legend(fontsize="small", loc="lower right")  # the with-VT line runs along the top
+        if left.get_legend_handles_labels()[1]:  # a run without evaluations draws no line here
+            left.legend(fontsize="small", loc="lower right")  # the with-VT line runs along the top
         drawn = self.loss_lines()
         for key, points in drawn.items():
             right.plot([s for s, _ in points], [v for _, v in points], label=key)
