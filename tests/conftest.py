@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.
@@ -121,12 +120,66 @@ def assert_trees_close_to_scale(actual, expected, rel: float) -> None:
 # case to whichever worker is free, so their minutes even out the two workers' loads.
 INDEPENDENT_CASES = ("test_entry_points.py",)
 
+# The longest units of work (a file, or one case of INDEPENDENT_CASES by its parameter), in
+# seconds of one worker on 2 cores (2026-12-05). Only the order of the run depends on them: the
+# longest start first, so no long file starts last while the other worker sits idle (xdist's own
+# order is by the number of tests, which put one-test files such as tests/test_remat.py last).
+# A unit not named here weighs 0 and keeps its collection order, after these.
+UNIT_SECONDS = {
+    "test_train_cli.py": 274,
+    "test_offline.py": 198,
+    "test_teacher_by_source.py": 179,
+    "test_rollout.py": 127,
+    "test_train_step.py": 117,
+    "test_lora_training.py": 114,
+    "test_multihost.py": 110,
+    "bench/gpu_check.py": 108,
+    "test_gpu_compile.py": 105,
+    "test_teacher_checkpoint.py": 94,
+    "test_remat.py": 71,
+    "test_preflight.py": 70,
+    "test_toy_experiment.py": 69,
+    "bench/scale.py": 67,
+    "test_step_compiler_flags.py": 62,
+    "test_disk_full.py": 51,
+    "test_decode_copy.py": 45,
+    "test_qwen2_mot.py": 42,
+    "test_sampler.py": 42,
+    "bench/grad_step.py": 41,
+    "bench/offline.py": 39,
+}
 
-@pytest.hookimpl(tryfirst=True)
+
+def work_unit(nodeid: str) -> str:
+    """The unit one worker runs whole: the test's file (so its module-scoped fixtures, compiled
+    programs and reference runs, are built once), or the test itself in INDEPENDENT_CASES."""
+    path = nodeid.split("::", 1)[0]
+    return nodeid if Path(path).name in INDEPENDENT_CASES else path
+
+
+def unit_seconds(nodeid: str) -> float:
+    unit = work_unit(nodeid)
+    key = unit[unit.find("[") + 1 : -1] if unit.endswith("]") else Path(unit).name
+    return UNIT_SECONDS.get(key, 0)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler with work_unit as its unit (pyproject.toml runs two workers).
+    xdist's own `--dist loadgroup` cannot do it under pytest 9: it renames each test's node id
+    to carry the group, and pytest 9 ignores the attribute it sets, so every test became its own
+    unit and a file's module fixtures were built on both workers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # the order is pytest_collection_modifyitems's
+    return FileScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """With `--dist loadgroup` (pyproject.toml), every other file's tests are one group: one
-    worker runs a file whole, so its module-scoped fixtures (compiled programs) are built once.
-    Before xdist reads the groups (tryfirst)."""
-    for item in items:
-        if item.path.name not in INDEPENDENT_CASES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    """The longest units first (UNIT_SECONDS), each unit's tests in their own order."""
+    del config
+    position = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-unit_seconds(item.nodeid), position[id(item)]))
