@@ -12,7 +12,7 @@ def test_a_files_tests_are_one_unit_and_the_smoke_runs_one_each():
     check = "tests/test_entry_points.py::test_entry_point_runs[bench/gpu_check.py]"
     assert work_unit(scale) == scale != work_unit(check) == check
     assert unit_seconds(check) == UNIT_SECONDS["bench/gpu_check.py"] > 0
-    assert unit_seconds("tests/test_unnamed.py::test_x") == 0
+    assert unit_seconds("tests/test_readme.py::test_x") == 0  # a file not timed
 
 
 def test_every_timed_unit_exists():
