@@ -185,7 +185,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         own = start.saved_config if start.resumed == checkpoint_dir else None
         config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
-    def close(stopped_at: int | None, summary) -> None:
+    def close(logger, summary, stopped_at: int | None) -> None:
         """Wait for the last save, close the logs, say the closing lines (run_end.py)."""
         run_end.close_run(
             config,
@@ -207,7 +207,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         log = step_log.StepLog(
             config, logger, checkpointer, checkpoint_dir, start, None, start.resumed
         )
-        close(None, log.summary)
+        close(logger, log.summary, None)
         return
 
     # ---- the train step, compiled for every length bucket (step_program.py) ----------------
@@ -289,7 +289,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     if pending is not None:
         log.finish(pending, state)
 
-    close(stopped_at, log.summary)
+    close(logger, log.summary, stopped_at)
 
 
 @dataclasses.dataclass

@@ -280,8 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     wrong = [
         i + 1
         for i, x in enumerate(launches)
-        if x.resumed_at != x.committed_before
-        and (x.resumed_at is not None or (x.kill is None and x.committed_before is not None))
+        if x.resumed_at != x.committed_before and (x.resumed_at is not None or x.kill is None)
     ]
     print(
         f"run completed after {args.kills} kills "
