@@ -15,8 +15,8 @@ Why it is shaped this way:
   Converting one to a float blocks until the step finishes, which would serialise the host
   against the device on every step. So raw values are only stored per step, and converted with
   a single `jax.device_get` when a line is due.
-* TensorFlow is not a dependency. Events are tensorboardX's protos and record format (scalars
-  as `simple_value`s, text for the text dashboard under `<tag>/text_summary`), which
+* TensorFlow is not a dependency. Events are the tensorboard package's protos and record format
+  (scalars as `simple_value`s, text for the text dashboard under `<tag>/text_summary`), which
   `EventAccumulator` and the TensorBoard UI read like any other event file. They are written on
   the caller's thread (`EventFile`), not by `SummaryWriter`'s background thread: a write the
   disk refuses is then an OSError naming the file, raised here (the run ends on it with one
@@ -176,24 +176,37 @@ class EventFile:
     and flushed on the calling thread (why: the module docstring)."""
 
     def __init__(self, logdir: str):
-        # Imported here so that importing this module stays cheap and TB-free.
-        from tensorboardX import summary
-        from tensorboardX.proto import event_pb2
-        from tensorboardX.record_writer import RecordWriter
+        # Imported here so that importing this module stays cheap. The tensorboard package's
+        # protos and record framing, not tensorboardX's: importing tensorboardX imports torch
+        # where it is installed (2 s of every start, for tensors we never pass).
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.plugins.text import metadata as text_metadata
+        from tensorboard.summary.writer.record_writer import RecordWriter
+        from tensorboard.util import tensor_util
 
-        self._summary, self._event = summary, event_pb2.Event
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._text_metadata = text_metadata.create_summary_metadata("", "")
+        self._string_tensor = tensor_util.make_tensor_proto
         self.path = os.path.join(
             logdir, f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
         )
         with disk_errors.naming(self.path):
-            self._records = RecordWriter(self.path)
+            self._file = open(self.path, "wb")
+        self._records = RecordWriter(self._file)
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def add_scalar(self, tag: str, value: float, step: int, wall_time: float) -> None:
-        self._add(self._summary.scalar(tag, value), step, wall_time)
+        value = self._summary.Value(tag=tag, simple_value=float(value))
+        self._add(self._summary(value=[value]), step, wall_time)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
-        self._add(self._summary.text(tag, text), step, time.time())
+        # As TensorBoard's text plugin files a string: `<tag>/text_summary`, a 1-element tensor.
+        value = self._summary.Value(
+            tag=f"{tag}/text_summary",
+            metadata=self._text_metadata,
+            tensor=self._string_tensor([text]),
+        )
+        self._add(self._summary(value=[value]), step, time.time())
 
     def _add(self, summary, step: int, wall_time: float) -> None:
         self._write(self._event(summary=summary, step=int(step), wall_time=wall_time))
@@ -203,8 +216,9 @@ class EventFile:
             self._records.write(event.SerializeToString())
 
     def flush(self) -> None:
-        with disk_errors.naming(self.path):
+        with disk_errors.naming(self.path):  # a full disk says so here, not at the next write
             self._records.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         with disk_errors.naming(self.path):
