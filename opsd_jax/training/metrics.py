@@ -33,7 +33,7 @@ Why it is shaped this way:
 * The progress bar redraws itself with carriage returns; in a file that is noise between the
   lines, so it is only drawn when stdout and stderr are both terminals.
 
-One module of over 400 lines: every output of a logged event (console, TensorBoard, JSONL, W&B,
+One module of about 540 lines: every output of a logged event (console, TensorBoard, JSONL, W&B,
 the progress bar) behind one call, with the escaping rules above applied alike to all.
 """
 
