@@ -9,6 +9,7 @@ import types
 
 import jax.numpy as jnp
 import pytest
+from conftest import run_python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from opsd_jax.training import metrics
@@ -328,3 +329,22 @@ def test_format_number(value, text):
 
 def test_format_duration():
     assert [format_duration(s) for s in (5, 130, 3 * 3600 + 300)] == ["5s", "2m10s", "3h05m"]
+
+
+def test_writing_events_imports_no_torch(tmp_path):
+    """A run's event file costs no torch import (2 s of every train.py start where torch is
+    installed, as in this venv): tensorboardX's package imports it; the tensorboard package's
+    protos, which EventFile uses, do not. Checked in a fresh process, since this one has
+    torch from the parity tests."""
+    code = (
+        "import sys; from opsd_jax.training.metrics import EventFile; "
+        f"f = EventFile({str(tmp_path)!r}); f.add_scalar('loss', 1.0, 1, 0.0); "
+        "f.add_text('completion', 'x', 1); f.close(); "
+        "print(sorted(m for m in ('torch', 'tensorboardX') if m in sys.modules))"
+    )
+    result = run_python("-c", code)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]", result.stdout
+    events = _accumulator(tmp_path)
+    assert events.Scalars("loss")[0].value == 1.0
+    assert events.Tensors("completion/text_summary")[0].tensor_proto.string_val == [b"x"]
