@@ -332,7 +332,7 @@ def test_format_duration():
 
 
 def test_writing_events_imports_no_torch(tmp_path):
-    """A run's event file costs no torch import (2 s of every train.py start where torch is
+    """A run's event file costs no torch import (about 4 s of every train.py start where torch is
     installed, as in this venv): tensorboardX's package imports it; the tensorboard package's
     protos, which EventFile uses, do not. Checked in a fresh process, since this one has
     torch from the parity tests."""

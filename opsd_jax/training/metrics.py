@@ -178,7 +178,8 @@ class EventFile:
     def __init__(self, logdir: str):
         # Imported here so that importing this module stays cheap. The tensorboard package's
         # protos and record framing, not tensorboardX's: importing tensorboardX imports torch
-        # where it is installed (2 s of every start, for tensors we never pass).
+        # where it is installed, for tensors we never pass (a tiny train.py start with torch
+        # installed: 17.2 s -> 13.2 s).
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.plugins.text import metadata as text_metadata
         from tensorboard.summary.writer.record_writer import RecordWriter
