@@ -129,7 +129,6 @@ UNIT_SECONDS = {
     "test_train_cli.py": 274,
     "test_offline.py": 198,
     "test_teacher_by_source.py": 179,
-    "test_rollout.py": 127,
     "test_train_step.py": 117,
     "test_lora_training.py": 114,
     "test_multihost.py": 110,

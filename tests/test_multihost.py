@@ -1,13 +1,17 @@
 """Multi-host training on JAX's distributed runtime, with two local processes standing in for hosts.
 
-Two `train.py` processes (4 CPU devices each, coordinator on 127.0.0.1) train the tiny config on
-a 2 x 4 mesh, each reading, sampling and packing only its own share of every batch. The result
-must equal one process driving all 8 devices over the same data stream. A second two-process
-launch restores the checkpoint both processes wrote (orbax's multi-process save and restore).
-Three steps, and the second launch trains nothing: every training launch compiles the whole
-step for 8 devices, which is minutes on a 2-core CI machine.
+Two `train.py` processes (4 CPU devices each, coordinator on 127.0.0.1) train the tiny config
+with rollout_lookahead=1 on a 2 x 4 mesh, each reading, sampling and packing only its own share
+of every step (and of the step ahead). The result must equal one process driving all 8 devices
+over the same data stream; that one-process run is also the check of the lookahead itself
+(opsd_jax/trainer/rollout.py): tokens at most one update old, some of them used. A second
+two-process launch restores the checkpoint both processes wrote (orbax's multi-process save and
+restore). Three steps, and the second launch trains nothing: every training launch compiles the
+whole step for 8 devices, which is most of a minute on a 2-core CI machine. One run pair serves
+all of it: each launch of this kind costs that compile again, per process.
 """
 
+import json
 import pathlib
 import socket
 import subprocess
@@ -22,25 +26,19 @@ pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-# 8 samples per step on 8 rows, so every device holds a row and each process feeds 4.
 COMMON = [
-    "--config.progress_bar=False",
-    "--config.num_replicate=2",
-    "--config.num_shard=4",
-    "--config.samples_per_micro_batch=8",
-    "--config.rows_per_micro_batch=8",
-    "--config.gradient_accumulation_steps=1",
-    "--config.sample_max_new_tokens=8",
-    "--config.save_every=1",
-    "--config.log_every=1",
+    *("--config", "configs/tiny.py", "--config.total_steps=3", "--config.eval_every=0"),
+    *("--config.save_every=1", "--config.max_checkpoints=3", "--config.log_every=1"),
+    *("--config.progress_bar=False", "--config.num_replicate=2", "--config.num_shard=4"),
+    # The stage-1 toy model finishes its answers, so the engine frees slots that the next
+    # step's prompts take (a random model's completions run to the cap and free none).
+    "--config.rollout_lookahead=1",
     # Full lr from step 1; eps well above float noise: with the recipe's eps=1e-15 Adam turns a
     # last-bit difference in a ~0 gradient entry (summation order: the runs pack rows
     # differently) into a full +-lr step, which would hide what this test is about.
-    "--config.warmup_steps=0",
-    "--config.lr_scheduler=constant",
-    "--config.eps=1e-6",
+    *("--config.warmup_steps=0", "--config.lr_scheduler=constant", "--config.eps=1e-6"),
     # The dense-mask attention compiles in two thirds of the time of the default flash-style
-    # backend (~53 s -> ~34 s of compiling per process); this test is about distribution.
+    # backend; this test is about distribution.
     "--config.attention_backend=reference",
 ]
 
@@ -49,17 +47,15 @@ def _env(devices: int) -> dict:
     return dict(subprocess_env(devices), JAX_PLATFORMS="cpu")
 
 
-def _command(results_dir, total_steps, *extra):
-    return [
-        sys.executable,
-        "train.py",
-        "--config",
-        "configs/smoke.py",
-        f"--config.results_dir={results_dir}",
-        f"--config.total_steps={total_steps}",
-        *COMMON,
-        *extra,
-    ]
+def _launch(results_dir, devices: int, *extra) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "train.py", *COMMON, f"--config.results_dir={results_dir}", *extra],
+        cwd=ROOT,
+        env=_env(devices),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _free_port() -> int:
@@ -68,24 +64,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_two_processes(results_dir, total_steps, model_path):
+def _start_two_processes(results_dir):
     port = _free_port()
     return [
-        subprocess.Popen(
-            _command(
-                results_dir,
-                total_steps,
-                f"--config.model_path={model_path}",
-                "--config.distributed=True",
-                f"--config.coordinator_address=127.0.0.1:{port}",
-                "--config.num_processes=2",
-                f"--config.process_id={i}",
-            ),
-            cwd=ROOT,
-            env=_env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+        _launch(
+            results_dir,
+            4,
+            "--config.distributed=True",
+            f"--config.coordinator_address=127.0.0.1:{port}",
+            "--config.num_processes=2",
+            f"--config.process_id={i}",
         )
         for i in range(2)
     ]
@@ -135,35 +123,35 @@ def _max_difference(a, b):
     return max(float(np.max(np.abs(a[k] - b[k]))) for k in a)
 
 
-def test_two_processes_train_like_one_process_and_restore(tmp_path):
-    from opsd_jax.toy import data as toy_data
-    from opsd_jax.toy import model as toy_model
-
+def test_two_processes_with_lookahead_train_like_one_process_and_restore(tmp_path):
     single, multi = tmp_path / "single", tmp_path / "multi"
-    # One toy model for both runs (each run writes its own identical toy data).
-    model_path = tmp_path / "model"
-    corpus = toy_data.toy_corpus_text(seed=0).splitlines()
-    toy_model.write_toy_model(str(model_path), seed=0, corpus=corpus)
-
     # The one-process reference runs while the first two-process launch does (2 cores).
-    reference = subprocess.Popen(
-        _command(single, 3, f"--config.model_path={model_path}"),
-        cwd=ROOT,
-        env=_env(8),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    first = _wait(_start_two_processes(multi, 3, model_path))
+    reference = _launch(single, 8)
+    first = _wait(_start_two_processes(multi))
     (reference_output,) = _wait([reference])
     assert "step 3/3" in reference_output
     assert "2 processes, 4 devices each" in first[0]
     assert "step 3/3" in first[0] and "step 3/3" not in first[1]  # only the main one logs
     for step in (1, 2, 3):
         assert (multi / "checkpoints" / str(step) / "commit_success.txt").exists()
+
+    # The lookahead, in the one-process run: later steps' rows start early (some tokens come
+    # from the weights before the last update), none from older weights, the first step none.
+    assert "lookahead 1: the next 1 step(s)' prompts take freed slots" in reference_output
+    steps = [json.loads(line) for line in (single / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "rollout/staleness_max" in s]
+    assert len(steps) == 3
+    assert steps[0]["rollout/staleness_max"] == 0 and steps[0]["rollout/stale_token_fraction"] == 0
+    assert all(s["rollout/staleness_max"] <= 1 for s in steps)
+    assert any(s["rollout/stale_token_fraction"] > 0 for s in steps), steps
+    assert all(0 < s["rollout/slot_occupancy"] <= 1 for s in steps)
+    # ... and in the two-process run, each process's engine reading its share ahead.
+    logged = [json.loads(line) for line in (multi / "metrics.jsonl").read_text().splitlines()]
+    assert any(s.get("rollout/stale_token_fraction", 0) > 0 for s in logged), logged
+
     # A second launch of both restores the state they wrote together (each process its shards
     # and its own data-iterator state); nothing is left to train, so nothing is compiled.
-    second = _wait(_start_two_processes(multi, 3, model_path))
+    second = _wait(_start_two_processes(multi))
     assert "at step 3" in second[0] and "nothing left to train" in second[0], second[0][-2000:]
     assert "compiling the train step" not in second[0], second[0][-2000:]
 
