@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint._src.metadata import array_metadata_store
+from orbax.checkpoint._src.serialization import type_handler_registry
 
 from opsd_jax.io import disk_errors
 from opsd_jax.io.checkpoint_format import (
@@ -86,7 +87,7 @@ __all__ = [
 # whose slice per replica is under this size are written whole by one replica; a 7B
 # run's sharded weights (MBs per replica) still split.
 MIN_REPLICA_SLICE_BYTES = 1 << 20
-ocp.type_handlers.register_type_handler(
+type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
     jax.Array,
     ocp.type_handlers.ArrayHandler(
         # The metadata store orbax's default handler has (orbax exports no name for it).
@@ -94,6 +95,9 @@ ocp.type_handlers.register_type_handler(
         min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES,
     ),
     override=True,
+    # Replacing the default is the point: orbax would log a warning on every start (on
+    # stderr, where a config error must be train.py's one line).
+    ignore_warnings=True,
 )
 
 # --------------------------------------------------------------------------- the checkpointer
