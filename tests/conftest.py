@@ -131,7 +131,7 @@ UNIT_SECONDS = {
     "test_teacher_by_source.py": 179,
     "test_train_step.py": 117,
     "test_lora_training.py": 114,
-    "test_multihost.py": 110,
+    "test_multihost.py": 100,
     "bench/gpu_check.py": 108,
     "test_gpu_compile.py": 105,
     "test_teacher_checkpoint.py": 94,
