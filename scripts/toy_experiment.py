@@ -114,6 +114,9 @@ class TrainRun:
             script,
         )
         self.start = time.perf_counter()
+        # Set at the run's first step line (its programs are compiled and in the compilation
+        # cache by then) or when its output ends.
+        self.first_step = threading.Event()
         self.process = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -125,9 +128,11 @@ class TrainRun:
             for line in self.process.stdout:
                 out.write(line)
                 if line.startswith("step "):  # one line per log_every steps
+                    self.first_step.set()
                     fields = line.split(" | ")
                     keep = [f for f in fields if f.split(" ")[0] in ("ce", "jsd", "kd", "loss")]
                     log(f"  {self.name}: {fields[0]} | {' | '.join(keep)}")
+        self.first_step.set()
 
     def wait(self) -> None:
         self.process.wait()
@@ -402,6 +407,10 @@ def main(argv=None) -> dict:
     sft_last = sft_steps[max(sft_steps)]
 
     # ---- stage 2: Visual-OPSD and the noise-VT control, side by side (independent runs) ---------
+    # The arms differ only in data (noise_vt), so they compile the same programs: each on-policy
+    # arm starts once the one before it has made its first step, and reads them all from the
+    # compilation cache instead of compiling them again at the same time (on 2 cores: about
+    # 20 s of CPU less in `--quick`).
     arm_dirs = {arm: os.path.join(out, arm) for arm in stage2_arms}
     runs = []
     for arm in stage2_arms:
@@ -427,6 +436,9 @@ def main(argv=None) -> dict:
         overrides += steps("opsd_steps", "total_steps") + steps("save_every", "save_every")
         if args.quick:
             overrides += ["--config.log_every=1", "--config.warmup_steps=1"]
+        same_programs = [run for run in runs if run.config_file == config_file]
+        if same_programs:
+            same_programs[-1].first_step.wait()
         runs.append(
             TrainRun(config_file, arm_dirs[arm], overrides, os.path.join(out, f"{arm}.log"))
         )
