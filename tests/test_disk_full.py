@@ -152,7 +152,12 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_relaunch_resumes(tmp_path
         "--config.total_steps=4",
         "--config.save_every=1",
         "--config.eval_every=4",  # step 0 (first launch) and step 4 (the relaunch)
-        "--config.eval_samples_per_dataset=1",
+        # The schedule and evaluation of test_train_cli.py's reference run, so the programs
+        # are the ones it compiled (its compilation cache): a constant learning rate puts no
+        # total_steps in the step, 2 samples a data set give the same evaluation batch.
+        "--config.lr_scheduler=constant",
+        "--config.warmup_steps=0",
+        "--config.eval_samples_per_dataset=2",
     ]
     full = subprocess.run(
         [sys.executable, "tests/train_with_full_disk.py", *train_command(*args)[2:]],
@@ -179,6 +184,6 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_relaunch_resumes(tmp_path
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {checkpoints} at step 1" in resumed.stdout
     assert "never restored and removed now: ['2']" in resumed.stderr
-    table = resumed.stdout[resumed.stdout.index("held-out accuracy (2 samples, greedy") :]
+    table = resumed.stdout[resumed.stdout.index("held-out accuracy (4 samples, greedy") :]
     assert re.search(r"\n\s+0 \|\s+\d+\.\d%\n\s+4 \|\s+\d+\.\d%\n", table), table[:800]
     assert re.search(r"no VT: \d+\.\d% at step 0 -> \d+\.\d% at step 4 ", table), table[:800]
