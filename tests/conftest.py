@@ -120,6 +120,10 @@ def assert_trees_close_to_scale(actual, expected, rel: float) -> None:
 # case to whichever worker is free, so their minutes even out the two workers' loads.
 INDEPENDENT_CASES = ("test_entry_points.py",)
 
+# Files run in one worker with another file, as one unit: they compile the same deviceless
+# program, which tests/test_gpu_compile.py keeps per process (JAX's persistent cache does not).
+SAME_UNIT_AS = {"test_step_compiler_flags.py": "test_remat.py"}
+
 # The longest units of work (a file, or one case of INDEPENDENT_CASES by its parameter), in
 # seconds of one worker on 2 cores (2026-12-05). Only the order of the run depends on them: the
 # longest start first, so no long file starts last while the other worker sits idle (xdist's own
@@ -135,11 +139,10 @@ UNIT_SECONDS = {
     "bench/gpu_check.py": 108,
     "test_gpu_compile.py": 105,
     "test_teacher_checkpoint.py": 94,
-    "test_remat.py": 71,
+    "test_remat.py": 60,  # with test_step_compiler_flags.py (SAME_UNIT_AS)
     "test_preflight.py": 70,
     "test_toy_experiment.py": 69,
     "bench/scale.py": 67,
-    "test_step_compiler_flags.py": 62,
     "test_disk_full.py": 51,
     "test_decode_copy.py": 45,
     "test_qwen2_mot.py": 42,
@@ -151,9 +154,13 @@ UNIT_SECONDS = {
 
 def work_unit(nodeid: str) -> str:
     """The unit one worker runs whole: the test's file (so its module-scoped fixtures, compiled
-    programs and reference runs, are built once), or the test itself in INDEPENDENT_CASES."""
+    programs and reference runs, are built once) or the file it shares one with
+    (SAME_UNIT_AS), or the test itself in INDEPENDENT_CASES."""
     path = nodeid.split("::", 1)[0]
-    return nodeid if Path(path).name in INDEPENDENT_CASES else path
+    name = Path(path).name
+    if name in INDEPENDENT_CASES:
+        return nodeid
+    return str(Path(path).with_name(SAME_UNIT_AS[name])) if name in SAME_UNIT_AS else path
 
 
 def unit_seconds(nodeid: str) -> float:

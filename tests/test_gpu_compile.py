@@ -75,9 +75,38 @@ def host_rest(model_config):
     return gpu_target.host_rest(lambda: Bagel(model_config, rngs=nnx.Rngs(0)))
 
 
+def tiny_grad_step_model(remat: str, vit_remat: str) -> BagelConfig:
+    """The tiny model in bfloat16 on the Pallas range kernel, its layers a loop, with the LLM's
+    and the ViT's remat policies: the model of the grad steps that tests/test_remat.py and
+    test_step_compiler_flags.py compile for an H100."""
+    return BagelConfig.tiny(
+        llm=dict(
+            compute_dtype="bfloat16",
+            remat=remat,
+            vit_remat=vit_remat,
+            attention_backend="pallas",
+            unroll_layers=False,
+        )
+    )
+
+
+# The grad-step programs this process has compiled, by what each was compiled from. A deviceless
+# compile is not kept by JAX's persistent cache, and tests/test_remat.py and
+# test_step_compiler_flags.py need the same program (conftest.py runs the two files in one
+# worker): the second reads it here.
+_GRAD_STEP_PROGRAMS: dict[tuple, str] = {}
+
+
 def grad_step_program(model_config, mesh, rows: int = 1, **options) -> str:
     """The text of the OPSD grad step (smoke's loss settings and pack shapes, `rows` rows per
     pack) of `model_config`'s model, compiled for `mesh`'s GPU target with XLA `options`."""
+    key = (repr(model_config), mesh, rows, tuple(sorted(options.items())))
+    if key not in _GRAD_STEP_PROGRAMS:
+        _GRAD_STEP_PROGRAMS[key] = compile_grad_step(model_config, mesh, rows, options)
+    return _GRAD_STEP_PROGRAMS[key]
+
+
+def compile_grad_step(model_config, mesh, rows: int, options: dict) -> str:
     graphdef, params, _ = abstract_split(model_config, mesh)
     run = smoke.get_config()
     step = train_step.make_grad_step(

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 from flax import nnx
-from test_gpu_compile import grad_step_program
+from test_gpu_compile import grad_step_program, tiny_grad_step_model
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
@@ -36,14 +36,13 @@ def test_an_unknown_set_is_named():
 
 
 def matmul_kernels(flags: str) -> Counter:
-    """{fusion kind or library call: count} of the matmuls in the tiny grad step compiled for two
-    H100s (FSDP) under the option set `flags`."""
-    mesh = gpu_target.make_mesh("h100", 2)
-    config = BagelConfig.tiny(
-        llm=dict(compute_dtype="bfloat16", attention_backend="pallas", unroll_layers=False)
-    )
+    """{fusion kind or library call: count} of the matmuls in the tiny grad step compiled for an
+    H100 under the option set `flags`, with MaxText's remat ('minimal_flash'; the ViT on
+    'full'): under 'xla', the very program tests/test_remat.py compiles, read from this
+    worker's compiled programs when that test ran first."""
+    config = tiny_grad_step_model("minimal_flash", "full")
     options = step_compiler_flags.step_compiler_options(flags, config)
-    text = grad_step_program(config, mesh, rows=2, **options)
+    text = grad_step_program(config, gpu_target.make_mesh("h100", 1), **options)
     found = Counter(re.findall(r'"kind":"(__triton_nested_gemm_fusion)"', text))
     found.update(re.findall(r'custom_call_target="(__cublas[^"]*)"', text))
     return found
@@ -54,8 +53,10 @@ def test_maxtext_runs_every_matmul_through_cublas_where_xla_makes_triton_gemms()
     ours, xla = matmul_kernels("maxtext"), matmul_kernels("xla")
     gemms = xla["__triton_nested_gemm_fusion"]
     assert gemms > 0, xla  # XLA's default, so the check can fail
-    assert not any(kind.startswith("__cublas") for kind in xla), xla
     assert ours["__triton_nested_gemm_fusion"] == 0, ours
-    # cuBLAS calls instead, at least as many (the double-buffered layer loop holds its body
-    # twice: 101 calls for XLA's 58 fusions when this was written).
-    assert ours["__cublas$lt$matmul"] >= gemms, (ours, xla)
+    # cuBLAS calls instead, at least as many as XLA's fusions and its own cuBLAS calls together
+    # (the double-buffered layer loop holds its body twice: 95 calls for XLA's 53 fusions and 2
+    # cuBLAS calls when this was written).
+    lt = "__cublas$lt$matmul"
+    assert set(xla) <= {"__triton_nested_gemm_fusion", lt}, xla
+    assert ours[lt] >= gemms + xla[lt], (ours, xla)
