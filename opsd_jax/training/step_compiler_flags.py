@@ -7,11 +7,11 @@ Named sets, so a run, the preflight and bench/gpu_check.py mean the same thing b
 - 'maxtext': what MaxText's GPU recipes set for Llama2-7B at 49.7% MFU on H100s: every matmul
   through cuBLAS(Lt) instead of XLA's Triton GEMM fusions (compiled for an H100 without one,
   the tiny grad step's 53 Triton GEMM fusions and 2 cuBLAS-Lt calls become 95 cuBLAS-Lt calls
-  in the double-buffered layer loop: tests/test_step_compiler_flags.py), the latency-hiding scheduler (collectives overlap the
-  layer's compute), collectives combined up to one LM layer's fp32 weights (the FSDP gathers and
-  gradient reduce-scatters of a layer go as one transfer, not one per matrix), the async
-  collectives on the highest-priority stream, and the layer loop double-buffered (the next
-  layer's gathers start during this one).
+  in the double-buffered layer loop: tests/test_step_compiler_flags.py), the latency-hiding
+  scheduler (collectives overlap the layer's compute), collectives combined up to one LM
+  layer's fp32 weights (the FSDP gathers and gradient reduce-scatters of a layer go as one
+  transfer, not one per matrix), the async collectives on the highest-priority stream, and the
+  layer loop double-buffered (the next layer's gathers start during this one).
 
 XLA:CPU ignores XLA:GPU's options, so a CPU run's step is the same program under either set.
 The sampler has its own options (sampling/sampler.py, SAMPLER_COMPILER_OPTIONS).
