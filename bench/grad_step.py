@@ -1,12 +1,13 @@
 """Grad-step time of the ~64M model on this machine's devices: the OPSD grad step alone.
 
-Builds the m64 BAGEL of bench/sampler.py on a mesh over the available devices (one CPU device
-by default; `--devices 8` simulates eight), one micro-batch of aligned student / teacher packs
+Builds the m64 BAGEL of bench/sampler.py (`--model tiny`: the tiny one, for trying the script
+out in seconds) on a mesh over the available devices (one CPU device by default; `--devices 8`
+simulates eight), one micro-batch of aligned student / teacher packs
 with an image per sample, and times the jitted grad step (student forward + backward, teacher
 forward, JSD at the paper's settings). Prints the compile time, seconds per call and tokens/s.
 Run it from two checkouts in one session to compare a change against main.
 
-    python bench/grad_step.py [--devices 8] [--steps 5] [--compute-dtype bfloat16]
+    python bench/grad_step.py [--devices 8] [--steps 5] [--compute-dtype bfloat16] [--model tiny]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--compute-dtype", default="bfloat16")
+    parser.add_argument("--model", choices=("m64", "tiny"), default="m64")
     args = parser.parse_args()
     if args.devices > 1:
         os.environ["XLA_FLAGS"] = (
@@ -43,7 +45,7 @@ def main():
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.training import train_step
 
-    config = BagelConfig.small_64m()
+    config = BagelConfig.small_64m() if args.model == "m64" else BagelConfig.tiny()
     config = config.replace(llm=dict(compute_dtype=args.compute_dtype))
     mesh = mesh_lib.make_mesh()
     model = mesh_lib.create_sharded_model(lambda: Bagel(config, rngs=nnx.Rngs(0)), mesh)
@@ -98,7 +100,7 @@ def main():
         # CPU seconds of this process: less sensitive than wall time to other load on the machine.
         cpu_s = (time.process_time() - cpu0) / args.steps
     print(
-        f"m64 grad step, {len(jax.devices())} device(s), {args.compute_dtype}, student "
+        f"{args.model} grad step, {len(jax.devices())} device(s), {args.compute_dtype}, student "
         f"{packs.student.tokens.shape} teacher {packs.teacher.tokens.shape}: compile "
         f"{compile_s:.1f} s, {step_s:.3f} s per step ({cpu_s:.3f} CPU s), "
         f"{tokens / step_s:.0f} tokens/s"

@@ -42,8 +42,8 @@ SMOKE_RUNS = {
         r"batch +1: +[\d.]+ samples/s",
     ),
     "bench/grad_step.py": (
-        ["--steps", "1", "--rows", "1", "--compute-dtype", "float32"],
-        r"grad step, 1 device\(s\)",
+        ["--steps", "1", "--rows", "1", "--compute-dtype", "float32", "--model", "tiny"],
+        r"tiny grad step, 1 device\(s\)",
     ),
     "bench/host_work.py": (["--repeats", "1"], r"host work per step .*total [\d.]+ s"),
     "bench/losses.py": (
