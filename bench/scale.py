@@ -47,7 +47,8 @@ function each, in the order the report prints them, each handed the run's contex
 (`Run`: the flags, recipe, target mesh and projection GPU; `Model`: the abstract state and its
 bytes per device): set_up, abstract_model, grad_step_section, update_section, then per sampler
 layout sampler_layout (refresh_section, prefill_section, decode_round_section,
-decode_step_hbm), the projection (grad_step_time, print_decode_times, step_time),
+decode_step_hbm; the 'tensor' layout only where its decode mesh is not the replicated one:
+same_decode_mesh), the projection (grad_step_time, print_decode_times, step_time),
 memory_section and print_unknowns.
 """
 
@@ -747,6 +748,11 @@ def decode_view(run: Run, layout: str):
     )
 
 
+def same_decode_mesh(run: Run, layout: str, other: str) -> bool:
+    """Whether two sampler layouts decode on meshes of the same axes and sizes."""
+    return dict(decode_view(run, layout).shape) == dict(decode_view(run, other).shape)
+
+
 def refresh_section(run: Run, model: Model, sampling: Sampling, view, layout: str):
     """Compiles the decode-copy refresh to `view`; prints its report and returns (the copy's
     graphdef, the abstract copy, the bytes the refresh moves per device)."""
@@ -1296,9 +1302,14 @@ def main():
     update_s = update_section(run, model)
     sampling = sampling_for(run, model)
     # 'auto' picks one of them (step_time).
-    layouts = {
-        layout: sampler_layout(run, model, sampling, layout) for layout in ("replicated", "tensor")
-    }
+    layouts = {"replicated": sampler_layout(run, model, sampling, "replicated")}
+    if same_decode_mesh(run, "tensor", "replicated"):
+        # A tensor axis of one device (one GPU, or heads that do not split): the 'tensor' copy
+        # is the replicated copy, every weight whole on each device, so its programs are too.
+        print("\n'tensor' layout: a tensor axis of 1, the same programs as 'replicated'")
+        layouts["tensor"] = layouts["replicated"]
+    else:
+        layouts["tensor"] = sampler_layout(run, model, sampling, "tensor")
     grad_time = grad_step_time(run, model, grad)
     print_decode_times(run, sampling, layouts)
     layout_used = step_time(run, layouts, update_s, grad_time)
