@@ -48,7 +48,7 @@ function each, in the order the report prints them, each handed the run's contex
 bytes per device): set_up, abstract_model, grad_step_section, update_section, then per sampler
 layout sampler_layout (refresh_section, prefill_section, decode_round_section,
 decode_step_hbm; the 'tensor' layout only where its decode mesh is not the replicated one:
-same_decode_mesh), the projection (grad_step_time, print_decode_times, step_time),
+tensor_is_replicated), the projection (grad_step_time, print_decode_times, step_time),
 memory_section and print_unknowns.
 """
 
@@ -748,9 +748,10 @@ def decode_view(run: Run, layout: str):
     )
 
 
-def same_decode_mesh(run: Run, layout: str, other: str) -> bool:
-    """Whether two sampler layouts decode on meshes of the same axes and sizes."""
-    return dict(decode_view(run, layout).shape) == dict(decode_view(run, other).shape)
+def tensor_is_replicated(run: Run) -> bool:
+    """Whether the 'tensor' layout decodes on the replicated layout's mesh (a tensor axis of
+    one device: one GPU, or heads that do not split), every weight whole on each device."""
+    return dict(decode_view(run, "tensor").shape) == dict(decode_view(run, "replicated").shape)
 
 
 def refresh_section(run: Run, model: Model, sampling: Sampling, view, layout: str):
@@ -1303,9 +1304,7 @@ def main():
     sampling = sampling_for(run, model)
     # 'auto' picks one of them (step_time).
     layouts = {"replicated": sampler_layout(run, model, sampling, "replicated")}
-    if same_decode_mesh(run, "tensor", "replicated"):
-        # A tensor axis of one device (one GPU, or heads that do not split): the 'tensor' copy
-        # is the replicated copy, every weight whole on each device, so its programs are too.
+    if tensor_is_replicated(run):  # the same copy, so the same programs: compiled once
         print("\n'tensor' layout: a tensor axis of 1, the same programs as 'replicated'")
         layouts["tensor"] = layouts["replicated"]
     else:

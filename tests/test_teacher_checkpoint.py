@@ -59,7 +59,8 @@ def test_a_checkpoint_teacher_scores_as_a_fixed_teacher_holding_its_weights():
     graphdef, params, rest = split(tiny, 0)
     teacher_graphdef, teacher_params, teacher_rest = split(tiny, 1)
     config = optim_config()
-    micro = stacked(fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    packs = fixed_packs(SAMPLES[:2], COMPLETIONS[:2])
+    micro = stacked(packs)
     optimizer = train_step.make_optimizer(config)
 
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # noqa: E731  (each step donates its state)
@@ -88,7 +89,7 @@ def test_a_checkpoint_teacher_scores_as_a_fixed_teacher_holding_its_weights():
     # loss alone, a forward: a third step would compile a backward and an update for this).
     settings = builders.loss_settings(num_samples=2)
     own_loss = train_step.make_opsd_loss(graphdef, rest, settings, "self")
-    _, own = jax.jit(own_loss)(params, None, fixed_packs(SAMPLES[:2], COMPLETIONS[:2]))
+    _, own = jax.jit(own_loss)(params, None, packs)
     assert float(own["jsd"]) > 0 and float(own["jsd"]) != float(got["jsd"])
 
 
