@@ -49,6 +49,26 @@ def test_every_section_is_its_own_module_and_none_imports_the_runner(bench):
     assert not (ROOT / "bench" / "gpu_check_train.py").exists()
 
 
+def test_the_grad_steps_packs_pad_their_patches_as_a_run_does(bench):
+    """The grad step the section times has the 7B recipe's rows, patch axes included: a run's
+    pack shapes round patches up to pack_shapes.MULTIPLE, and an axis of 4900 / 8890 patches
+    instead makes XLA:GPU pad and slice the ViT's activations around every GEMM of every layer
+    (14.5 GiB of the 1-layer step's 170 GiB of HBM traffic, compiled for an H200), which the
+    run never pays."""
+    import types
+
+    from gpu_sections import grad_step
+
+    from opsd_jax.data import pack_shapes
+
+    _, student, teacher, _ = grad_step.step_case(types.SimpleNamespace(dry_run=False), 1)
+    for pack in (student, teacher):
+        patches = pack.vit_patches.shape[1]
+        real = int((pack.vit_image_ids > 0).sum())  # 0: a padding patch
+        assert patches % pack_shapes.MULTIPLE == 0, patches
+        assert real <= patches < real + pack_shapes.MULTIPLE, (real, patches)
+
+
 def write_trace(path: Path, events: list[dict]) -> None:
     meta = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},

@@ -35,10 +35,12 @@ FULL_DEPTH = 28  # BAGEL-7B's LM layers: the extrapolation's
 
 def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng):
     """A student and a teacher Pack as OPSD builds them: [image, question, completion] and
-    [image, question, VT image, completion] per row, the completion scored (numpy)."""
+    [image, question, VT image, completion] per row, the completion scored, the patch axis
+    padded as a run pads it (numpy)."""
     import numpy as np
 
     from models.pack import pad_pack
+    from opsd_jax.data.pack_shapes import round_up
     from opsd_jax.data.packing import Image, SpecialTokens, Text, pack_samples
 
     grid = config.vit.image_size // config.vit.patch_size
@@ -62,8 +64,10 @@ def bagel_packs(config, rows, student_len, teacher_len, entries, image_side, rng
         students.append([problem, question, completion])
         teachers.append([problem, question, image(vt_rows, image_side), completion])
 
-    def patches(samples):
-        return max(sum(len(i.patches) for i in s if isinstance(i, Image)) for s in samples)
+    def patches(samples):  # rounded up as the run's pack shapes are (pack_shapes.MULTIPLE)
+        return round_up(
+            max(sum(len(i.patches) for i in s if isinstance(i, Image)) for s in samples)
+        )
 
     student = pack_samples(students, student_len, num_rows=rows, special=special)
     teacher = pack_samples(teachers, teacher_len, num_rows=rows, special=special)
