@@ -30,9 +30,8 @@ The choices:
   connector stay frozen as ThinkMorph's strong encoder (add them with lora_targets if a task
   needs new visual features: the toy task does, configs/tiny_lora.py).
 * remat 'full' (the paper recipe's): compiled for one H100 (`--compile_only=h100:1`,
-  2026-12-05, after the EMA teacher stopped making the layer loop stack a copy of the base:
-  opsd_jax/training/train_step.py make_opsd_loss) 'minimal_flash' puts the train step at
-  52.74 GiB (67% of 79.1 GiB; 21.95 under 'full'), which fits the preflight's 85% but not the
+  2026-12-06, the Pallas attention the GPU runs) 'minimal_flash' puts the train step at
+  53.97 GiB (68% of 79.1 GiB; 21.90 under 'full'), which fits the preflight's 85% but not the
   1.33x the first H200 saw above a prediction. The ViT is frozen and runs no backward, so
   `vit_remat` changes nothing here.
 * lr 1e-4, ten times the paper's full-rank 1e-5 (min_lr ten times too): the same study finds

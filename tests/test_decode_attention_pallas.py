@@ -152,6 +152,33 @@ def test_kernel_lowers_to_triton_for_an_h100():
     assert "__gpu$xla.gpu.triton" in text and dap.KERNEL_NAME in text
 
 
+def test_a_runs_model_decodes_on_the_xla_path_on_a_gpu(monkeypatch):
+    """The backend a run hands its model (run_config.model_runtime) is 'auto' as configured,
+    resolved where the model traces: resolved at the start, on a GPU it was 'pallas' by name,
+    which took every rollout through the decode kernel that failed on the GPU."""
+    from configs import tiny
+    from models import gpu_support
+    from opsd_jax import run_config
+    from opsd_jax.trainer import start
+
+    def no_kernel(name):
+        raise AssertionError(f"the kernel {name} was asked for")
+
+    monkeypatch.setattr(gpu_support, "unsupported_reason", lambda: None)  # as on a GPU
+    monkeypatch.setattr(gpu_support, "import_kernel", no_kernel)
+    backend = run_config.model_runtime(tiny.get_config())["attention_backend"]
+    assert start.attention_line(backend) == "attention backend pallas (auto; decode: XLA's)"
+    rng = np.random.default_rng(7)
+    q, k, v, cache = cache_case(
+        rng, layers=1, rows=2, slots=64, kv_heads=1, group=2, dim=16, dtype=jnp.float32
+    )
+    lengths = jnp.array([9, 64], jnp.int32)
+    np.testing.assert_array_equal(
+        np.asarray(attention.cache_attention(q, cache, 0, lengths, backend=backend)),
+        np.asarray(attention.decode_attention(q, k[0], v[0], lengths)),
+    )
+
+
 def test_auto_decodes_on_the_xla_path_where_it_resolves_to_pallas(monkeypatch):
     """The kernel failed its parity check on a GPU (attention.DECODE_KERNEL_IN_AUTO): "auto"
     must not reach it even where it resolves to Pallas (a GPU); "pallas" named still does."""

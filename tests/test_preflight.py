@@ -59,6 +59,22 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
         "evaluation",
     ], out
     assert all(0 < float(peak) < 67.2 for _, peak in names), names
+    # 'auto' attention compiled as the GPU runs it (not as this CPU would): the Pallas range
+    # kernel in the train step and the prefills, XLA's attention in the decode rounds
+    # (attention.DECODE_KERNEL_IN_AUTO).
+    kernels = dict(
+        re.findall(r"^  (.*?): peak .*; (Pallas kernels: .*|no Pallas kernel)\)$", out, re.M)
+    )
+    assert len(kernels) == len(names), out
+    for name, found in kernels.items():
+        if name.startswith("train step"):
+            assert found == (
+                "Pallas kernels: range_attention_dkdv, range_attention_dq, range_attention_forward"
+            ), name
+        elif name.endswith("prefill"):
+            assert found == "Pallas kernels: range_attention_forward", name
+        else:
+            assert found == "no Pallas kernel", name
     assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M)
     assert not run_dir.exists()  # no toy data, model, checkpoint or log was written
 

@@ -291,6 +291,16 @@ def with_reads(kernels: list[Kernel], kernel_name: str, read: int) -> list[Kerne
     ]
 
 
+def pallas_kernels(text: str) -> list[str]:
+    """The Pallas (Triton) kernels a compiled GPU program calls, by name, each once, sorted."""
+    names = set()
+    for line in text.splitlines():
+        if _TRITON in line:
+            found = _TRITON_NAME.search(line)
+            names.add(found.group(1) if found else "unnamed")
+    return sorted(names)
+
+
 def total_bytes(kernels: list[Kernel]) -> int:
     return sum(k.bytes for k in kernels)
 

@@ -15,7 +15,6 @@ from typing import Any
 import ml_collections
 
 from configs import common
-from models import attention
 from models import configs as model_configs
 from opsd_jax.data import pack_shapes
 from opsd_jax.data.data_config import DataConfig
@@ -97,12 +96,17 @@ def model_dir(config) -> str | None:
 
 def model_runtime(config) -> dict:
     """The model's runtime options (the `llm` config changes every loader takes: compute
-    dtype, the attention backend with 'auto' resolved for this machine, its tile, remat, the
-    layer loop), named alike in the run config and the model config, and the one derived from
-    the data (models/configs.DERIVED_RUNTIME_FIELDS)."""
+    dtype, the attention backend, its tile, remat, the layer loop), named alike in the run
+    config and the model config, and the one derived from the data
+    (models/configs.DERIVED_RUNTIME_FIELDS).
+
+    'auto' stays 'auto': the model resolves it where it traces (models/attention.py), so a
+    program compiled for a GPU target without one (the preflight) takes the GPU's path, and the
+    decode keeps XLA's attention where 'auto' means Pallas (attention.DECODE_KERNEL_IN_AUTO).
+    Resolved here, it was this machine's choice ('chunked' in a CPU preflight) and, on a GPU,
+    'pallas' by name, which runs the decode kernel too."""
     config = complete(config)
     runtime = {key: config[key] for key in model_configs.RUNTIME_FIELDS}
-    runtime["attention_backend"] = attention.resolve_backend(config.attention_backend)
     # The ViT's cudnn backend lays a row's images out in rows of this length (attention_cudnn).
     runtime["vit_image_patches"] = pack_shapes.image_patches(config.data.image_transform)
     return runtime

@@ -40,7 +40,7 @@ from opsd_jax.io.hf_layout import LLM_CONFIG, VIT_CONFIG
 from opsd_jax.io.hf_load import read_config
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.programs import gpu_target
+from opsd_jax.programs import gpu_target, hbm_traffic
 from opsd_jax.run_config import builds, checks, trained_split
 from opsd_jax.sampling import decode_copy, layout_choice, sampler
 from opsd_jax.training import step_compiler_flags, train_step
@@ -197,10 +197,14 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
             name, device_memory.program_peak(compiled), resident_bytes, time.perf_counter() - t0
         )
         reports.append(report)
+        # Which attention the program holds, as the GPU will run it: 'auto' resolves under the
+        # compile-only GPU mesh (the Pallas range kernel in training and prefill, XLA's decode).
+        kernels = hbm_traffic.pallas_kernels(compiled.as_text())
         say(
             f"  {name}: peak {report.peak / GIB:.2f} GiB per device "
             f"({report.peak / capacity:.0%} of {capacity / GIB:.1f} GiB; compiled in "
-            f"{report.seconds:.0f} s)"
+            f"{report.seconds:.0f} s; "
+            + (f"Pallas kernels: {', '.join(kernels)})" if kernels else "no Pallas kernel)")
         )
 
     # ---- the train step, every length bucket ------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from models import attention
 from opsd_jax import run_config
 from opsd_jax.io import hf_load, init_weights, saved_items, teacher_checkpoint, weights_digest
 from opsd_jax.io.checkpoint import Checkpointer, abstract_like
@@ -135,15 +136,22 @@ class _Loaded:
     lora_base: dict | None = None
 
 
+def attention_line(backend: str) -> str:
+    """The start's line naming the attention that runs: what 'auto' resolves to on this
+    machine, and that the decode keeps XLA's attention where that is Pallas."""
+    if backend != "auto":
+        return f"attention backend {backend}"
+    resolved = attention.resolve_backend(backend)
+    keeps_xla = resolved == "pallas" and not attention.DECODE_KERNEL_IN_AUTO
+    return f"attention backend {resolved} (auto" + ("; decode: XLA's)" if keeps_xla else ")")
+
+
 def load_model(config, mesh, resumed: str | None, say: Callable) -> _Loaded:
     """The model, tokenizer and starting weights (student, EMA / fixed teacher), with the LoRA
     adapters attached; a full resume reads no weights (the checkpoint gives them)."""
     t0 = time.perf_counter()
-    runtime = run_config.model_runtime(config)  # "auto" attention -> this machine's backend
-    say(
-        f"attention backend {runtime['attention_backend']}"
-        + (" (auto)" if config.attention_backend == "auto" else "")
-    )
+    runtime = run_config.model_runtime(config)
+    say(attention_line(config.attention_backend))
     split = run_config.TrainedSplit.of_config(config)
     if resumed and not split.lora and config.weights != hf_load.RANDOM_WEIGHTS:
         # The state comes from the checkpoint, restored straight into its shards: the HF
