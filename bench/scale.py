@@ -304,6 +304,7 @@ class GradTime:
 
 def set_up(args, target: str) -> Run:
     """The recipe, model config and mesh for `target`; prints the report's first line."""
+    from models import attention
     from models.configs import BagelConfig
     from opsd_jax import run_config
     from opsd_jax.parallel import mesh as mesh_lib
@@ -369,6 +370,12 @@ def set_up(args, target: str) -> Run:
         f"{samples} samples in {samples} rows x {run.accum} micro-batches; attention "
         f"{llm.attention_backend}; projection for {run.gpu} at MFU {args.mfu}"
     )
+    if on_gpu and not attention.DECODE_KERNEL_IN_AUTO:
+        print(
+            "  the decode rounds use the Pallas decode kernel, named here: a run's "
+            "attention_backend='auto' decodes on XLA's attention until a GPU passes the "
+            "kernel's parity (models/attention.py DECODE_KERNEL_IN_AUTO)"
+        )
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
     return run
