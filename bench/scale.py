@@ -4,7 +4,9 @@ Compiles ahead of time, with abstract arrays only (no weights are materialised),
 a training step of `BagelConfig.bagel_7b()` (the ThinkMorph-7B shapes, understanding-only) runs:
 
 * the grad step: student forward + backward and teacher forward over one micro-batch of student
-  and teacher packs, with the paper's JSD settings (attention: Pallas on a GPU target);
+  and teacher packs at the shapes the recipe's run compiles (opsd_jax/data/pack_shapes.py), with
+  the paper's JSD settings (attention as a run's 'auto' compiles it: the Pallas range kernel on
+  a GPU target, XLA's decode attention; `--decode-kernel` names 'pallas', the decode kernel);
 * the optimizer / EMA update;
 * the decode-copy refresh (fp32 FSDP params -> the bf16 copy in the sampler's layout);
 * the sampler's prefill and decode round (one `while_loop` that generates every token of a
@@ -21,7 +23,8 @@ step moves, counted kernel by kernel in the optimized program (opsd_jax/programs
 hbm_traffic.py), next to the floor (the bf16 weights on the decode path read once, plus the KV
 cache up to the current length), and from XLA:GPU's thunk sequence the launches, the kernels
 inside CUDA graphs and the host syncs of one decode step, with the sampler's command buffers
-and without any (opsd_jax/programs/thunk_launches.py), and the decode attention kernel's grid.
+and without any (opsd_jax/programs/thunk_launches.py), and the decode attention kernel's grid
+(with `--decode-kernel`).
 Then a projection: compute at `--mfu` of peak (attention counted with bidirectional image
 blocks), HBM and NVLink from the table below; a decode step as its HBM time plus, at stated
 per-event costs (LAUNCH_S, GRAPH_NODE_S, HOST_SYNC_S, layout_choice's collective latency), its
@@ -153,15 +156,32 @@ def parse_args():
     parser.add_argument(
         "--student-len",
         type=int,
-        default=6144,
-        help="student row length (image <= 4900 patches + question + 1025)",
+        default=0,
+        help="student row length; 0: the recipe's student pack row (opsd_jax/data/"
+        "pack_shapes.py: 6272 for the paper's, an image of <= 4900 patches + prompt + 1026)",
     )
     parser.add_argument(
-        "--teacher-len", type=int, default=10240, help="teacher row length (max_forward_tokens)"
+        "--teacher-len",
+        type=int,
+        default=0,
+        help="teacher row length; 0: the recipe's teacher pack row (max_forward_tokens)",
     )
-    parser.add_argument("--student-patches", type=int, default=4900)
-    parser.add_argument("--teacher-patches", type=int, default=8192)
-    parser.add_argument("--loss-entries", type=int, default=1152, help="C: 1025 rounded up")
+    parser.add_argument(
+        "--student-patches",
+        type=int,
+        default=4900,
+        help="the patches of the student row's image (its attention block); the pack's patch "
+        "axis is the recipe's (4992 for the paper's), as in a run",
+    )
+    parser.add_argument(
+        "--teacher-patches",
+        type=int,
+        default=8192,
+        help="the patches of the teacher row's images; its patch axis is the recipe's (10240)",
+    )
+    parser.add_argument(
+        "--loss-entries", type=int, default=0, help="C; 0: the recipe's (1152: 1025 rounded up)"
+    )
     parser.add_argument(
         "--prompt-len",
         type=int,
@@ -171,6 +191,12 @@ def parse_args():
         "image tokens + 256 of text)",
     )
     parser.add_argument("--prompt-patches", type=int, default=4900)
+    parser.add_argument(
+        "--decode-kernel",
+        action="store_true",
+        help="decode with the Pallas decode kernel (attention_backend='pallas'), not what a "
+        "run's 'auto' compiles (XLA's decode attention until a GPU passes the kernel's parity)",
+    )
     parser.add_argument(
         "--skip-host-work",
         action="store_true",
@@ -302,9 +328,45 @@ class GradTime:
     causal_compute_s: float  # every row counted causal (the figure printed before)
 
 
+def attention_text(backend: str, on_gpu: bool) -> str:
+    """The report's words for the attention its programs hold."""
+    from models import attention
+
+    if not on_gpu:
+        return f"attention: {attention.resolve_backend(backend)}"
+    decode = "Pallas decode kernel" if backend == "pallas" else "XLA's decode attention"
+    kernel_in_auto = attention.DECODE_KERNEL_IN_AUTO
+    note = " (--decode-kernel; a run's 'auto' decodes on XLA's)" if backend == "pallas" else ""
+    note = "" if kernel_in_auto else note
+    return f"attention: the Pallas range kernel, {decode}{note}"
+
+
+def run_shapes(args, recipe) -> None:
+    """The pack shapes a run of `recipe` compiles (its largest length bucket), written into
+    `args` where the flags leave them to the recipe, and every patch axis as the run pads it:
+    the training packs' to the recipe's shapes (pack_shapes.MULTIPLE), the prompt's to its
+    prompt bucket. A patch axis of exactly 4900 makes XLA:GPU pad and slice the ViT's
+    activations around each of its GEMMs, which a run never pays."""
+    from opsd_jax import run_config
+    from opsd_jax.data import pack_shapes
+    from opsd_jax.data.opsd_packs import bucket_in
+
+    shapes = pack_shapes.pack_shapes(run_config.complete(recipe))
+    student, teacher = shapes["student"][-1], shapes["teacher"][-1]
+    args.student_len = args.student_len or student.row_length
+    args.teacher_len = args.teacher_len or teacher.row_length
+    args.loss_entries = args.loss_entries or student.loss_entries
+
+    def axis(patches, recipe_axis, length):  # the recipe's axis when it holds them, as a run's
+        return recipe_axis if patches <= recipe_axis else min(length, pack_shapes.round_up(patches))
+
+    args.student_slots = axis(args.student_patches, student.patches, args.student_len)
+    args.teacher_slots = axis(args.teacher_patches, teacher.patches, args.teacher_len)
+    args.prompt_slots = bucket_in(args.prompt_patches, recipe.sample_prompt_buckets)
+
+
 def set_up(args, target: str) -> Run:
     """The recipe, model config and mesh for `target`; prints the report's first line."""
-    from models import attention
     from models.configs import BagelConfig
     from opsd_jax import run_config
     from opsd_jax.parallel import mesh as mesh_lib
@@ -330,14 +392,18 @@ def set_up(args, target: str) -> Run:
         args.student_len, args.teacher_len = 256, 512
         args.student_patches, args.teacher_patches, args.loss_entries = 64, 128, 128
         args.prompt_len, args.prompt_patches, new_tokens = 128, 64, 64
+        args.student_slots, args.teacher_slots, args.prompt_slots = 64, 128, 64
     else:
         make_config = BagelConfig.bagel_7b
+        run_shapes(args, recipe)
     on_gpu = target != "cpu"
     model_config = make_config(
         llm=dict(
             compute_dtype=recipe.compute_dtype,
             remat=recipe.remat,
-            attention_backend="pallas" if on_gpu else "chunked",
+            # What a run's 'auto' compiles under the GPU mesh (the Pallas range kernel, XLA's
+            # decode attention); --decode-kernel names 'pallas', which adds the decode kernel.
+            attention_backend="pallas" if on_gpu and args.decode_kernel else "auto",
         )
     )
     n = args.devices
@@ -367,15 +433,16 @@ def set_up(args, target: str) -> Run:
     print(
         f"bench/scale.py: {args.model} ({llm.num_hidden_layers} layers, hidden "
         f"{llm.hidden_size}) compiled for {where}, mesh {dict(mesh.shape)}; micro-batch "
-        f"{samples} samples in {samples} rows x {run.accum} micro-batches; attention "
-        f"{llm.attention_backend}; projection for {run.gpu} at MFU {args.mfu}"
+        f"{samples} samples in {samples} rows x {run.accum} micro-batches; "
+        f"{attention_text(llm.attention_backend, on_gpu)}; projection for {run.gpu} at MFU "
+        f"{args.mfu}"
     )
-    if on_gpu and not attention.DECODE_KERNEL_IN_AUTO:
-        print(
-            "  the decode rounds use the Pallas decode kernel, named here: a run's "
-            "attention_backend='auto' decodes on XLA's attention until a GPU passes the "
-            "kernel's parity (models/attention.py DECODE_KERNEL_IN_AUTO)"
-        )
+    print(
+        f"  packs as the recipe compiles them: student {args.student_len} tokens / "
+        f"{args.student_slots} patch slots, teacher {args.teacher_len} / {args.teacher_slots}, "
+        f"{args.loss_entries} loss entries; prompts {args.prompt_len} tokens / "
+        f"{args.prompt_slots} patch slots"
+    )
     if samples % (args.num_replicate * (n // (args.num_replicate * args.num_tensor))):
         sys.exit(f"--samples {samples} must divide over data x fsdp")
     return run
@@ -560,8 +627,8 @@ def compile_grad(run: Run, model: Model, grad_step, teacher_len: int, student_le
     from opsd_jax.parallel import mesh as mesh_lib
 
     args = run.args
-    student = pack(run.samples, student_len, args.student_patches, args.loss_entries, run.mesh)
-    teacher = pack(run.samples, teacher_len, args.teacher_patches, args.loss_entries, run.mesh)
+    student = pack(run.samples, student_len, args.student_slots, args.loss_entries, run.mesh)
+    teacher = pack(run.samples, teacher_len, args.teacher_slots, args.loss_entries, run.mesh)
     with mesh_lib.use_mesh(run.mesh):
         lowered = grad_step.lower(
             model.state.params,
@@ -792,7 +859,7 @@ def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphd
     from opsd_jax.sampling import sampler
 
     args, rows = run.args, sampling.rows
-    prompt = pack(rows, args.prompt_len, args.prompt_patches, 0, view)
+    prompt = pack(rows, args.prompt_len, args.prompt_slots, 0, view)
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.prefill_rows.lower(
             copy_graphdef,
@@ -806,7 +873,8 @@ def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphd
         prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
     prefill_memory, _, prefill_flops, _ = report(
         f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
-        f"{args.prompt_patches} patches; cache of {sampling.slots} slots)",
+        f"{args.prompt_patches} patches in {args.prompt_slots} slots; cache of "
+        f"{sampling.slots} slots)",
         prefill_compiled,
         prefill_text,
         seconds,

@@ -55,6 +55,12 @@ def compiling_for_gpu_without_one() -> bool:
     return device is not None and device.platform == "gpu" and jax.default_backend() != "gpu"
 
 
+def compiling_for_gpu() -> bool:
+    """Whether the trace in progress is for GPU devices: jax runs on one, or the program is
+    compiled for a GPU target without one (`compiling_for_gpu_without_one`)."""
+    return jax.default_backend() == "gpu" or compiling_for_gpu_without_one()
+
+
 def unsupported_reason() -> str | None:
     """Why the compiled kernel cannot run on the default JAX device, or None when it can (or
     when the program is compiled for a GPU target without one, where nothing runs: the target

@@ -152,6 +152,32 @@ def test_kernel_lowers_to_triton_for_an_h100():
     assert "__gpu$xla.gpu.triton" in text and dap.KERNEL_NAME in text
 
 
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
+def test_xla_decode_in_place_on_a_gpu_equals_its_einsums(monkeypatch, dtype, tol):
+    """On a GPU XLA's decode attention sums float32 products in reduce fusions that read the
+    cache in place (attention.DECODE_IN_PLACE_ON_GPU); elsewhere two einsums. The same
+    attention either way, an empty row (length 0) included."""
+    from models import gpu_support
+
+    rng = np.random.default_rng(8)
+    q, k, v, _ = cache_case(
+        rng, layers=1, rows=3, slots=40, kv_heads=2, group=7, dim=16, dtype=dtype
+    )
+    lengths = jnp.array([0, 17, 40], jnp.int32)
+    want = attention.decode_attention(q, k[0], v[0], lengths)
+    monkeypatch.setattr(gpu_support, "compiling_for_gpu", lambda: True)  # as on a GPU
+    got = attention.decode_attention(q, k[0], v[0], lengths)
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+    )
+    assert not np.any(np.asarray(got[0], np.float32))  # length 0: zeros
+    monkeypatch.setattr(attention, "DECODE_IN_PLACE_ON_GPU", False)
+    np.testing.assert_array_equal(
+        np.asarray(attention.decode_attention(q, k[0], v[0], lengths)), np.asarray(want)
+    )
+
+
 def test_a_runs_model_decodes_on_the_xla_path_on_a_gpu(monkeypatch):
     """The backend a run hands its model (run_config.model_runtime) is 'auto' as configured,
     resolved where the model traces: resolved at the start, on a GPU it was 'pallas' by name,

@@ -23,7 +23,7 @@ from jax.experimental import topologies
 from jax.sharding import PartitionSpec as P
 
 from configs import smoke
-from models import decode_attention_pallas
+from models import attention, decode_attention_pallas
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from models.sharding import logical_spec
@@ -440,11 +440,12 @@ def layer_cache_copies(compiled_text: str, layer_cache_elements: int) -> list:
 
 
 @pytest.mark.slow
-def test_decode_attention_reads_the_cache_in_place(h100_sampler):
-    """On the GPU the decode step's attention is the Pallas kernel that reads the stacked cache
-    in place (once per layer per token, up to each row's length), and nothing copies a layer's
-    cache. Through XLA (decode_attention on the layer's slice, as before the kernel) each token
-    copies every layer's K and V slice: shown here, so the check can fail."""
+def test_decode_attention_reads_the_cache_in_place(h100_sampler, monkeypatch):
+    """On the GPU the decode step's attention reads the stacked cache in place, and nothing
+    copies a layer's cache: the Pallas kernel (once per layer per token, up to each row's
+    length) and, on the path 'auto' takes (models/attention.py DECODE_KERNEL_IN_AUTO), XLA's
+    reduce fusions (DECODE_IN_PLACE_ON_GPU). XLA's einsums, as before, copy every layer's K and
+    V slice each token: shown here, so the check can fail."""
     text = h100_sampler.decode.as_text()
     kernels = hbm_traffic.loop_traffic(text)
     calls = sum(k.count for k in kernels if k.kernel_name == decode_attention_pallas.KERNEL_NAME)
@@ -453,18 +454,28 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler):
     assert not copies, hbm_traffic.describe(copies)
 
     graphdef, params, rest = abstract_split(
-        BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="chunked")),
+        BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="auto")),
         gpu_target.make_mesh("h100", 2),
     )
     view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
     graphdef, _ = decode_copy.abstract_decode_copy(
         graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
     )
-    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        lowered = sampler.decode_round.lower(graphdef, *h100_sampler.decode_inputs)
-        before, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
-    copied = layer_cache_copies(before.as_text(), h100_sampler.layer_cache_elements)
-    assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(before.as_text()))
+
+    def xla_decode_copies():
+        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+            lowered = sampler.decode_round.lower(graphdef, *h100_sampler.decode_inputs)
+            compiled, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
+        text = compiled.as_text()
+        assert decode_attention_pallas.KERNEL_NAME not in text  # 'auto': XLA's attention
+        return layer_cache_copies(text, h100_sampler.layer_cache_elements), text
+
+    copied, text = xla_decode_copies()
+    assert not copied, hbm_traffic.describe(copied)
+    monkeypatch.setattr(attention, "DECODE_IN_PLACE_ON_GPU", False)  # the einsums
+    jax.clear_caches()  # the switch is read when tracing: trace the round again
+    copied, text = xla_decode_copies()
+    assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(text))
 
 
 @pytest.mark.slow
