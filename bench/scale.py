@@ -44,7 +44,7 @@ bounds are printed), whether the decode kernels reach the HBM bandwidth, and wha
 graph node or a sync really costs (stated, added without overlap: bench/gpu_check.py measures
 the decode round itself).
 
-One script of over 1000 lines: every program of a 7B step (grad step, update, prefill, decode
+One script of about 1400 lines: every program of a 7B step (grad step, update, prefill, decode
 round, decode-copy refresh) compiled for one target and costed the same way. In sections, one
 function each, in the order the report prints them, each handed the run's context explicitly
 (`Run`: the flags, recipe, target mesh and projection GPU; `Model`: the abstract state and its

@@ -23,9 +23,9 @@ from gpu_sections.launches import launch_env, logged, memory_line, mismatch, spl
 RECIPE_STEPS = 3  # the step reported: the second
 RECIPE = "configs/thinkmorph_7b_1gpu.py"
 # What bench/scale.py projects for this recipe's step on one H100: `bench/scale.py --target h100
-# --devices 1 --config configs/thinkmorph_7b_1gpu.py`, 2026-12-04 (docs/performance.md), at its
-# assumed MFU: the figure the measured step is read against.
-SCALE_STEP_S = 24.38
+# --devices 1 --config configs/thinkmorph_7b_1gpu.py`, 2026-12-06 (docs/performance.md: a run's
+# packs and 'auto' decode), at its assumed MFU: the figure the measured step is read against.
+SCALE_STEP_S = 25.70
 
 
 def recipe_shapes(args) -> list[str]:
