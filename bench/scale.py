@@ -334,11 +334,12 @@ def attention_text(backend: str, on_gpu: bool) -> str:
 
     if not on_gpu:
         return f"attention: {attention.resolve_backend(backend)}"
-    decode = "Pallas decode kernel" if backend == "pallas" else "XLA's decode attention"
-    kernel_in_auto = attention.DECODE_KERNEL_IN_AUTO
-    note = " (--decode-kernel; a run's 'auto' decodes on XLA's)" if backend == "pallas" else ""
-    note = "" if kernel_in_auto else note
-    return f"attention: the Pallas range kernel, {decode}{note}"
+    kernel = "the Pallas decode kernel"
+    if backend != "pallas":  # a run's 'auto'
+        decode = kernel if attention.DECODE_KERNEL_IN_AUTO else "XLA's decode attention"
+        return f"attention: the Pallas range kernel, {decode} (a run's 'auto')"
+    note = "" if attention.DECODE_KERNEL_IN_AUTO else "; a run's 'auto' decodes on XLA's"
+    return f"attention: the Pallas range kernel, {kernel} (--decode-kernel{note})"
 
 
 def run_shapes(args, recipe) -> None:
@@ -646,7 +647,7 @@ def grad_step_section(run: Run, model: Model) -> Grad:
     """Compiles the grad step; prints its report, its activation collectives and its weight
     gathers and gradient reductions against what FSDP should move."""
     from opsd_jax import run_config
-    from opsd_jax.programs import hlo_stats
+    from opsd_jax.programs import hbm_traffic, hlo_stats
     from opsd_jax.training import train_step
 
     args, samples, n = run.args, run.samples, run.n
@@ -710,8 +711,8 @@ def grad_step_section(run: Run, model: Model) -> Grad:
             )
         )
     if run.on_gpu:
-        kernels = grad_compiled.as_text().count('"__gpu$xla.gpu.triton"')
-        print(f"  Pallas (Triton) attention kernels in the program: {kernels}")
+        kernels = hbm_traffic.pallas_kernels(grad_compiled.as_text())
+        print(f"  Pallas (Triton) kernels in the program: {', '.join(kernels) or 'none'}")
     return Grad(step=grad_step, memory=grad_memory, table=grad_table, flops=grad_flops)
 
 
