@@ -496,7 +496,10 @@ def cache_attention(
                 out_names=names[0],
             )
             return per_device(q, cache, jnp.asarray(layer, jnp.int32), kv_lengths)
-    return decode_attention(q, cache[layer, :, :, 0], cache[layer, :, :, 1], kv_lengths)
+    kv_heads_here = sharding.per_device(cache.shape, _cache_arg_names(q, cache)[1])[4]
+    return decode_attention(
+        q, cache[layer, :, :, 0], cache[layer, :, :, 1], kv_lengths, kv_heads_here
+    )
 
 
 def _cache_arg_names(q, cache):
@@ -520,8 +523,18 @@ def _cache_arg_names(q, cache):
 # times the path 'auto' takes.
 DECODE_IN_PLACE_ON_GPU = True
 
+# Below this many kv heads per device, the in-place scores are summed one query head of a group
+# at a time. Compiled for H100s, the paper recipe's decode round in its 'tensor' layout (tensor
+# 4: one kv head and 8 rows per device, 7170 slots) kept the one-sum form's broadcast over the
+# group's 7 query heads in a reduce fusion that XLA would not fuse the layer's key slice into:
+# every token it copied each layer's keys out of the cache (28 MiB a layer, 0.77 GiB of the
+# step's 5.98). Summed per query head, the 7 sums read the keys where they lie, in one fusion.
+# With 2 kv heads a device both forms copied something; with 4 (the one-GPU recipe, the
+# replicated layout) the one-sum form copies nothing and the per-head sums would (2026-12-06).
+PER_QUERY_HEAD_SCORES_BELOW = 4
 
-def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
+
+def decode_attention(q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None) -> jax.Array:
     """One query per row against a KV cache: the decode step's attention.
 
     q: [B, Hq, D]; k_cache, v_cache: [B, S, Hkv, D]; key slot j is visible iff j < kv_lengths[b].
@@ -531,7 +544,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
 
     On a GPU (or compiled for one) the scores and the output are float32 products summed by
     XLA reduce fusions that read the cache where it lies (`DECODE_IN_PLACE_ON_GPU`); elsewhere
-    two einsums, whose GEMMs suit a CPU or a TPU.
+    two einsums, whose GEMMs suit a CPU or a TPU. `kv_heads_per_device` (default: all of
+    k_cache's) picks the form of the in-place scores (`PER_QUERY_HEAD_SCORES_BELOW`); the
+    result is the same either way.
     """
     batch, num_slots, kv_heads, head_dim = k_cache.shape
     q_heads = q.shape[1]
@@ -544,11 +559,15 @@ def decode_attention(q, k_cache, v_cache, kv_lengths) -> jax.Array:
     in_place = DECODE_IN_PLACE_ON_GPU and gpu_support.compiling_for_gpu()
     grouped = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(k_cache.dtype)
     if in_place:  # [B, Hkv, G, S], summed over D from the cache's own layout
-        products = (
-            grouped.astype(_F32)[:, :, :, None, :]
-            * jnp.moveaxis(k_cache.astype(_F32), 1, 2)[:, :, None, :, :]
-        )
-        scores = jnp.sum(products, axis=-1)
+        keys = jnp.moveaxis(k_cache.astype(_F32), 1, 2)[:, :, None, :, :]
+        queries = grouped.astype(_F32)[:, :, :, None, :]
+        per_device = kv_heads if kv_heads_per_device is None else kv_heads_per_device
+        if per_device < PER_QUERY_HEAD_SCORES_BELOW:
+            groups = range(queries.shape[2])
+            sums = [jnp.sum(queries[:, :, g : g + 1] * keys, axis=-1) for g in groups]
+            scores = jnp.concatenate(sums, axis=2)
+        else:
+            scores = jnp.sum(queries * keys, axis=-1)
     else:
         scores = jnp.einsum("bhgd,bshd->bhgs", grouped, k_cache, preferred_element_type=_F32)
     scores = scores / math.sqrt(head_dim)

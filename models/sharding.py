@@ -72,6 +72,21 @@ def logical_spec(shape: Sequence[int], names: LogicalNames, mesh=None, rules=Non
     return PartitionSpec(*spec)
 
 
+def per_device(shape: Sequence[int], names: LogicalNames) -> tuple[int, ...]:
+    """Each device's share of an array of `shape` laid out by the active rules' mapping of
+    `names` (the whole shape without a layout): what the code the compiler emits for one device
+    sees, where a choice of formulation depends on it."""
+    spec = logical_spec(shape, names)
+    if spec is None:
+        return tuple(shape)
+    mesh = _active_mesh()
+    share = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        share.append(size // math.prod(mesh.shape[a] for a in axes))
+    return tuple(share)
+
+
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
     """`x` with its layout pinned to the rules' mapping of `names` (no-op without a layout)."""
     spec = logical_spec(x.shape, names)

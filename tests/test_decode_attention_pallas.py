@@ -155,8 +155,9 @@ def test_kernel_lowers_to_triton_for_an_h100():
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)])
 def test_xla_decode_in_place_on_a_gpu_equals_its_einsums(monkeypatch, dtype, tol):
     """On a GPU XLA's decode attention sums float32 products in reduce fusions that read the
-    cache in place (attention.DECODE_IN_PLACE_ON_GPU); elsewhere two einsums. The same
-    attention either way, an empty row (length 0) included."""
+    cache in place (attention.DECODE_IN_PLACE_ON_GPU), the scores in one sum or, with few kv
+    heads per device, one query head at a time; elsewhere two einsums. The same attention
+    every way, an empty row (length 0) included."""
     from models import gpu_support
 
     rng = np.random.default_rng(8)
@@ -166,12 +167,14 @@ def test_xla_decode_in_place_on_a_gpu_equals_its_einsums(monkeypatch, dtype, tol
     lengths = jnp.array([0, 17, 40], jnp.int32)
     want = attention.decode_attention(q, k[0], v[0], lengths)
     monkeypatch.setattr(gpu_support, "compiling_for_gpu", lambda: True)  # as on a GPU
-    got = attention.decode_attention(q, k[0], v[0], lengths)
-    assert got.dtype == want.dtype == dtype
-    np.testing.assert_allclose(
-        np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
-    )
-    assert not np.any(np.asarray(got[0], np.float32))  # length 0: zeros
+    # kv heads per device: 1 sums the scores a query head at a time, the threshold in one sum
+    for per_device in (1, attention.PER_QUERY_HEAD_SCORES_BELOW):
+        got = attention.decode_attention(q, k[0], v[0], lengths, per_device)
+        assert got.dtype == want.dtype == dtype
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol
+        )
+        assert not np.any(np.asarray(got[0], np.float32))  # length 0: zeros
     monkeypatch.setattr(attention, "DECODE_IN_PLACE_ON_GPU", False)
     np.testing.assert_array_equal(
         np.asarray(attention.decode_attention(q, k[0], v[0], lengths)), np.asarray(want)

@@ -81,20 +81,21 @@ def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_
 def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
     """Prompts packed on demand and no prompt_length: two short prompts fill the pool's two
     slots; the second ends after one token, and the long prompt that takes its slot grows the
-    cache from the 16-token bucket to the 32-token one while the first row still decodes. Every
-    completion is still the sampler's, and on_done sees each row once, when it is written."""
+    cache from the 16-token bucket's slots (128) to the 128-token bucket's (256) while the
+    first row still decodes. Every completion is still the sampler's, and on_done sees each
+    row once, when it is written."""
     eos = SPECIAL.im_end
     scripts = [[9] * 10 + [eos], [7, eos], [8, 8, eos]]
-    prompt_tokens = [[0], [1], [2] + [3] * 20]  # the script's id first, then filler
+    prompt_tokens = [[0], [1], [2] + [3] * 119]  # the script's id first, then filler
     samples = [[Text(tokens)] for tokens in prompt_tokens]
     model = ScriptedModel(scripts)
     settings = scripted_settings(max_new_tokens=12, max_image_skips=0)
-    want = sampler.sample(model, prompt_pack(samples, 32), jax.random.key(0), **settings)
+    want = sampler.sample(model, prompt_pack(samples, 128), jax.random.key(0), **settings)
     asked, done, active_when_grown = [], [], []
 
     def pack_rows(rows):
         asked.append(list(rows))
-        return prompt_pack([samples[i] for i in rows], row_length=32)
+        return prompt_pack([samples[i] for i in rows], row_length=128)
 
     def on_done(index, out):
         assert out.row(index) == want.row(index)  # written before the call
@@ -113,10 +114,8 @@ def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
     assert got.row(0) == [9] * 10 and got.row(2) == [8, 8]  # the scripts, as a check
     assert sorted(done) == [0, 1, 2] and sorted(sum(asked, [])) == [0, 1, 2]
     assert active_when_grown == [[True, False]], active_when_grown
-    assert engine.pool_shapes == {
-        sampler.cache_slots_for(16, 12),
-        sampler.cache_slots_for(32, 12),
-    }
+    assert engine.pool_shapes == {sampler.cache_slots_for(16, 12), sampler.cache_slots_for(128, 12)}
+    assert engine.pool_shapes == {128, 256}
 
 
 def run_scripted(scripts, pool_size, max_new_tokens, max_image_skips=0):

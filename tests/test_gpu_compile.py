@@ -472,10 +472,75 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler, monkeypatch):
 
     copied, text = xla_decode_copies()
     assert not copied, hbm_traffic.describe(copied)
-    monkeypatch.setattr(attention, "DECODE_IN_PLACE_ON_GPU", False)  # the einsums
-    jax.clear_caches()  # the switch is read when tracing: trace the round again
-    copied, text = xla_decode_copies()
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "DECODE_IN_PLACE_ON_GPU", False)  # the einsums
+        jax.clear_caches()  # the switch is read when tracing: trace the round again
+        copied, text = xla_decode_copies()
+    jax.clear_caches()  # no later trace reuses the einsums
     assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(text))
+
+
+def tensor_layout_attention_copies(slots: int, layers: int = 8) -> list:
+    """The paper recipe's decode round in its 'tensor' layout, compiled for 8 H100s: tensor 4
+    (one kv head and 8 of the 16 rows per device), `layers` of BAGEL-7B's layers, `slots` cache
+    slots. The round's kernels that write a buffer the size of a layer's keys or values on a
+    device: a copy of them out of the cache, every token. (8 layers: XLA's choice depends on
+    the size of the cache it slices, and at 2 or 4 the one-sum scores were read in place.)"""
+    rows, new_tokens = 16, 8
+    mesh = gpu_target.make_mesh("h100", 8)
+    config = BagelConfig.bagel_7b(
+        llm=dict(compute_dtype="bfloat16", attention_backend="auto", num_hidden_layers=layers)
+    )
+    llm = config.llm
+    graphdef, params, rest = abstract_split(config, mesh)
+    view = mesh_lib.decode_mesh(mesh, "tensor", 4)
+    graphdef, copy = decode_copy.abstract_decode_copy(
+        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
+    )
+    state = abstract_state(view, llm, rows, slots, new_tokens)
+    spec = logical_spec((rows,), ("act_batch",), view, mesh_lib.DECODE_RULES)
+    tokens = jax.ShapeDtypeStruct(
+        (rows,), jnp.int32, sharding=jax.sharding.NamedSharding(view, spec)
+    )
+    settings = sampler.RoundSettings(
+        1.0, True, llm.vocab_size - 4, llm.vocab_size - 3, llm.vocab_size, new_tokens + 1
+    )
+    jax.clear_caches()  # the attention's form is chosen when the round is traced
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler.decode_round.lower(
+            graphdef,
+            copy,
+            state,
+            sampler.abstract_key(view),
+            tokens,
+            settings,
+            mesh_lib.DECODE_RULES,
+        )
+        compiled, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
+    per_device = (rows // 2) * slots * llm.head_dim  # a layer's keys (or values) on one device
+    return layer_cache_copies(compiled.as_text(), per_device)
+
+
+@pytest.mark.slow
+def test_the_tensor_layouts_decode_attention_reads_the_cache_in_place(monkeypatch):
+    """In the paper recipe's 'tensor' decode layout no kernel copies a layer's keys or values
+    out of the cache, token after token. Two choices make it so (compiled for H100s, 2026-12-06),
+    and each is shown to matter: with the scores in one sum (models/attention.py
+    PER_QUERY_HEAD_SCORES_BELOW) each layer's keys were copied, and at the slot count before
+    rounding (7170; sampler.cache_slots_for) each layer's values."""
+    slots = sampler.cache_slots_for(6144, 1024, 1)  # the recipe's prompts, completions, skips
+    assert slots == 7296
+    copies = tensor_layout_attention_copies(slots)
+    assert not copies, hbm_traffic.describe(copies)
+
+    copies = tensor_layout_attention_copies(7170)
+    assert len(copies) >= 8, hbm_traffic.describe(copies)  # a layer's values, each layer
+
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "PER_QUERY_HEAD_SCORES_BELOW", 0)  # the scores in one sum
+        copies = tensor_layout_attention_copies(slots)
+    jax.clear_caches()  # no later trace reuses the one-sum form
+    assert len(copies) >= 8, hbm_traffic.describe(copies)  # a layer's keys, each layer
 
 
 @pytest.mark.slow

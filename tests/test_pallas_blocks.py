@@ -28,16 +28,19 @@ DTYPE = jnp.bfloat16
 
 
 def recipe_cache_slots() -> list[int]:
-    """The sampler's cache lengths of the two 7B recipes: one per prompt bucket."""
+    """The sampler's cache lengths of the two 7B recipes, one per prompt bucket, and each
+    before sampler.cache_slots_for rounds it to a multiple of 128: the kernel takes any count
+    a caller hands it, and does not rely on that rounding."""
     slots = set()
     for recipe in (thinkmorph_7b, thinkmorph_7b_1gpu):
         config = recipe.get_config()
         for bucket in config.sample_prompt_buckets:
-            slots.add(
-                sampler.cache_slots_for(
-                    bucket, config.sample_max_new_tokens, config.sample_max_image_skips
-                )
+            needed = bucket + config.sample_max_new_tokens + config.sample_max_image_skips + 1
+            rounded = sampler.cache_slots_for(
+                bucket, config.sample_max_new_tokens, config.sample_max_image_skips
             )
+            assert rounded - 128 < needed <= rounded
+            slots.update((needed, rounded))
     return sorted(slots)
 
 

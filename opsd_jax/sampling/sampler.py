@@ -48,6 +48,7 @@ from flax.core import spmd
 from models.pack import Pack
 from models.sharding import constrain
 from models.vocab import mask_vocab
+from opsd_jax.data import pack_shapes
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import rows_array, to_host
 from opsd_jax.sampling.decode_copy import DecodeCopy
@@ -208,8 +209,15 @@ def sample_step(model, state: DecodeState, feed, keys, settings: RoundSettings):
 
 def cache_slots_for(prompt_length: int, max_new_tokens: int, max_image_skips: int = 0) -> int:
     """KV-cache slots per row: the prompt row, the completion budget and each round's fed
-    <|im_start|> (a skip's appended <|im_end|> counts against the budget)."""
-    return prompt_length + max_new_tokens + (max_image_skips + 1)
+    <|im_start|> (a skip's appended <|im_end|> counts against the budget), rounded up to a
+    multiple of 128 (pack_shapes.MULTIPLE).
+
+    Why rounded: on a GPU XLA splits the decode attention's sum over the slots into blocks, and
+    at a slot count with no such factors (7170, the paper recipe's) it pads the products first,
+    which kept the layer's value slice from being read in place in the 'tensor' layout: a copy
+    of each layer's values every token (0.77 GiB of the step's 5.98, compiled for H100s). At
+    7296 nothing is copied; the extra slots cost 1.8% more cache and are never attended."""
+    return pack_shapes.round_up(prompt_length + max_new_tokens + (max_image_skips + 1))
 
 
 def check_prompt_pack(pack: Pack) -> None:
