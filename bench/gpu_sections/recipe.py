@@ -24,8 +24,9 @@ RECIPE_STEPS = 3  # the step reported: the second
 RECIPE = "configs/thinkmorph_7b_1gpu.py"
 # What bench/scale.py projects for this recipe's step on one H100: `bench/scale.py --target h100
 # --devices 1 --config configs/thinkmorph_7b_1gpu.py`, 2026-12-06 (docs/performance.md: a run's
-# packs and 'auto' decode), at its assumed MFU: the figure the measured step is read against.
-SCALE_STEP_S = 25.70
+# packs and 'auto' decode, the cache read in place), at its assumed MFU: the figure the measured
+# step is read against.
+SCALE_STEP_S = 25.73
 
 
 def recipe_shapes(args) -> list[str]:
