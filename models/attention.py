@@ -529,8 +529,9 @@ DECODE_IN_PLACE_ON_GPU = True
 # group's 7 query heads in a reduce fusion that XLA would not fuse the layer's key slice into:
 # every token it copied each layer's keys out of the cache (28 MiB a layer, 0.77 GiB of the
 # step's 5.98). Summed per query head, the 7 sums read the keys where they lie, in one fusion.
-# With 2 kv heads a device both forms copied something; with 4 (the one-GPU recipe, the
-# replicated layout) the one-sum form copies nothing and the per-head sums would (2026-12-06).
+# With 2 kv heads a device both forms moved data (the one sum more); with 4 (the one-GPU
+# recipe, the replicated layouts) the one sum copies nothing, where the per-head sums add
+# transposes of the scores (2026-12-06; tests/test_gpu_compile.py checks the tensor layout).
 PER_QUERY_HEAD_SCORES_BELOW = 4
 
 
