@@ -480,45 +480,47 @@ def test_decode_attention_reads_the_cache_in_place(h100_sampler, monkeypatch):
     assert len(copied) >= 2, hbm_traffic.describe(hbm_traffic.loop_traffic(text))
 
 
+def tensor_decode_round(model_config, devices, tensor, rows, slots, new_tokens):
+    """The decode round of `model_config` in the 'tensor' layout, compiled for `devices` H100s
+    with a tensor axis of `tensor`: (its program, the decode copy)."""
+    llm = model_config.llm
+    mesh = gpu_target.make_mesh("h100", devices)
+    graphdef, params, rest = abstract_split(model_config, mesh)
+    view = mesh_lib.decode_mesh(mesh, "tensor", tensor)
+    graphdef, copy = decode_copy.abstract_decode_copy(
+        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
+    )
+    spec = logical_spec((rows,), ("act_batch",), view, mesh_lib.DECODE_RULES)
+    tokens = jax.ShapeDtypeStruct(
+        (rows,), jnp.int32, sharding=jax.sharding.NamedSharding(view, spec)
+    )
+    state = abstract_state(view, llm, rows, slots, new_tokens)
+    key = sampler.abstract_key(view)
+    settings = sampler.RoundSettings(
+        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
+    )
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        lowered = sampler.decode_round.lower(
+            graphdef, copy, state, key, tokens, settings, mesh_lib.DECODE_RULES
+        )
+        program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
+    return program, copy
+
+
 def tensor_layout_attention_copies(slots: int, layers: int = 8) -> list:
     """The paper recipe's decode round in its 'tensor' layout, compiled for 8 H100s: tensor 4
     (one kv head and 8 of the 16 rows per device), `layers` of BAGEL-7B's layers, `slots` cache
     slots. The round's kernels that write a buffer the size of a layer's keys or values on a
     device: a copy of them out of the cache, every token. (8 layers: XLA's choice depends on
     the size of the cache it slices, and at 2 or 4 the one-sum scores were read in place.)"""
-    rows, new_tokens = 16, 8
-    mesh = gpu_target.make_mesh("h100", 8)
+    rows = 16
     config = BagelConfig.bagel_7b(
         llm=dict(compute_dtype="bfloat16", attention_backend="auto", num_hidden_layers=layers)
     )
-    llm = config.llm
-    graphdef, params, rest = abstract_split(config, mesh)
-    view = mesh_lib.decode_mesh(mesh, "tensor", 4)
-    graphdef, copy = decode_copy.abstract_decode_copy(
-        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
-    )
-    state = abstract_state(view, llm, rows, slots, new_tokens)
-    spec = logical_spec((rows,), ("act_batch",), view, mesh_lib.DECODE_RULES)
-    tokens = jax.ShapeDtypeStruct(
-        (rows,), jnp.int32, sharding=jax.sharding.NamedSharding(view, spec)
-    )
-    settings = sampler.RoundSettings(
-        1.0, True, llm.vocab_size - 4, llm.vocab_size - 3, llm.vocab_size, new_tokens + 1
-    )
     jax.clear_caches()  # the attention's form is chosen when the round is traced
-    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        lowered = sampler.decode_round.lower(
-            graphdef,
-            copy,
-            state,
-            sampler.abstract_key(view),
-            tokens,
-            settings,
-            mesh_lib.DECODE_RULES,
-        )
-        compiled, _ = hlo_stats.compile_and_read(lowered, gpu_target.compiler_options(view))
-    per_device = (rows // 2) * slots * llm.head_dim  # a layer's keys (or values) on one device
-    return layer_cache_copies(compiled.as_text(), per_device)
+    program, _ = tensor_decode_round(config, 8, 4, rows, slots, new_tokens=8)
+    per_device = (rows // 2) * slots * config.llm.head_dim  # a layer's keys (or values)
+    return layer_cache_copies(program.compiled.as_text(), per_device)
 
 
 @pytest.mark.slow
@@ -681,36 +683,12 @@ def h100_tensor_decode():
     """The tiny model's decode round on two H100s in the 'tensor' layout (tensor 2: one kv head
     per device, as the 7B recipe's tensor 4): (its program, rows, cache slots, the shapes of
     a layer's weight shards: each device's part of one layer's projections)."""
-    mesh = gpu_target.make_mesh("h100", 2)
     # The decode kernel named: "auto" decodes on the XLA path until the kernel passes on a GPU
     # (models/attention.py DECODE_KERNEL_IN_AUTO); these check the kernel's compiled layout.
     model_config = BagelConfig.tiny(llm=dict(compute_dtype="bfloat16", attention_backend="pallas"))
-    llm = model_config.llm
-    graphdef, params, rest = abstract_split(model_config, mesh)
-    view = mesh_lib.decode_mesh(mesh, "tensor", 2)
-    graphdef, copy = decode_copy.abstract_decode_copy(
-        graphdef, nnx.merge_state(params, rest), view, jnp.bfloat16
-    )
     rows, new_tokens = 2, 8
     slots = sampler.cache_slots_for(128, new_tokens)
-
-    def on_view(shape, dtype, names):
-        spec = logical_spec(shape, names, view, mesh_lib.DECODE_RULES)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(view, spec))
-
-    def rows_of(dtype, *tail):
-        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
-
-    state = abstract_state(view, llm, rows, slots, new_tokens)
-    key = sampler.abstract_key(view)
-    settings = sampler.RoundSettings(
-        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
-    )
-    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        lowered = sampler.decode_round.lower(
-            graphdef, copy, state, key, rows_of(jnp.int32), settings, mesh_lib.DECODE_RULES
-        )
-        program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
+    program, copy = tensor_decode_round(model_config, 2, 2, rows, slots, new_tokens)
     shard_shapes = {
         tuple(sorted(d for d in x.sharding.shard_shape(x.shape)[1:] if d != 1))
         for path, x in jax.tree_util.tree_flatten_with_path(copy["language_model"]["layers"])[0]
