@@ -79,12 +79,7 @@ def per_device(shape: Sequence[int], names: LogicalNames) -> tuple[int, ...]:
     spec = logical_spec(shape, names)
     if spec is None:
         return tuple(shape)
-    mesh = _active_mesh()
-    share = []
-    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-        share.append(size // math.prod(mesh.shape[a] for a in axes))
-    return tuple(share)
+    return jax.sharding.NamedSharding(_active_mesh(), spec).shard_shape(tuple(shape))
 
 
 def constrain(x: jax.Array, names: LogicalNames) -> jax.Array:
