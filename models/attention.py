@@ -496,9 +496,11 @@ def cache_attention(
                 out_names=names[0],
             )
             return per_device(q, cache, jnp.asarray(layer, jnp.int32), kv_lengths)
-    kv_heads_here = sharding.per_device(cache.shape, _cache_arg_names(q, cache)[1])[4]
+    _, rows_here, _, _, kv_heads_here, _ = sharding.per_device(
+        cache.shape, _cache_arg_names(q, cache)[1]
+    )
     return decode_attention(
-        q, cache[layer, :, :, 0], cache[layer, :, :, 1], kv_lengths, kv_heads_here
+        q, cache[layer, :, :, 0], cache[layer, :, :, 1], kv_lengths, kv_heads_here, rows_here
     )
 
 
@@ -534,8 +536,54 @@ DECODE_IN_PLACE_ON_GPU = True
 # transposes of the scores (2026-12-06; tests/test_gpu_compile.py checks the tensor layout).
 PER_QUERY_HEAD_SCORES_BELOW = 4
 
+# Where a device holds at least PER_QUERY_HEAD_SCORES_BELOW kv heads and this many rows, the
+# in-place output sums the slots in chunks of at most VALUE_SUM_CHUNK, then adds the chunks'
+# sums. XLA:GPU splits a column reduction longer than 4096 slots (a warp times its tile) into a
+# tree: the one-GPU LoRA recipe's 7296 slots became 64 partial sums of 114, f32[16,4,7,64,128]
+# written and read again (28 MiB a layer), and the softmax's weights went to it as f32 exp
+# (25 MiB more). In 8 chunks of 912 each sum stays whole, the 8 partials are 1.75 MiB, and XLA
+# writes the weights once, normalised, in bf16, from one fusion that also takes the row max
+# (guarded by the row's length, not by isfinite(max), which took a pass of its own). Compiled
+# for one H100 (2026-12-06), HBM per decode step at 7296 slots: 16 rows 22.098 -> 20.743 GiB
+# (the floor 18.858) in 448 -> 420 kernels, 8 rows 17.635 -> 16.957, 32 rows 31.026 -> 28.316;
+# 16 rows at 2048 / 12288 slots 17.368 -> 17.080 / 26.955 -> 25.759. With 2 or 4 rows a device
+# (the 8-GPU 'replicated' layout) or one kv head (the 'tensor' one) XLA copied each layer's
+# values out of the cache instead (+0.78 GiB a step), so those keep the one reduction.
+# tests/test_gpu_compile.py checks both sides. The chunks are added one by one: summed by
+# jnp.sum, XLA merges the two reductions into one and splits it 64 ways again.
+CHUNKED_VALUE_SUM_MIN_ROWS = 8
+VALUE_SUM_CHUNK = 1024
+MAX_VALUE_SUM_CHUNKS = 64  # more would be that many adds a layer: one reduction instead
 
-def decode_attention(q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None) -> jax.Array:
+
+def value_chunks(num_slots: int) -> int:
+    """The fewest chunks of at most VALUE_SUM_CHUNK slots that split num_slots evenly; 1 (one
+    reduction) where none of at most MAX_VALUE_SUM_CHUNKS does."""
+    for chunks in range(1, MAX_VALUE_SUM_CHUNKS + 1):
+        if num_slots % chunks == 0 and num_slots // chunks <= VALUE_SUM_CHUNK:
+            return chunks
+    return 1
+
+
+def _in_place_value_sum(weights, v_cache, chunks: int):
+    """sum_s weights[b, h, g, s] * v_cache[b, s, h, :] in f32, read from the cache's own layout,
+    the slots in `chunks` equal chunks. weights: [B, Hkv, G, S]; returns [B, Hkv, G, D]."""
+    batch, num_slots, kv_heads, head_dim = v_cache.shape
+    size = num_slots // chunks
+    shape = (batch, kv_heads, weights.shape[2], chunks, size)
+    products = (
+        weights.astype(_F32).reshape(shape)[..., None]
+        * jnp.moveaxis(v_cache.astype(_F32).reshape(batch, chunks, size, kv_heads, head_dim), 3, 1)[
+            :, :, None
+        ]
+    )
+    partial = jnp.sum(products, axis=4)  # [B, Hkv, G, chunks, D]
+    return functools.reduce(operator.add, [partial[:, :, :, c] for c in range(chunks)])
+
+
+def decode_attention(
+    q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None, rows_per_device=None
+) -> jax.Array:
     """One query per row against a KV cache: the decode step's attention.
 
     q: [B, Hq, D]; k_cache, v_cache: [B, S, Hkv, D]; key slot j is visible iff j < kv_lengths[b].
@@ -545,9 +593,9 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None) 
 
     On a GPU (or compiled for one) the scores and the output are float32 products summed by
     XLA reduce fusions that read the cache where it lies (`DECODE_IN_PLACE_ON_GPU`); elsewhere
-    two einsums, whose GEMMs suit a CPU or a TPU. `kv_heads_per_device` (default: all of
-    k_cache's) picks the form of the in-place scores (`PER_QUERY_HEAD_SCORES_BELOW`); the
-    result is the same either way.
+    two einsums, whose GEMMs suit a CPU or a TPU. `kv_heads_per_device` and `rows_per_device`
+    (default: all of k_cache's) pick the form of the in-place sums (`PER_QUERY_HEAD_SCORES_BELOW`,
+    `CHUNKED_VALUE_SUM_MIN_ROWS`); the result is the same to rounding either way.
     """
     batch, num_slots, kv_heads, head_dim = k_cache.shape
     q_heads = q.shape[1]
@@ -562,8 +610,8 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None) 
     if in_place:  # [B, Hkv, G, S], summed over D from the cache's own layout
         keys = jnp.moveaxis(k_cache.astype(_F32), 1, 2)[:, :, None, :, :]
         queries = grouped.astype(_F32)[:, :, :, None, :]
-        per_device = kv_heads if kv_heads_per_device is None else kv_heads_per_device
-        if per_device < PER_QUERY_HEAD_SCORES_BELOW:
+        few_heads = (kv_heads_per_device or kv_heads) < PER_QUERY_HEAD_SCORES_BELOW
+        if few_heads:
             groups = range(queries.shape[2])
             sums = [jnp.sum(queries[:, :, g : g + 1] * keys, axis=-1) for g in groups]
             scores = jnp.concatenate(sums, axis=2)
@@ -575,12 +623,15 @@ def decode_attention(q, k_cache, v_cache, kv_lengths, kv_heads_per_device=None) 
     visible = (jnp.arange(num_slots)[None, :] < kv_lengths[:, None])[:, None, None, :]
     scores = jnp.where(visible, scores, -jnp.inf)
     max_score = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - jnp.where(jnp.isfinite(max_score), max_score, 0.0))
+    # A row with no filled slot has max -inf: 0 in its place, so its weights are exp(-inf) = 0.
+    filled = (kv_lengths > 0)[:, None, None, None]
+    weights = jnp.exp(scores - jnp.where(filled, max_score, 0.0))
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
     weights = weights.astype(v_cache.dtype)
     if in_place:  # [B, Hkv, G, D], summed over the slots
-        values = jnp.moveaxis(v_cache.astype(_F32), 1, 2)[:, :, None, :, :]
-        out = jnp.sum(weights.astype(_F32)[..., None] * values, axis=3)
+        many_rows = (rows_per_device or batch) >= CHUNKED_VALUE_SUM_MIN_ROWS
+        chunks = value_chunks(num_slots) if many_rows and not few_heads else 1
+        out = _in_place_value_sum(weights, v_cache, chunks)
     else:
         out = jnp.einsum("bhgs,bshd->bhgd", weights, v_cache, preferred_element_type=_F32)
     return out.reshape(batch, q_heads, head_dim).astype(q.dtype)

@@ -156,8 +156,9 @@ def test_kernel_lowers_to_triton_for_an_h100():
 def test_xla_decode_in_place_on_a_gpu_equals_its_einsums(monkeypatch, dtype, tol):
     """On a GPU XLA's decode attention sums float32 products in reduce fusions that read the
     cache in place (attention.DECODE_IN_PLACE_ON_GPU), the scores in one sum or, with few kv
-    heads per device, one query head at a time; elsewhere two einsums. The same attention
-    every way, an empty row (length 0) included."""
+    heads per device, one query head at a time, the output over all slots at once or, with
+    many rows per device, in chunks of slots; elsewhere two einsums. The same attention every
+    way, an empty row (length 0) included."""
     from models import gpu_support
 
     rng = np.random.default_rng(8)
@@ -167,9 +168,14 @@ def test_xla_decode_in_place_on_a_gpu_equals_its_einsums(monkeypatch, dtype, tol
     lengths = jnp.array([0, 17, 40], jnp.int32)
     want = attention.decode_attention(q, k[0], v[0], lengths)
     monkeypatch.setattr(gpu_support, "compiling_for_gpu", lambda: True)  # as on a GPU
-    # kv heads per device: 1 sums the scores a query head at a time, the threshold in one sum
-    for per_device in (1, attention.PER_QUERY_HEAD_SCORES_BELOW):
-        got = attention.decode_attention(q, k[0], v[0], lengths, per_device)
+    monkeypatch.setattr(attention, "VALUE_SUM_CHUNK", 16)
+    assert attention.value_chunks(40) == 4  # chunks of 10 slots, the 17-slot row across two
+    heads = attention.PER_QUERY_HEAD_SCORES_BELOW
+    rows = attention.CHUNKED_VALUE_SUM_MIN_ROWS
+    # (kv heads, rows) per device: scores a query head at a time, or in one sum with the output
+    # in one sum or in chunks
+    for per_device in ((1, rows), (heads, rows - 1), (heads, rows)):
+        got = attention.decode_attention(q, k[0], v[0], lengths, *per_device)
         assert got.dtype == want.dtype == dtype
         np.testing.assert_allclose(
             np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol

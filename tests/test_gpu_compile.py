@@ -545,6 +545,40 @@ def test_the_tensor_layouts_decode_attention_reads_the_cache_in_place(monkeypatc
     assert len(copies) >= 8, hbm_traffic.describe(copies)  # a layer's keys, each layer
 
 
+def one_gpu_decode_traffic(layers: int) -> tuple[int, list]:
+    """The one-GPU LoRA recipe's decode round (16 rows, 7296 slots: 4 kv heads and all the rows
+    on one H100) with `layers` of BAGEL-7B's layers: (HBM bytes per token, the kernels that
+    copy a layer's keys or values out of the cache)."""
+    rows, slots = 16, sampler.cache_slots_for(6144, 1024, 1)
+    config = BagelConfig.bagel_7b(
+        llm=dict(compute_dtype="bfloat16", attention_backend="auto", num_hidden_layers=layers)
+    )
+    jax.clear_caches()  # the attention's form is chosen when the round is traced
+    program, _ = tensor_decode_round(config, 1, 1, rows, slots, new_tokens=8)
+    text = program.compiled.as_text()
+    per_device = rows * slots * config.llm.num_key_value_heads * config.llm.head_dim
+    return hbm_traffic.total_bytes(hbm_traffic.loop_traffic(text)), layer_cache_copies(
+        text, per_device
+    )
+
+
+def test_one_gpus_decode_sums_the_values_in_chunks_of_slots(monkeypatch):
+    """With 4 kv heads and 16 rows on one H100, the decode attention's output sums the slots in
+    chunks (models/attention.py CHUNKED_VALUE_SUM_MIN_ROWS): XLA then writes no tree of partial
+    sums and no f32 exp of the scores, about 50 MiB a layer and token (2026-12-06: 28 layers
+    22.098 -> 20.743 GiB a token). Compiled both ways at 4 layers; neither copies the cache."""
+    layers = 4
+    chunked, copies = one_gpu_decode_traffic(layers)
+    assert not copies, hbm_traffic.describe(copies)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "CHUNKED_VALUE_SUM_MIN_ROWS", 10**9)  # one sum of the slots
+        whole, copies = one_gpu_decode_traffic(layers)
+    jax.clear_caches()  # no later trace reuses the one-sum form
+    assert not copies, hbm_traffic.describe(copies)
+    saved = (whole - chunked) / layers / 2**20
+    assert saved > 40, f"{saved:.1f} MiB a layer and token ({whole} -> {chunked} bytes)"
+
+
 @pytest.mark.slow
 def test_the_tensor_layout_decode_reads_its_weights_in_place(h100_tensor_decode):
     """No kernel of the 'tensor' layout's decode loop copies a layer's weight shard out of the
