@@ -26,7 +26,7 @@ RECIPE = "configs/thinkmorph_7b_1gpu.py"
 # --devices 1 --config configs/thinkmorph_7b_1gpu.py`, 2026-12-06 (docs/performance.md: a run's
 # packs and 'auto' decode, the cache read in place), at its assumed MFU: the figure the measured
 # step is read against.
-SCALE_STEP_S = 25.73
+SCALE_STEP_S = 25.28
 
 
 def recipe_shapes(args) -> list[str]:
