@@ -65,7 +65,7 @@ ESTIMATE_S = {
     "grad_step": 240,
     "profile": 90,
     "parity": 60,
-    "decode": 150,
+    "decode": 180,  # with the B = 8 round timed twice (its output summed in chunks, then not)
     "attention": 120,
     "train": 240,
     "tiles": 240,

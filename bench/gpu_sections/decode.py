@@ -2,8 +2,9 @@
 
 The decode round on a bf16 copy of the whole BAGEL-7B LM at B rows (one process per B: 1, 8,
 32): tokens/s next to the HBM roofline (the weights and the filled KV cache read once per
-step), the allocator's peak next to the deviceless prediction; in the B = 8 process, the decode
-attention kernel alone at the recipe's per-device share; with 4+ GPUs, the round at B = 8 on the
+step), the allocator's peak next to the deviceless prediction; in the B = 8 process, the round
+again with XLA's attention output summed over all slots at once (the default sums chunks of
+them: `one_value_sum`) and the decode attention kernel alone at the recipe's per-device share; with 4+ GPUs, the round at B = 8 on the
 'tensor' decode layout over 4 of them (its own process).
 
 Fails: at B = 8, tokens/s below MIN_DECODE_ROOFLINE of the roofline (on one GPU and on the
@@ -158,20 +159,25 @@ def run(args):
     checked = batch == DECODE_CHECK_BATCH
     # B = 1 and 32 are shown only: one timed run after the warm-up is enough for them.
     repeats = args.repeats if checked else 1
-    with mesh_lib.use_mesh(view, rules):
-        key = jax.device_put(jax.random.key(0), NamedSharding(view, PartitionSpec()))
-        row_ids = jax.device_put(jnp.arange(batch, dtype=jnp.int32), shardings.length)
-        compiled = sampler.decode_round.lower(
-            graphdef, weights, fresh(), key, row_ids, settings, rules
-        ).compile()
-        times, tokens = [], 0
-        for _ in range(repeats + 1):  # the first run warms up
-            state = fresh()  # donated: a fresh one per run
-            t0 = time.perf_counter()
-            state = jax.block_until_ready(compiled(weights, state, key, row_ids))
-            times.append(time.perf_counter() - t0)
-            tokens = int(state.length.sum()) + batch  # sampled + the fed <|im_start|>
-    seconds = statistics.median(times[1:])
+
+    def timed_round():
+        """(median seconds of a round, tokens it sampled, the compiled round), traced afresh."""
+        with mesh_lib.use_mesh(view, rules):
+            key = jax.device_put(jax.random.key(0), NamedSharding(view, PartitionSpec()))
+            row_ids = jax.device_put(jnp.arange(batch, dtype=jnp.int32), shardings.length)
+            compiled = sampler.decode_round.lower(
+                graphdef, weights, fresh(), key, row_ids, settings, rules
+            ).compile()
+            times, tokens = [], 0
+            for _ in range(repeats + 1):  # the first run warms up
+                state = fresh()  # donated: a fresh one per run
+                t0 = time.perf_counter()
+                state = jax.block_until_ready(compiled(weights, state, key, row_ids))
+                times.append(time.perf_counter() - t0)
+                tokens = int(state.length.sum()) + batch  # sampled + the fed <|im_start|>
+        return statistics.median(times[1:]), tokens, compiled
+
+    seconds, tokens, compiled = timed_round()
     _, hbm_bw = device_peaks(args)
     mean_cache = cache_share * (prompt_len + new_tokens / 2) / slots
     # tokens/s reading each byte once per step; the devices of the 'tensor' case read their
@@ -212,8 +218,37 @@ def run(args):
         ok=True,
     )
     if checked:  # after the memory row, so that its allocator peak is the round's alone
-        del weights, state
+        if tensor == 1:
+            one_value_sum(timed_round, tokens_s, batch)
+        del weights
         decode_kernel_alone(args)
+
+
+def one_value_sum(timed_round, tokens_s: float, batch: int):
+    """The same round with XLA's decode attention summing its output over all slots at once,
+    against the chunks of slots a device with 4 kv heads and 8+ rows takes by default
+    (models/attention.py CHUNKED_VALUE_SUM_MIN_ROWS): chosen by the compiled program's bytes
+    (20.743 against 22.098 GiB a token for the one-GPU recipe), timed here."""
+    import jax
+
+    from models import attention
+
+    chosen = attention.CHUNKED_VALUE_SUM_MIN_ROWS
+    attention.CHUNKED_VALUE_SUM_MIN_ROWS = 10**9
+    jax.clear_caches()  # the form is chosen when the round is traced
+    try:
+        seconds, tokens, _ = timed_round()
+    finally:
+        attention.CHUNKED_VALUE_SUM_MIN_ROWS = chosen
+        jax.clear_caches()
+    emit(
+        section="decode",
+        case=f"B={batch}, the output in one sum of the slots (not in chunks)",
+        value=f"{tokens / seconds:.0f} tokens/s",
+        unit=f"the chunks' round {tokens_s / (tokens / seconds):.2f}x its speed (the default "
+        f"from {chosen} rows a device, attention.CHUNKED_VALUE_SUM_MIN_ROWS)",
+        ok=True,
+    )
 
 
 def decode_kernel_alone(args):
