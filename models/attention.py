@@ -570,14 +570,11 @@ def _in_place_value_sum(weights, v_cache, chunks: int):
     the slots in `chunks` equal chunks. weights: [B, Hkv, G, S]; returns [B, Hkv, G, D]."""
     batch, num_slots, kv_heads, head_dim = v_cache.shape
     size = num_slots // chunks
-    shape = (batch, kv_heads, weights.shape[2], chunks, size)
-    products = (
-        weights.astype(_F32).reshape(shape)[..., None]
-        * jnp.moveaxis(v_cache.astype(_F32).reshape(batch, chunks, size, kv_heads, head_dim), 3, 1)[
-            :, :, None
-        ]
-    )
-    partial = jnp.sum(products, axis=4)  # [B, Hkv, G, chunks, D]
+    chunked = (batch, kv_heads, weights.shape[2], chunks, size)
+    weights = weights.astype(_F32).reshape(chunked)[..., None]  # [B, Hkv, G, chunks, size, 1]
+    values = v_cache.astype(_F32).reshape(batch, chunks, size, kv_heads, head_dim)
+    values = jnp.moveaxis(values, 3, 1)[:, :, None]  # [B, Hkv, 1, chunks, size, D]
+    partial = jnp.sum(weights * values, axis=4)  # [B, Hkv, G, chunks, D]
     return functools.reduce(operator.add, [partial[:, :, :, c] for c in range(chunks)])
 
 
@@ -606,11 +603,13 @@ def decode_attention(
     from models import gpu_support
 
     in_place = DECODE_IN_PLACE_ON_GPU and gpu_support.compiling_for_gpu()
+    # The in-place sums' forms, by what one device holds (the constants say why).
+    few_heads = (kv_heads_per_device or kv_heads) < PER_QUERY_HEAD_SCORES_BELOW
+    many_rows = (rows_per_device or batch) >= CHUNKED_VALUE_SUM_MIN_ROWS
     grouped = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).astype(k_cache.dtype)
     if in_place:  # [B, Hkv, G, S], summed over D from the cache's own layout
         keys = jnp.moveaxis(k_cache.astype(_F32), 1, 2)[:, :, None, :, :]
         queries = grouped.astype(_F32)[:, :, :, None, :]
-        few_heads = (kv_heads_per_device or kv_heads) < PER_QUERY_HEAD_SCORES_BELOW
         if few_heads:
             groups = range(queries.shape[2])
             sums = [jnp.sum(queries[:, :, g : g + 1] * keys, axis=-1) for g in groups]
@@ -629,7 +628,6 @@ def decode_attention(
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-30)
     weights = weights.astype(v_cache.dtype)
     if in_place:  # [B, Hkv, G, D], summed over the slots
-        many_rows = (rows_per_device or batch) >= CHUNKED_VALUE_SUM_MIN_ROWS
         chunks = value_chunks(num_slots) if many_rows and not few_heads else 1
         out = _in_place_value_sum(weights, v_cache, chunks)
     else:

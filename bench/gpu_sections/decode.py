@@ -4,8 +4,8 @@ The decode round on a bf16 copy of the whole BAGEL-7B LM at B rows (one process 
 32): tokens/s next to the HBM roofline (the weights and the filled KV cache read once per
 step), the allocator's peak next to the deviceless prediction; in the B = 8 process, the round
 again with XLA's attention output summed over all slots at once (the default sums chunks of
-them: `one_value_sum`) and the decode attention kernel alone at the recipe's per-device share; with 4+ GPUs, the round at B = 8 on the
-'tensor' decode layout over 4 of them (its own process).
+them: `one_value_sum`) and the decode attention kernel alone at the recipe's per-device share;
+with 4+ GPUs, the round at B = 8 on the 'tensor' decode layout over 4 of them (its own process).
 
 Fails: at B = 8, tokens/s below MIN_DECODE_ROOFLINE of the roofline (on one GPU and on the
 'tensor' layout, per-device bytes); the kernel alone below MIN_KERNEL_HBM of HBM bandwidth.
