@@ -61,21 +61,23 @@ def _component(start, passages) -> set:
     return seen
 
 
-def _route(start, goal, passages) -> list[tuple[int, int]]:
-    # Breadth-first search; in a tree the route is unique, BFS just finds it.
+def _routes(start, passages) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """The route from start to every cell it reaches: one breadth-first search, each route read
+    back along the parents (in a tree each route is unique; BFS just finds them all at once)."""
     parent = {start: None}
     queue = [start]
     for cell in queue:
-        if cell == goal:
-            break
         for nb in _neighbours(cell):
             if frozenset((cell, nb)) in passages and nb not in parent:
                 parent[nb] = cell
                 queue.append(nb)
-    route = [goal]
-    while parent[route[-1]] is not None:
-        route.append(parent[route[-1]])
-    return route[::-1]
+    routes = {}
+    for goal in parent:
+        route = [goal]
+        while parent[route[-1]] is not None:
+            route.append(parent[route[-1]])
+        routes[goal] = route[::-1]
+    return routes
 
 
 def make_maze(rng: random.Random) -> dict[str, Any]:
@@ -103,7 +105,8 @@ def make_maze(rng: random.Random) -> dict[str, Any]:
     if rng.random() < 0.5:
         comp_a, comp_b = comp_b, comp_a
     start = rng.choice(sorted(comp_a))
-    routes = {cell: _route(start, cell, kept) for cell in sorted(comp_a) if cell != start}
+    reached = _routes(start, kept)
+    routes = {cell: reached[cell] for cell in sorted(comp_a) if cell != start}
     # Prefer goals at least 3 moves away: a goal next to the start needs no maze reading at all.
     far = [cell for cell, route in routes.items() if len(route) >= 4]
     reach = rng.choice(far or sorted(routes))
