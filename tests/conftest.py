@@ -35,10 +35,16 @@ SINGLE_THREADED = "--xla_cpu_multi_thread_eigen=false"
 # for an H100 took 219 s instead of 227 s, and its reused kernels carry other names, which the
 # tests that count a round's kernels by name read (2 of them failed).
 NO_DEVICELESS_AUTOTUNE = "--xla_gpu_autotune_level=0"
+# ptxas (through nvJitLink) without optimisation in those deviceless compiles: its PTX-to-cubin
+# step was 19% of a GPU-compile test's CPU (perf), and nothing the tests read comes after it
+# (the optimised HLO, the kernels, the buffers are fixed before the PTX is assembled).
+# farm-bench, two tests of test_gpu_compile.py, 3 pairs: 0.92x the CPU time (0.88-1.07x).
+UNOPTIMISED_PTXAS = "--xla_gpu_ptx_compiler_extra_flags=-O0"
 DEVICES_FLAG = "--xla_force_host_platform_device_count"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + f" {FAST_COMPILE} {SINGLE_THREADED} {NO_DEVICELESS_AUTOTUNE} {DEVICES_FLAG}=8"
+    + f" {FAST_COMPILE} {SINGLE_THREADED} {NO_DEVICELESS_AUTOTUNE} {UNOPTIMISED_PTXAS}"
+    + f" {DEVICES_FLAG}=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -154,11 +160,11 @@ UNIT_SECONDS = {
     "test_offline.py": 198,
     "test_teacher_by_source.py": 179,
     "test_train_step.py": 117,
-    "test_lora_training.py": 114,
+    "test_lora_training.py": 100,
     "test_multihost.py": 100,
     "bench/gpu_check.py": 108,
     "test_gpu_compile.py": 105,
-    "test_teacher_checkpoint.py": 94,
+    "test_teacher_checkpoint.py": 40,
     "test_remat.py": 60,  # with test_step_compiler_flags.py (SAME_UNIT_AS)
     "test_preflight.py": 70,
     "test_toy_experiment.py": 69,
