@@ -1,6 +1,7 @@
 """LoRA training (lora_rank > 0): the step trains the adapters alone over a frozen base held
 once, the teachers are base + their own adapters, checkpoints hold adapters and name their
-base, and train.py resumes a LoRA run bit-identically and refuses a changed base in one line."""
+base, and train.py resumes a LoRA run (taught by another checkpoint) bit-identically and refuses
+a changed base or teacher in one line."""
 
 import json
 import re
@@ -14,6 +15,7 @@ import pytest
 import safetensors.numpy
 from conftest import run_python
 from flax import nnx
+from test_teacher_checkpoint import toy_corpus
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
 
@@ -21,9 +23,11 @@ from models import lora
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
+from opsd_jax.io import teacher_checkpoint
 from opsd_jax.io.safetensors_io import WeightDirectory
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
 from scripts import convert_hf
 
@@ -148,6 +152,7 @@ LORA_RUN = [
     "--config.progress_bar=False",
     "--config.lora_rank=4",
     "--config.lora_targets=.*",
+    "--config.teacher_mode=checkpoint",
     "--config.save_every=2",
     "--config.log_every=1",
     "--config.lr_scheduler=constant",
@@ -155,48 +160,79 @@ LORA_RUN = [
 ]
 
 
-def train(results_dir, *overrides):
-    result = run_python(
-        "train.py", "--config", *LORA_RUN, f"--config.results_dir={results_dir}", *overrides
-    )
-    return result
-
-
 @pytest.mark.slow
-def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
-    straight = train(tmp_path / "straight", "--config.total_steps=4")
+def test_a_lora_run_taught_by_another_checkpoint_resumes_bit_identically_and_refuses_changes(
+    tmp_path,
+):
+    """A LoRA run taught by a three-layer checkpoint of other weights (one run for both: each
+    train.py launch compiles its own programs, and a launch pair costs most of a minute on two
+    cores). The checkpoint holds the adapters alone and names the base and the teacher; another
+    base or another teacher is refused in one line; the resumed run's params equal the straight
+    run's; the export merges the adapters into the base. A LoRA run with an EMA teacher resumes
+    the same way in tests/test_teacher_by_source.py (its EMA teacher of one source), and full
+    fine-tuning with an EMA teacher in tests/test_train_cli.py."""
+    deeper = BagelConfig.tiny().replace(llm=dict(num_hidden_layers=3))
+    teacher = toy_model.write_toy_model(
+        tmp_path / "teacher", seed=1, corpus=toy_corpus(), config=deeper
+    )
+
+    def train(results_dir, *overrides, teacher=teacher):
+        return run_python(
+            "train.py",
+            "--config",
+            *LORA_RUN,
+            f"--config.results_dir={results_dir}",
+            f"--config.teacher_path={teacher}",
+            "--config.total_steps=4",
+            *overrides,
+        )
+
+    straight = train(tmp_path / "straight")
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert "LoRA: " in straight.stdout and "trainable adapter parameters" in straight.stdout
+    assert "frozen in float32 (not saved)" in straight.stdout
+    assert "3 layers, hidden" in straight.stdout
 
     # A run stopped after its step-2 save: the straight run's step 2 alone, relaunched on the
     # same model and toy data.
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", tmp_path / "resumed/checkpoints/2")
     shutil.copytree(tmp_path / "straight" / "toy", tmp_path / "resumed" / "toy")
-    same_model = f"--config.model_path={tmp_path / 'straight' / 'toy' / 'model'}"
+    student = tmp_path / "straight" / "toy" / "model"
+    same_model = f"--config.model_path={student}"
     step_dir = tmp_path / "resumed" / "checkpoints" / "2"
-    # The checkpoint holds the adapters alone and names the base they apply to.
+    # The checkpoint holds the adapters alone and names the base they apply to and the teacher
+    # (never saved itself).
     meta = json.loads((step_dir / "meta" / "metadata").read_text())
     assert (
         meta["lora_base"]["weights"] in ("ema", "model") and len(meta["lora_base"]["digest"]) == 64
     )
+    assert meta["teacher_checkpoints"] == [teacher_checkpoint.identity(teacher)]
+    assert "ema_params" not in meta["items"]
     params_meta = json.loads((step_dir / "params" / "_METADATA").read_text())
     keys = list(params_meta["tree_metadata"])
     assert keys and all("lora" in key for key in keys), keys[:5]
 
     # Another base at the same path (one weight changed): refused in one line, nothing run.
-    weights = next((tmp_path / "straight" / "toy" / "model").glob("*.safetensors"))
+    weights = next(student.glob("*.safetensors"))
     original = weights.read_bytes()
     changed = bytearray(original)
     changed[-3] ^= 0xFF  # the last tensor's bytes: the header stays valid
     weights.write_bytes(bytes(changed))
-    refused = train(tmp_path / "resumed", "--config.total_steps=4", same_model)
+    refused = train(tmp_path / "resumed", same_model)
     weights.write_bytes(original)
     assert refused.returncode == 2  # a config error's code
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "its LoRA adapters were trained on" in lines[0], refused.stderr
     assert "step 3/" not in refused.stdout
 
-    resumed = train(tmp_path / "resumed", "--config.total_steps=4", same_model)
+    # Another teacher (the student's own weights): refused in one line, nothing run.
+    refused = train(tmp_path / "resumed", same_model, teacher=student)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "its run was taught by" in lines[0], refused.stderr
+    assert "step 3/" not in refused.stdout
+
+    resumed = train(tmp_path / "resumed", same_model)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     assert_same_params(
@@ -205,16 +241,15 @@ def test_a_lora_run_resumes_bit_identically_and_refuses_another_base(tmp_path):
     # The export: the merged model in BAGEL's HF layout is base + (alpha / r) B A, computed
     # here in numpy from the source's weights and the adapters written alone (PEFT names).
     run = tmp_path / "resumed"
-    source = tmp_path / "straight" / "toy" / "model"
     for out, extra in (("hf", []), ("adapters", ["--adapters_only"])):
         ckpt, out = str(run / "checkpoints"), str(run / out)
         convert_hf.main(
-            ["jax-to-hf", "--ckpt", ckpt, "--source", str(source), "--out", out, *extra]
+            ["jax-to-hf", "--ckpt", ckpt, "--source", str(student), "--out", out, *extra]
         )
     config = json.loads((run / "adapters" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["base"]["digest"] == meta["lora_base"]["digest"]
     adapters = safetensors.numpy.load_file(str(run / "adapters" / "adapter_model.safetensors"))
-    base, merged = WeightDirectory(source), WeightDirectory(run / "hf")
+    base, merged = WeightDirectory(student), WeightDirectory(run / "hf")
     assert sorted(merged.keys()) == sorted(base.keys())
     scale = config["lora_alpha"] / config["r"]
     checked = 0

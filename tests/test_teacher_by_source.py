@@ -25,7 +25,7 @@ import test_gpu_compile
 import test_offline
 from conftest import run_python
 from test_opsd_packs import SPECIAL, encode
-from test_teacher_checkpoint import FP32, TEACHER_RUN, split, toy_corpus
+from test_teacher_checkpoint import FP32, split, toy_corpus
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_training_packs, optim_config, stacked
 
@@ -239,19 +239,33 @@ def toy_dirs(tmp_path_factory):
     }
 
 
+# configs/smoke.py as the resumed runs of tests/test_train_cli.py and test_lora_training.py
+# train it: a checkpoint every 2 steps, every step logged, the learning rate constant.
+RESUMED_RUN = [
+    "configs/smoke.py",
+    "--config.progress_bar=False",
+    "--config.save_every=2",
+    "--config.log_every=1",
+    "--config.lr_scheduler=constant",
+    "--config.warmup_steps=0",
+]
+
+
 @pytest.mark.slow
 def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(tmp_path, toy_dirs):
-    """configs/smoke.py's two toy sources, toy_maze scored by the EMA and toy_count by the
-    three-layer checkpoint: each step logs both sources' losses, the checkpoints name the
-    teacher, the resumed run's params equal the straight run's, and another teacher is refused
-    in one line."""
+    """configs/smoke.py's two toy sources with LoRA adapters, toy_maze scored by the EMA (of
+    the adapters) and toy_count by the three-layer checkpoint: each step logs both sources'
+    losses, the checkpoints name the teacher and keep the adapters' EMA, the resumed run's
+    params equal the straight run's, and another teacher is refused in one line."""
     mapping = f"toy_maze=ema,toy_count={toy_dirs['teacher']}"
 
     def train(results_dir, *overrides):
         return run_python(
             "train.py",
             "--config",
-            *[a for a in TEACHER_RUN if a != "--config.teacher_mode=checkpoint"],
+            *RESUMED_RUN,
+            "--config.lora_rank=4",
+            "--config.lora_targets=.*",
             f"--config.model_path={toy_dirs['student']}",
             f"--config.results_dir={results_dir}",
             *overrides,

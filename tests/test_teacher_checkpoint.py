@@ -4,21 +4,16 @@ The teacher is another model: its own graph (it may be deeper than the student),
 frozen in the compute dtype and never saved. It scores exactly as a fixed teacher holding the
 same weights would, it stays bit-identical through the step, with LoRA it sits beside the
 student's base, its tokenizer and shapes are checked against the student's (the first
-difference named), and train.py resumes such a run bit-identically and refuses another teacher
-in one line.
+difference named). train.py's run taught by another checkpoint (resumed bit-identically, another
+teacher refused in one line) is tests/test_lora_training.py's LoRA run.
 """
-
-import json
-import shutil
 
 import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python
 from flax import nnx
-from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
 
 from models.bagel import Bagel
@@ -292,68 +287,3 @@ def test_the_first_token_read_otherwise_is_named():
     )
     other_special = _Tokenizer(ours.vocab, special=(0, 1, 3, 2))
     assert "special ids" in teacher_checkpoint.tokenizer_difference(ours, other_special)
-
-
-TEACHER_RUN = [
-    "configs/smoke.py",
-    "--config.progress_bar=False",
-    "--config.teacher_mode=checkpoint",
-    "--config.save_every=2",
-    "--config.log_every=1",
-    "--config.lr_scheduler=constant",
-    "--config.warmup_steps=0",
-]
-
-
-@pytest.mark.slow
-def test_a_run_taught_by_another_checkpoint_resumes_bit_identically_and_refuses_another(
-    tmp_path, toy_dirs
-):
-    """With LoRA (full fine-tuning with a checkpoint teacher trains, resumes and refuses the
-    same way in tests/test_teacher_by_source.py, its teacher named by the per-source map)."""
-    paths = [
-        f"--config.model_path={toy_dirs['student']}",
-        f"--config.teacher_path={toy_dirs['teacher']}",
-        "--config.lora_rank=4",
-        "--config.lora_targets=.*",
-    ]
-
-    def train(results_dir, *overrides):
-        return run_python(
-            "train.py",
-            "--config",
-            *TEACHER_RUN,
-            *paths,
-            f"--config.results_dir={results_dir}",
-            *overrides,
-        )
-
-    straight = train(tmp_path / "straight", "--config.total_steps=4")
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
-    assert "frozen in float32 (not saved)" in straight.stdout
-    assert "3 layers, hidden" in straight.stdout
-
-    shutil.copytree(tmp_path / "straight" / "checkpoints" / "2", tmp_path / "resumed/checkpoints/2")
-    shutil.copytree(tmp_path / "straight" / "toy", tmp_path / "resumed" / "toy")
-    step_dir = tmp_path / "resumed" / "checkpoints" / "2"
-    meta = json.loads((step_dir / "meta" / "metadata").read_text())
-    assert meta["teacher_checkpoints"] == [teacher_checkpoint.identity(toy_dirs["teacher"])]
-    assert "ema_params" not in meta["items"]  # the teacher is never saved
-
-    # Another teacher (the student's own weights): refused in one line, nothing run.
-    refused = train(
-        tmp_path / "resumed",
-        "--config.total_steps=4",
-        f"--config.teacher_path={toy_dirs['student']}",
-    )
-    assert refused.returncode == 2  # a config error's code
-    lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and "its run was taught by" in lines[0], refused.stderr
-    assert "step 3/" not in refused.stdout
-
-    resumed = train(tmp_path / "resumed", "--config.total_steps=4")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
-    assert_same_params(
-        tmp_path / "straight" / "checkpoints", tmp_path / "resumed" / "checkpoints", 4
-    )
