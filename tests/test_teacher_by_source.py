@@ -7,7 +7,8 @@ does not. A micro-batch of one source runs the other teacher under a cond that i
 and compiled for a GPU each teacher's forward stays inside its conditional.
 The train step (with LoRA: an EMA copy of the adapters beside another checkpoint's weights)
 logs each source's loss; the config's mapping is checked before any compute; and train.py
-trains, saves, resumes bit-identically and refuses another teacher in one line.
+trains LoRA adapters so taught, saves, resumes bit-identically and refuses another teacher in
+one line.
 """
 
 import dataclasses
