@@ -15,7 +15,7 @@ import pytest
 import safetensors.numpy
 from conftest import run_python
 from flax import nnx
-from test_teacher_checkpoint import toy_corpus
+from test_teacher_checkpoint import write_deeper_teacher
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_packs, optim_config, stacked
 
@@ -27,7 +27,6 @@ from opsd_jax.io import teacher_checkpoint
 from opsd_jax.io.safetensors_io import WeightDirectory
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.toy import model as toy_model
 from opsd_jax.training import train_step
 from scripts import convert_hf
 
@@ -147,12 +146,13 @@ def test_targets_that_match_nothing_are_named_with_the_model_paths():
     assert len(run_config.lora_target_paths(run_config.complete({}), BagelConfig.tiny())) == 7
 
 
+# configs/smoke.py with LoRA adapters, as the resumed runs here and in
+# tests/test_teacher_by_source.py train it: a checkpoint every 2 steps, every step logged.
 LORA_RUN = [
     "configs/smoke.py",
     "--config.progress_bar=False",
     "--config.lora_rank=4",
     "--config.lora_targets=.*",
-    "--config.teacher_mode=checkpoint",
     "--config.save_every=2",
     "--config.log_every=1",
     "--config.lr_scheduler=constant",
@@ -171,10 +171,7 @@ def test_a_lora_run_taught_by_another_checkpoint_resumes_bit_identically_and_ref
     run's; the export merges the adapters into the base. A LoRA run with an EMA teacher resumes
     the same way in tests/test_teacher_by_source.py (its EMA teacher of one source), and full
     fine-tuning with an EMA teacher in tests/test_train_cli.py."""
-    deeper = BagelConfig.tiny().replace(llm=dict(num_hidden_layers=3))
-    teacher = toy_model.write_toy_model(
-        tmp_path / "teacher", seed=1, corpus=toy_corpus(), config=deeper
-    )
+    teacher = write_deeper_teacher(tmp_path / "teacher")
 
     def train(results_dir, *overrides, teacher=teacher):
         return run_python(
@@ -182,6 +179,7 @@ def test_a_lora_run_taught_by_another_checkpoint_resumes_bit_identically_and_ref
             "--config",
             *LORA_RUN,
             f"--config.results_dir={results_dir}",
+            "--config.teacher_mode=checkpoint",
             f"--config.teacher_path={teacher}",
             "--config.total_steps=4",
             *overrides,

@@ -25,8 +25,9 @@ import pytest
 import test_gpu_compile
 import test_offline
 from conftest import run_python
+from test_lora_training import LORA_RUN
 from test_opsd_packs import SPECIAL, encode
-from test_teacher_checkpoint import FP32, split, toy_corpus
+from test_teacher_checkpoint import FP32, split, toy_corpus, write_deeper_teacher
 from test_train_cli import assert_same_params
 from test_train_step import COMPLETIONS, SAMPLES, fixed_training_packs, optim_config, stacked
 
@@ -231,25 +232,10 @@ def toy_dirs(tmp_path_factory):
     """A toy student (seed 0) and a three-layer toy teacher of other weights (seed 1), both
     with the toy run's tokenizer."""
     root, corpus = tmp_path_factory.mktemp("teachers"), toy_corpus()
-    deeper = BagelConfig.tiny().replace(llm=dict(num_hidden_layers=3))
     return {
         "student": toy_model.write_toy_model(root / "student", seed=0, corpus=corpus),
-        "teacher": toy_model.write_toy_model(
-            root / "teacher", seed=1, corpus=corpus, config=deeper
-        ),
+        "teacher": write_deeper_teacher(root / "teacher", corpus),
     }
-
-
-# configs/smoke.py as the resumed runs of tests/test_train_cli.py and test_lora_training.py
-# train it: a checkpoint every 2 steps, every step logged, the learning rate constant.
-RESUMED_RUN = [
-    "configs/smoke.py",
-    "--config.progress_bar=False",
-    "--config.save_every=2",
-    "--config.log_every=1",
-    "--config.lr_scheduler=constant",
-    "--config.warmup_steps=0",
-]
 
 
 @pytest.mark.slow
@@ -264,9 +250,7 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
         return run_python(
             "train.py",
             "--config",
-            *RESUMED_RUN,
-            "--config.lora_rank=4",
-            "--config.lora_targets=.*",
+            *LORA_RUN,
             f"--config.model_path={toy_dirs['student']}",
             f"--config.results_dir={results_dir}",
             *overrides,

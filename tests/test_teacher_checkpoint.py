@@ -199,6 +199,15 @@ def toy_corpus() -> list[str]:
     return toy_data.toy_corpus_text(seed=0, tasks=tasks).splitlines()
 
 
+def write_deeper_teacher(directory, corpus=None) -> str:
+    """A toy teacher of other weights (seed 1) and three layers, with the toy run's tokenizer
+    (configs/smoke.py's toy model is seed 0 over the same corpus): its directory."""
+    deeper = BagelConfig.tiny().replace(llm=dict(num_hidden_layers=3))
+    return toy_model.write_toy_model(
+        directory, seed=1, corpus=corpus or toy_corpus(), config=deeper
+    )
+
+
 @pytest.fixture(scope="module")
 def toy_dirs(tmp_path_factory):
     """A toy student (seed 0), a toy teacher of other weights and three layers (seed 1), both
@@ -208,12 +217,7 @@ def toy_dirs(tmp_path_factory):
     tiny = BagelConfig.tiny()
     dirs = {
         "student": toy_model.write_toy_model(root / "student", seed=0, corpus=corpus),
-        "teacher": toy_model.write_toy_model(
-            root / "teacher",
-            seed=1,
-            corpus=corpus,
-            config=tiny.replace(llm=dict(num_hidden_layers=3)),
-        ),
+        "teacher": write_deeper_teacher(root / "teacher", corpus),
         "other_tokenizer": toy_model.write_toy_model(
             root / "other_tokenizer", seed=1, corpus=corpus[: len(corpus) // 3]
         ),
