@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -623,21 +624,24 @@ def test_the_offline_train_step_compiles_before_step_1_and_nothing_after(offline
 def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
     """A run stopped after step 2 and resumed to step 4 ends with the params, optimizer state and
     data position of a run that went to step 4 at once: the data iterator and the cache reader
-    resume together (the cache is read by sample key)."""
+    resume together (the cache is read by sample key). The stopped run is the fixture's: a
+    2-step run of the same config, its last checkpoint at step 2."""
     from scripts import crash_drill
 
     root, _, _ = offline_run
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    shutil.copytree(root, resumed, ignore=shutil.ignore_patterns("cache"))
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["2"]
     common = offline_args(tmp_path / "straight", root / "cache")[:2] + [
         f"--config.offline_cache_dir={root / 'cache'}",
-        "--config.save_every=2",
+        "--config.total_steps=4",
+        "--config.log_every=1",
         "--config.progress_bar=False",
     ]
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_script("train.py", *common, f"--config.results_dir={straight}", "--config.total_steps=4")
-    run_script("train.py", *common, f"--config.results_dir={resumed}", "--config.total_steps=2")
-    out = run_script(
-        "train.py", *common, f"--config.results_dir={resumed}", "--config.total_steps=4"
-    )
+    run_script("train.py", *common, f"--config.results_dir={straight}")
+    # (The saved config names the fixture's toy model, which a resume must keep.)
+    model = f"--config.model_path={root / 'toy' / 'model'}"
+    out = run_script("train.py", *common, f"--config.results_dir={resumed}", model)
     assert "resumed from" in out and "at step 2" in out, out[-3000:]
     for item in ("params", "opt_state"):
         a = crash_drill.saved_arrays(straight / "checkpoints", 4, item)

@@ -109,18 +109,29 @@ def assert_same_params(a_dir, b_dir, step):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
+def compilation_cache(tmp_path_factory):
+    """A compilation cache of this file's own for its train.py runs (crash_drill's launches
+    included), empty when the first of them, the straight run, starts: that run then compiles
+    and writes every program of its config, and the runs after it read them."""
+    cache = tmp_path_factory.mktemp("compilation_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JAX_COMPILATION_CACHE_DIR", str(cache))
+        yield cache
+
+
+# The straight run's settings beyond COMMON: held-out evaluation at the last step (greedy, 2
+# samples per dataset). It reads the params only, so the run stays the reference of the
+# resumed runs below.
+STRAIGHT = ["--config.eval_every=6", "--config.eval_samples_per_dataset=2"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, compilation_cache):
     """The uninterrupted reference run, on toy data with ~10% broken rows."""
+    del compilation_cache  # (set up first)
     root = tmp_path_factory.mktemp("straight")
     write_corrupted_toy_data(root / "toy" / "data")
-    # Held-out evaluation at the last step (greedy, 2 samples per dataset): it reads the params
-    # only, so the run stays the reference of the resumed runs below.
-    result = run_train(
-        *reference_args(root),
-        "--config.eval_every=6",
-        "--config.eval_samples_per_dataset=2",
-        log_compiles=True,
-    )
+    result = run_train(*reference_args(root), *STRAIGHT, log_compiles=True)
     return root, result
 
 
@@ -223,36 +234,41 @@ def test_the_train_step_compiles_before_step_1_and_nothing_after(straight):
     assert all(name in sampling for name in later), later
 
 
+def cache_counts(output: str, cache) -> tuple[int, int]:
+    """(programs read from the compilation cache, programs compiled and written) of a run."""
+    counts = re.search(
+        rf"compilation cache {re.escape(str(cache))}: (\d+) programs read "
+        r"from it, (\d+) compiled and written",
+        output,
+    )
+    assert counts, output[-3000:]
+    return int(counts.group(1)), int(counts.group(2))
+
+
 @pytest.mark.slow
-def test_a_second_identical_run_compiles_nothing_the_first_compiled(straight, tmp_path):
-    """JAX's persistent compilation cache, on by default (here in a fresh folder): the first
-    of two runs of one config compiles and writes every program, the second reads them all."""
+def test_a_second_identical_run_compiles_nothing_the_first_compiled(
+    straight, compilation_cache, tmp_path
+):
+    """JAX's persistent compilation cache, on by default (here this file's own folder, empty
+    before the straight run): the first run of a config compiles and writes every program,
+    a second identical run reads them all."""
     root, result = straight
     assert result.returncode == 0
-    cache, lines = tmp_path / "cache", []
-    for name in ("first", "second"):
-        shutil.copytree(root / "toy", tmp_path / name / "toy")
-        run = run_train(
-            f"--config.results_dir={tmp_path / name}",
-            "--config.total_steps=2",
-            f"--config.compilation_cache_dir={cache}",
-        )
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        assert f"compilation cache: {cache}" in run.stdout
-        counts = re.search(
-            rf"compilation cache {re.escape(str(cache))}: (\d+) programs read "
-            r"from it, (\d+) compiled and written",
-            run.stdout,
-        )
-        assert counts, run.stdout[-3000:]
-        lines.append((run.stdout, int(counts.group(1)), int(counts.group(2))))
-    (_, first_read, first_compiled), (second_out, second_read, second_compiled) = lines
+    assert f"compilation cache: {compilation_cache}" in result.stdout
+    first_read, first_compiled = cache_counts(result.stdout, compilation_cache)
     # (The first run may read back what it wrote itself: a program met twice in one run.)
     assert first_compiled >= 3  # train step, decode copy, sampler rounds, ...
-    assert second_compiled == 0 and second_read == first_read + first_compiled, lines[1][1:]
+    shutil.copytree(root / "toy", tmp_path / "toy")
+    run = run_train(*reference_args(tmp_path), *STRAIGHT)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    second_read, second_compiled = cache_counts(run.stdout, compilation_cache)
+    assert second_compiled == 0 and second_read == first_read + first_compiled, (
+        (first_read, first_compiled),
+        (second_read, second_compiled),
+    )
     assert re.search(
-        r"compiling the train step .* s \(read from the compilation cache\)", second_out
-    ), second_out[-3000:]
+        r"compiling the train step .* s \(read from the compilation cache\)", run.stdout
+    ), run.stdout[-3000:]
 
 
 @pytest.mark.slow
