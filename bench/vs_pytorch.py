@@ -33,6 +33,7 @@ tokens/s counts the student + teacher pack tokens (410 + 832).
     python bench/vs_pytorch.py --pytorch-bagel /path/to/Visual-OPSD [--steps 3] [--rounds 2]
     python bench/vs_pytorch.py                      # our figures only (comparison skipped)
     python bench/vs_pytorch.py --compute-dtype bfloat16 --multiple 128   # other settings
+    python bench/vs_pytorch.py --layers 2 --steps 1 --rounds 1   # a quick look (2 LM layers)
 
 Our runtime choices default to the CPU default config's (configs/smoke.py: compute dtype,
 remat, unrolled layers), except the attention backend: `dense`, the fastest on a CPU for this
@@ -153,6 +154,7 @@ class Ours:
                 attention_backend=args.attention_backend,
                 unroll_layers=bool(args.unroll_layers),
                 attention_block=args.attention_block,
+                **({"num_hidden_layers": args.layers} if args.layers else {}),
             )
         )
         self.config = config
@@ -200,7 +202,7 @@ class Ours:
             f" (tile {llm.attention_block})" if llm.attention_backend in ("auto", "chunked") else ""
         )
         return (
-            f"ours: m64, {llm.compute_dtype}, remat {llm.remat}, attention "
+            f"ours: m64 ({llm.num_hidden_layers} LM layers), {llm.compute_dtype}, remat {llm.remat}, attention "
             f"{llm.attention_backend}{tile}, "
             f"{'un' if llm.unroll_layers else ''}rolled layers, "
             f"student row "
@@ -475,6 +477,12 @@ def main():
     parser.add_argument("--unroll-layers", type=int, default=int(cpu.unroll_layers))
     parser.add_argument("--attention-block", type=int, default=cpu.attention_block)
     parser.add_argument("--multiple", type=int, default=8)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="LM layers of both sides (0: the 64M model's 8; fewer for a quick look)",
+    )
     parser.add_argument(
         "--torch-threads",
         type=int,

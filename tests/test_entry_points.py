@@ -81,7 +81,10 @@ SMOKE_RUNS = {
         ["--steps", "1", "--warmup", "1", "--results-dir", "{tmp}/train_step"],
         r"new compilations after the 1-step warm-up: 0",
     ),
-    "bench/vs_pytorch.py": (["--steps", "1", "--rounds", "1"], r"ours \(best round\): "),
+    "bench/vs_pytorch.py": (
+        ["--layers", "2", "--steps", "1", "--rounds", "1"],
+        r"ours: m64 \(2 LM layers\)[\s\S]*ours \(best round\): ",
+    ),
     # The sections other than the train.py launches (minutes of CPU), then the recipe with a
     # budget that the others' estimates use up, so the run shows that a section is skipped, not
     # started, when the time left is short (a dry run charges each section its estimate, not
