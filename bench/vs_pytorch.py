@@ -154,7 +154,7 @@ class Ours:
                 attention_backend=args.attention_backend,
                 unroll_layers=bool(args.unroll_layers),
                 attention_block=args.attention_block,
-                **({"num_hidden_layers": args.layers} if args.layers else {}),
+                num_hidden_layers=args.layers,
             )
         )
         self.config = config
@@ -202,7 +202,8 @@ class Ours:
             f" (tile {llm.attention_block})" if llm.attention_backend in ("auto", "chunked") else ""
         )
         return (
-            f"ours: m64 ({llm.num_hidden_layers} LM layers), {llm.compute_dtype}, remat {llm.remat}, attention "
+            f"ours: m64 ({llm.num_hidden_layers} LM layers), {llm.compute_dtype}, "
+            f"remat {llm.remat}, attention "
             f"{llm.attention_backend}{tile}, "
             f"{'un' if llm.unroll_layers else ''}rolled layers, "
             f"student row "
@@ -480,8 +481,8 @@ def main():
     parser.add_argument(
         "--layers",
         type=int,
-        default=0,
-        help="LM layers of both sides (0: the 64M model's 8; fewer for a quick look)",
+        default=BagelConfig.small_64m().llm.num_hidden_layers,
+        help="LM layers of both sides (default: the 64M model's; fewer for a quick look)",
     )
     parser.add_argument(
         "--torch-threads",

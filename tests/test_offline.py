@@ -632,16 +632,11 @@ def test_offline_training_resumes_bit_identically(offline_run, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     shutil.copytree(root, resumed, ignore=shutil.ignore_patterns("cache"))
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["2"]
-    common = offline_args(tmp_path / "straight", root / "cache")[:2] + [
-        f"--config.offline_cache_dir={root / 'cache'}",
-        "--config.total_steps=4",
-        "--config.log_every=1",
-        "--config.progress_bar=False",
-    ]
-    run_script("train.py", *common, f"--config.results_dir={straight}")
+    common = ["--config.total_steps=4", "--config.log_every=1", "--config.progress_bar=False"]
+    run_script("train.py", *offline_args(straight, root / "cache"), *common)
     # (The saved config names the fixture's toy model, which a resume must keep.)
     model = f"--config.model_path={root / 'toy' / 'model'}"
-    out = run_script("train.py", *common, f"--config.results_dir={resumed}", model)
+    out = run_script("train.py", *offline_args(resumed, root / "cache"), *common, model)
     assert "resumed from" in out and "at step 2" in out, out[-3000:]
     for item in ("params", "opt_state"):
         a = crash_drill.saved_arrays(straight / "checkpoints", 4, item)
