@@ -6,13 +6,39 @@ imported anywhere; conftest.py is loaded by pytest before any test module.
 
 import atexit
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+
+
+def mimalloc_library() -> str | None:
+    """The shared library of the cmeel-mimalloc package (requirements-test.txt), if installed."""
+    try:
+        files = metadata.files("cmeel-mimalloc") or []
+    except metadata.PackageNotFoundError:
+        return None
+    found = [f.locate() for f in files if re.fullmatch(r"libmimalloc\.so\.\d+", f.name)]
+    return str(found[0]) if found else None
+
+
+# mimalloc as the allocator of every test process and subprocess: XLA's compiles, most of the
+# suite's CPU, allocate and free small objects by the million, and glibc's malloc took 15% of a
+# CPU compile's time (perf on test_gradient_accumulation_equals_one_big_batch: _int_malloc,
+# malloc, _int_free, malloc_consolidate). Preloaded (jax's TPU images preload tcmalloc the same
+# way), so it must be in the environment before a process starts: set here, in pytest's own
+# process, before pytest-xdist starts its two workers; the workers' train.py and script
+# subprocesses inherit it. Measured 2026-12-07, 2 runs each: that test 38.95 / 39.67 s of user
+# CPU -> 33.65 / 33.99; a cold train.py smoke run 40.24 / 38.98 -> 34.84 / 36.13 (and a smaller
+# peak RSS); the 8-layer GPU decode compile of test_gpu_compile.py 26.4 / 26.0 -> 22.6 / 24.3.
+MIMALLOC = mimalloc_library()
+if MIMALLOC and MIMALLOC not in os.environ.get("LD_PRELOAD", ""):
+    os.environ["LD_PRELOAD"] = " ".join(filter(None, [MIMALLOC, os.environ.get("LD_PRELOAD")]))
 
 # Backend optimisation level 0: the tests are dominated by XLA's CPU compile time, which this
 # halves (the tiny train step: 10.6 s -> 5.5 s); results stay IEEE-exact, programs run slower.

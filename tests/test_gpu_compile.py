@@ -511,8 +511,9 @@ def tensor_layout_attention_copies(slots: int, layers: int = 8) -> list:
     """The paper recipe's decode round in its 'tensor' layout, compiled for 8 H100s: tensor 4
     (one kv head and 8 of the 16 rows per device), `layers` of BAGEL-7B's layers, `slots` cache
     slots. The round's kernels that write a buffer the size of a layer's keys or values on a
-    device: a copy of them out of the cache, every token. (8 layers: XLA's choice depends on
-    the size of the cache it slices, and at 2 or 4 the one-sum scores were read in place.)"""
+    device: a copy of them out of the cache, every token. (8 layers by default: XLA's choice
+    depends on the size of the cache it slices, and at 2 or 4 the one-sum scores were read in
+    place; the values' copy at 7170 slots shows at 2 as at 8.)"""
     rows = 16
     config = BagelConfig.bagel_7b(
         llm=dict(compute_dtype="bfloat16", attention_backend="auto", num_hidden_layers=layers)
@@ -535,8 +536,9 @@ def test_the_tensor_layouts_decode_attention_reads_the_cache_in_place(monkeypatc
     copies = tensor_layout_attention_copies(slots)
     assert not copies, hbm_traffic.describe(copies)
 
-    copies = tensor_layout_attention_copies(7170)
-    assert len(copies) >= 8, hbm_traffic.describe(copies)  # a layer's values, each layer
+    # The values' copy shows at 2 layers as at 8 (one a layer), and compiles in half the time.
+    copies = tensor_layout_attention_copies(7170, layers=2)
+    assert len(copies) >= 2, hbm_traffic.describe(copies)  # a layer's values, each layer
 
     with monkeypatch.context() as patch:
         patch.setattr(attention, "PER_QUERY_HEAD_SCORES_BELOW", 0)  # the scores in one sum
