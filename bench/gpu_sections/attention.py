@@ -20,8 +20,9 @@ def run(args):
         "--repeats",
         str(args.repeats),
     ]
-    if args.dry_run:
+    if args.dry_run:  # in one process: a dry run's peaks mean nothing (saves two jax starts)
         command += [
+            "--in-process",
             "--seq-lens",
             "256",
             "--backends",
