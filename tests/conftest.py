@@ -37,8 +37,6 @@ def mimalloc_library() -> str | None:
 # CPU -> 33.65 / 33.99; a cold train.py smoke run 40.24 / 38.98 -> 34.84 / 36.13 (and a smaller
 # peak RSS); the 8-layer GPU decode compile of test_gpu_compile.py 26.4 / 26.0 -> 22.6 / 24.3.
 MIMALLOC = mimalloc_library()
-if MIMALLOC and MIMALLOC not in os.environ.get("LD_PRELOAD", ""):
-    os.environ["LD_PRELOAD"] = " ".join(filter(None, [MIMALLOC, os.environ.get("LD_PRELOAD")]))
 # mimalloc's own options, read from the environment when a process starts. By default it asks
 # for transparent huge pages and hands freed pages back to the OS after a second, so the
 # kernel zeroed a whole 2 MiB page on each first touch of a small page, again after each purge:
@@ -49,6 +47,8 @@ if MIMALLOC and MIMALLOC not in os.environ.get("LD_PRELOAD", ""):
 # of a run 3m15s -> 2m13s. A test process's peak RSS grows a little (that test: 2.0 GB, 1.9).
 MIMALLOC_OPTIONS = {"MIMALLOC_ALLOW_THP": "0", "MIMALLOC_PURGE_DELAY": "-1"}
 if MIMALLOC:
+    if MIMALLOC not in os.environ.get("LD_PRELOAD", ""):
+        os.environ["LD_PRELOAD"] = " ".join(filter(None, [MIMALLOC, os.environ.get("LD_PRELOAD")]))
     for option, value in MIMALLOC_OPTIONS.items():
         os.environ.setdefault(option, value)
 
