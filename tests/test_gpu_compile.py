@@ -684,6 +684,33 @@ def test_decode_round_is_one_graph_launch(h100_sampler):
 
 
 @pytest.mark.slow
+def test_with_jax_0_11s_command_types_nccl_all_reduces_keep_the_round_one_graph(h100_sampler):
+    """jax 0.11's XLA has no COLLECTIVES_KERNEL command type. Compiled with its types only, the
+    stop test's all-reduce as a collective kernel (XLA's default) takes the token loop out of the
+    graph: 4 launches and a host sync every token, as the GPU image's jax 0.11.2 compiled the
+    sampler's round. With the all-reduces NCCL's (sampler.NCCL_ALL_REDUCES, the sampler's
+    options on a jax before 0.12) the loop is one graph again."""
+    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
+    types = {"xla_gpu_enable_command_buffer": sampler.COMMAND_BUFFER_KINDS_0_11}
+
+    def per_token(*options):
+        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+            program = hlo_stats.compile_and_read_all(
+                h100_sampler.decode_lowered,
+                {**gpu_target.compiler_options(view), **types, **dict(*options)},
+            )
+        return launches_per_token(program)
+
+    split = per_token(
+        {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"}
+    )
+    assert split.launches > 0 and split.host_syncs == 1, split
+    one_graph = per_token(sampler.NCCL_ALL_REDUCES)
+    assert one_graph.launches == 0 and one_graph.host_syncs == 0, one_graph
+    assert one_graph.graph_kernels >= 20 * h100_sampler.layers, one_graph
+
+
+@pytest.mark.slow
 def test_the_engine_decode_chunk_is_one_graph_launch_and_moves_no_weight(h100_sampler):
     """The engine's decode chunk (opsd_jax/sampling/engine.py: the sampler's step over a pool of
     slots, each drawing from its own row's key) compiled for two H100s as the sampler's round

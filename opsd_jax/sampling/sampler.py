@@ -254,13 +254,22 @@ def check_prompt_pack(pack: Pack) -> None:
 # say so).
 # COLLECTIVES_KERNEL is new in jax 0.12's XLA; 0.11's rejects the whole option as an unknown
 # enum value, so on an older jax (a GPU image's preinstalled one) the list goes without it.
-_COMMAND_BUFFER_KINDS = (
+COMMAND_BUFFER_KINDS_0_11 = (
     "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE,COLLECTIVES"
-    + (",COLLECTIVES_KERNEL" if jax.__version_info__ >= (0, 12) else "")
 )
+_NEW_XLA = jax.__version_info__ >= (0, 12)
+_COMMAND_BUFFER_KINDS = COMMAND_BUFFER_KINDS_0_11 + (",COLLECTIVES_KERNEL" if _NEW_XLA else "")
+# Without that type, a small all-reduce (the stop test's, on a mesh of several GPUs), which XLA
+# runs as its own Triton kernel by default, is a thunk no command captures, and the token loop
+# fell out of the graph: compiled for two H100s under jax 0.11.2, 4 launches and a host sync
+# every token. So on a jax before 0.12 the all-reduces are NCCL's, which COLLECTIVES captures:
+# no launch and no host sync per token, as under 0.12 (tests/test_gpu_compile.py; the compile
+# tests under 0.11.2 in docs/gpus.md). Not yet timed on a GPU.
+NCCL_ALL_REDUCES = {"xla_gpu_experimental_use_collective_kernels": ""}
 COMMAND_BUFFER_OPTIONS = {
     "xla_gpu_enable_command_buffer": _COMMAND_BUFFER_KINDS,
     "xla_gpu_command_buffer_unroll_loops": True,
+    **({} if _NEW_XLA else NCCL_ALL_REDUCES),
 }
 SAMPLER_COMPILER_OPTIONS = {
     "xla_gpu_enable_triton_gemm": False,
