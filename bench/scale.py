@@ -130,8 +130,8 @@ def parse_args():
     parser.add_argument(
         "--config",
         default="configs/thinkmorph_7b.py",
-        help="the recipe (micro-batches, sampling, LoRA, layout); default the paper's on 8 "
-        "GPUs, configs/thinkmorph_7b_1gpu.py for one",
+        help="the recipe (micro-batches, sampling, LoRA, layout); default the paper's, made "
+        "for 8 GPUs, whatever --devices says (for one GPU name configs/thinkmorph_7b_1gpu.py)",
     )
     parser.add_argument(
         "--teacher",
