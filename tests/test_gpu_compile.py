@@ -662,6 +662,17 @@ def launches_per_token(program) -> thunk_launches.Launches:
     )
 
 
+def round_launches(h100_sampler, **overrides) -> thunk_launches.Launches:
+    """Launches per token of h100_sampler's decode round compiled again with `overrides` on top
+    of the target's options."""
+    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        program = hlo_stats.compile_and_read_all(
+            h100_sampler.decode_lowered, {**gpu_target.compiler_options(view), **overrides}
+        )
+    return launches_per_token(program)
+
+
 @pytest.mark.slow
 def test_decode_round_is_one_graph_launch(h100_sampler):
     """With the sampler's XLA options (sampler.COMMAND_BUFFER_OPTIONS) and the decode step's
@@ -672,13 +683,7 @@ def test_decode_round_is_one_graph_launch(h100_sampler):
     launches = launches_per_token(h100_sampler.decode_program)
     assert launches.launches == 0 and launches.host_syncs == 0, launches
     assert launches.graph_kernels >= 20 * h100_sampler.layers, launches
-    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
-    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        plain = hlo_stats.compile_and_read_all(
-            h100_sampler.decode_lowered,
-            {**gpu_target.compiler_options(view), "xla_gpu_enable_command_buffer": ""},
-        )
-    unbuffered = launches_per_token(plain)
+    unbuffered = round_launches(h100_sampler, xla_gpu_enable_command_buffer="")
     assert unbuffered.graph_launches == 0 and unbuffered.host_syncs == 1, unbuffered
     assert unbuffered.launches >= 20 * h100_sampler.layers, unbuffered
 
@@ -690,22 +695,16 @@ def test_with_jax_0_11s_command_types_nccl_all_reduces_keep_the_round_one_graph(
     graph: 4 launches and a host sync every token, as the GPU image's jax 0.11.2 compiled the
     sampler's round. With the all-reduces NCCL's (sampler.NCCL_ALL_REDUCES, the sampler's
     options on a jax before 0.12) the loop is one graph again."""
-    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 2), "replicated")
-    types = {"xla_gpu_enable_command_buffer": sampler.COMMAND_BUFFER_KINDS_0_11}
-
-    def per_token(*options):
-        with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-            program = hlo_stats.compile_and_read_all(
-                h100_sampler.decode_lowered,
-                {**gpu_target.compiler_options(view), **types, **dict(*options)},
-            )
-        return launches_per_token(program)
-
-    split = per_token(
-        {"xla_gpu_experimental_use_collective_kernels": "COLLECTIVE_KERNEL_ALL_REDUCE"}
+    types = sampler.COMMAND_BUFFER_KINDS_0_11
+    split = round_launches(
+        h100_sampler,
+        xla_gpu_enable_command_buffer=types,
+        xla_gpu_experimental_use_collective_kernels="COLLECTIVE_KERNEL_ALL_REDUCE",
     )
     assert split.launches > 0 and split.host_syncs == 1, split
-    one_graph = per_token(sampler.NCCL_ALL_REDUCES)
+    one_graph = round_launches(
+        h100_sampler, xla_gpu_enable_command_buffer=types, **sampler.NCCL_ALL_REDUCES
+    )
     assert one_graph.launches == 0 and one_graph.host_syncs == 0, one_graph
     assert one_graph.graph_kernels >= 20 * h100_sampler.layers, one_graph
 
