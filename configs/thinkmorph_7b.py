@@ -11,8 +11,8 @@ host and set num_replicate to the number of hosts (see the README). 8 samples pe
 
 Remat: compiled for 8 H100s (`--compile_only=h100:8`, 2026-12-06, the Pallas attention the GPU
 runs) the train step's peak per device is 28.93 GiB under 'full', 31.59 GiB with
-`vit_remat='minimal_flash'` and 47.80 GiB under 'minimal_flash' (60% of 79.1 GiB; 63.6 GiB at
-the 1.33x the first H200 saw above a prediction, still under the 85% the preflight allows).
+`vit_remat='minimal_flash'` and 47.80 GiB under 'minimal_flash' (60% of 79.1 GiB, under the
+85% the preflight allows).
 'minimal_flash' is the lightest policy that fits; the recipe stays on 'full' until
 `bench/gpu_check.py`'s grad_step rows measure the lighter one faster on a GPU (a change judged
 on a GPU keeps the old default until measured).

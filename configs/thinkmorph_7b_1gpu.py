@@ -31,9 +31,11 @@ The choices:
   needs new visual features: the toy task does, configs/tiny_lora.py).
 * remat 'full' (the paper recipe's): compiled for one H100 (`--compile_only=h100:1`,
   2026-12-06, the Pallas attention the GPU runs) 'minimal_flash' puts the train step at
-  53.97 GiB (68% of 79.1 GiB; 21.90 under 'full'), which fits the preflight's 85% but not the
-  1.33x the first H200 saw above a prediction. The ViT is frozen and runs no backward, so
-  `vit_remat` changes nothing here.
+  53.97 GiB (68% of 79.1 GiB; 21.90 under 'full'), which fits the preflight's 85%; the
+  recipe stays on 'full' until a GPU measures the lighter policy faster and its peak within
+  the prediction (the 1.33x the first H200 showed above a prediction was the check holding a
+  second output: docs/gpus.md). The ViT is frozen and runs no backward, so `vit_remat`
+  changes nothing here.
 * lr 1e-4, ten times the paper's full-rank 1e-5 (min_lr ten times too): the same study finds
   LoRA's best learning rate about 10x full fine-tuning's, nearly independent of rank under the
   alpha / rank scaling; on the toy (configs/tiny_lora.py) 10x the full-rank rate learns as

@@ -49,6 +49,42 @@ def test_every_section_is_its_own_module_and_none_imports_the_runner(bench):
     assert not (ROOT / "bench" / "gpu_check_train.py").exists()
 
 
+def test_a_timed_run_holds_no_earlier_runs_output_or_arguments(bench):
+    """The allocator's peak that the memory rows set beside a program's prediction must be one
+    run's: a run that starts while the last one's output (gradients, a KV cache) is alive shows
+    a peak above the program's by that output, which is no shortfall of the prediction."""
+    import jax
+    import jax.numpy as jnp
+
+    common = importlib.import_module("gpu_sections.common")
+    output, donated = (3, 5, 7), (3, 5, 11)  # shapes no other array of the process has
+    seen = []
+
+    def alive(shape):
+        return sum(a.shape == shape for a in jax.live_arrays())
+
+    def make(**donation):
+        step = jax.jit(lambda state: jnp.zeros(output) + state.sum(), **donation)
+
+        def run(state):
+            seen.append((alive(output), alive(donated)))
+            return step(state)
+
+        return run
+
+    seconds, total = common.timed(
+        make(donate_argnums=0),
+        repeats=3,
+        fresh=lambda: (jnp.ones(donated),),
+        read=lambda out: float(out.sum()),
+    )
+    assert seen == [(0, 1)] * 4  # only this run's own argument; no earlier output
+    assert total == 165 * 105 and seconds >= 0
+    seen.clear()
+    common.timed(make(), jnp.ones(donated), repeats=2)  # the same arguments each run
+    assert [s[0] for s in seen] == [0] * 3
+
+
 def test_the_grad_steps_packs_pad_their_patches_as_a_run_does(bench):
     """The grad step the section times has the 7B recipe's rows, patch axes included: a run's
     pack shapes round patches up to pack_shapes.MULTIPLE, and an axis of 4900 / 8890 patches

@@ -14,8 +14,6 @@ Fails: at B = 8, tokens/s below MIN_DECODE_ROOFLINE of the roofline (on one GPU 
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 from gpu_sections.common import (
     GIB,
@@ -168,14 +166,13 @@ def run(args):
             compiled = sampler.decode_round.lower(
                 graphdef, weights, fresh(), key, row_ids, settings, rules
             ).compile()
-            times, tokens = [], 0
-            for _ in range(repeats + 1):  # the first run warms up
-                state = fresh()  # donated: a fresh one per run
-                t0 = time.perf_counter()
-                state = jax.block_until_ready(compiled(weights, state, key, row_ids))
-                times.append(time.perf_counter() - t0)
-                tokens = int(state.length.sum()) + batch  # sampled + the fed <|im_start|>
-        return statistics.median(times[1:]), tokens, compiled
+            seconds, tokens = timed(
+                compiled,
+                repeats=repeats,
+                fresh=lambda: (weights, fresh(), key, row_ids),  # the state is donated
+                read=lambda state: int(state.length.sum()) + batch,  # + the fed <|im_start|>
+            )
+        return seconds, tokens, compiled
 
     seconds, tokens, compiled = timed_round()
     _, hbm_bw = device_peaks(args)
