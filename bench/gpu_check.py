@@ -12,6 +12,9 @@ what it measures and when it fails:
   recipe     the one-GPU LoRA recipe's real 28-layer step, 3 steps of train.py (random weights
              in memory): step time split into sample / step / pack beside bench/scale.py's
              projection, the allocator's peak beside the preflight's;
+  memory     (with --memory) each program of that recipe in its own process, run once on
+             zeros with what the preflight counts beside it: the allocator's peak against the
+             preflight's prediction (bench/program_memory.py);
   grad_step  the 7B-width grad step at 1, 2 and 4 LM layers with the ViT: per-layer marginal
              time and MFU as MaxText counts it, the fixed part, the 28-layer extrapolation;
   profile    (with --profile) one grad step traced with command buffers off, reduced to a CSV
@@ -53,10 +56,21 @@ import time
 from gpu_sections import decode, grad_step
 from gpu_sections.common import RESULT, failure_line
 
-# In the order they run by default; 'profile' runs after grad_step when --profile asks for it,
-# 'tiles' last when --tiles does.
-SECTIONS = ("recipe", "grad_step", "profile", "parity", "decode", "attention", "train", "tiles")
-DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in ("profile", "tiles"))
+# In the order they run by default; 'memory' runs after recipe when --memory asks for it,
+# 'profile' after grad_step when --profile does, 'tiles' last when --tiles does.
+SECTIONS = (
+    "recipe",
+    "memory",
+    "grad_step",
+    "profile",
+    "parity",
+    "decode",
+    "attention",
+    "train",
+    "tiles",
+)
+OPT_IN = ("memory", "profile", "tiles")
+DEFAULT_SECTIONS = tuple(s for s in SECTIONS if s not in OPT_IN)
 # The whole run on one GPU, compiles included: a lease's command limit with room to rerun.
 BUDGET_S = 10 * 60
 # What each section is expected to take on one H100 / H200, compiles included (estimates until
@@ -64,6 +78,7 @@ BUDGET_S = 10 * 60
 # estimate does not fit in the time left is skipped.
 ESTIMATE_S = {
     "recipe": 300,
+    "memory": 420,  # the preflight, then 6 programs of the 7B recipe, each compiled and run
     "grad_step": 240,
     "profile": 90,
     "parity": 60,
@@ -121,6 +136,7 @@ def parse_args():
         "--train-layers", type=int, default=2, help="LM layers of the train section's model"
     )
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS))
+    parser.add_argument("--memory", action="store_true", help="add the memory section")
     parser.add_argument("--profile", action="store_true", help="add the profile section")
     parser.add_argument("--tiles", action="store_true", help="add the tiles section")
     parser.add_argument("--repeats", type=int, default=3)
@@ -151,6 +167,9 @@ def parse_args():
     args = parser.parse_args()
     if args.budget_s is None:
         args.budget_s = math.inf if args.dry_run else BUDGET_S
+    if args.memory and "memory" not in args.sections:
+        at = args.sections.index("recipe") + 1 if "recipe" in args.sections else 0
+        args.sections.insert(at, "memory")
     if args.profile and "profile" not in args.sections:
         at = args.sections.index("grad_step") + 1 if "grad_step" in args.sections else 0
         args.sections.insert(at, "profile")

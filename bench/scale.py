@@ -1068,9 +1068,17 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         rollout_s=token_s * run.new_tokens,
         refresh_s=refresh_moved / run.link_bw,
         prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
+        # The engine's programs (opsd_jax/run_config/preflight_sampling.py): the prefill writes
+        # the rows' cache beside its temp, the insert holds that cache and the pool's at once,
+        # a decode chunk the pool beside its temp; the copy and the train state throughout.
         peak=model.resident
         + copy_bytes
-        + max(decode.memory.temp_size_in_bytes + cache_bytes, prefill_memory.temp_size_in_bytes),
+        + cache_bytes
+        + max(
+            decode.memory.temp_size_in_bytes,
+            prefill_memory.temp_size_in_bytes,
+            cache_bytes,
+        ),
     )
     print(
         f"  copy {copy_bytes / GIB:.2f} GiB per device, refreshed once per step by "

@@ -19,6 +19,7 @@ from test_sampler import (
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.packing import Text
+from opsd_jax.run_config import preflight_sampling
 from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.sampling import pool_programs, sampler
 
@@ -101,6 +102,7 @@ def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
         assert out.row(index) == want.row(index)  # written before the call
         done.append(index)
 
+    programs = record_programs(monkeypatch)
     grown = pool_programs.grown
 
     def spy(pool, *args):
@@ -114,8 +116,30 @@ def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
     assert got.row(0) == [9] * 10 and got.row(2) == [8, 8]  # the scripts, as a check
     assert sorted(done) == [0, 1, 2] and sorted(sum(asked, [])) == [0, 1, 2]
     assert active_when_grown == [[True, False]], active_when_grown
+    # The pool grows before the long prompt's prefill, so that the old pool, the grown one and
+    # the prefilled rows' cache are never on the device at once.
+    assert "grown" in programs
+    assert programs[programs.index("grown") + 1] == "prefill_rows", programs
+    unaccounted = set(programs) - set(preflight_sampling.ENGINE_PROGRAMS)
+    assert not unaccounted, f"the preflight does not count {unaccounted}"
     assert engine.pool_shapes == {sampler.cache_slots_for(16, 12), sampler.cache_slots_for(128, 12)}
     assert engine.pool_shapes == {128, 256}
+
+
+def record_programs(monkeypatch) -> list[str]:
+    """The names of the jitted programs of the engine's modules, in the order they are called
+    from now on (each wrapped, under monkeypatch, to append its name)."""
+    calls = []
+    for module in (pool_programs, sampler):
+        for name, program in list(vars(module).items()):
+            if callable(program) and hasattr(program, "lower"):
+
+                def spy(*args, _program=program, _name=name, **kwargs):
+                    calls.append(_name)
+                    return _program(*args, **kwargs)
+
+                monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 def run_scripted(scripts, pool_size, max_new_tokens, max_image_skips=0):
@@ -144,6 +168,31 @@ def test_image_skip_rounds_continue_in_their_slot(pool_size):
     for row in range(len(scripts)):
         assert got.row(row) == want.row(row), row
         assert (got.finished[row], got.rounds[row]) == (want.finished[row], want.rounds[row])
+
+
+def test_every_program_the_engine_runs_is_one_the_preflight_counts(monkeypatch):
+    """Three prompts in two slots with an image skip: the engine empties, fills and refills its
+    pool, decodes and starts a next round; train.py --compile_only must count each program's
+    memory (preflight_sampling.ENGINE_PROGRAMS), so a new engine program fails here until it does."""
+    eos = SPECIAL.im_end
+    scripts = [[7, SKIP_ID, eos, 11, eos], [7, 8, eos], [9, eos]]
+    settings = scripted_settings(max_new_tokens=6, max_image_skips=1)
+    pack = scripted_pack(len(scripts))
+    programs = record_programs(monkeypatch)
+    engine = engine_lib.Engine(
+        ScriptedModel(scripts),
+        pool_size=2,
+        prompt_length=pack.row_length,
+        chunk_steps=8,
+        **settings,
+    )
+    got = engine.run(pack, jax.random.key(0))
+    assert got.row(0) == [7, SKIP_ID, 11] and got.rounds[0] == 2  # the skip happened
+    assert {"prefill_rows", "empty_pool", "insert_rows", "decode_chunk", "next_round"} <= set(
+        programs
+    ), programs
+    unaccounted = set(programs) - set(preflight_sampling.ENGINE_PROGRAMS)
+    assert not unaccounted, f"the preflight does not count {unaccounted}"
 
 
 def test_a_freed_slot_is_refilled_before_the_longest_row_ends():

@@ -19,6 +19,7 @@ from conftest import ROOT, run_python
 # Entry points another test already runs through their main (in-process or as a process): that
 # test is their smoke run. The test file must name the script's main or its path.
 RUN_ELSEWHERE = {
+    "bench/program_memory.py": "tests/test_preflight.py",
     "scripts/collect_traces.py": "tests/test_offline.py",
     "scripts/convert_hf.py": "tests/test_hf.py",
     "scripts/crash_drill.py": "tests/test_train_cli.py",

@@ -23,6 +23,7 @@ def test_the_real_recipes_step_runs_first_then_the_sweep(bench):
     gpu_check, _ = bench
     assert gpu_check.DEFAULT_SECTIONS[:2] == ("recipe", "grad_step")
     assert "profile" not in gpu_check.DEFAULT_SECTIONS  # only with --profile
+    assert "memory" not in gpu_check.DEFAULT_SECTIONS  # only with --memory
     assert set(gpu_check.SECTIONS) == set(gpu_check.ESTIMATE_S)
     # The default run fits the budget by the estimates, so no section is skipped on a GPU
     # that runs as estimated.

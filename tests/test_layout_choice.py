@@ -71,6 +71,12 @@ def test_auto_keeps_to_what_fits():
     assert "does not fit" in choice.describe(1024)
     # Plenty of memory and the same latency: the faster one wins.
     assert seven_b(free_memory=60 * GIB, num_layers=10_000).layout == "replicated"
+    # 18.5 GiB free (15.7 usable): the replicated copy and its 0.66 GiB share of the cache fit,
+    # but the engine's insert holds a second share (the prefilled rows' beside the pool's).
+    choice = seven_b(free_memory=18.5 * GIB, num_layers=10_000)
+    replicated = choice.projections[0]
+    assert replicated.device_bytes <= 0.85 * 18.5 * GIB < replicated.device_bytes + 0.65 * GIB
+    assert [p.fits for p in choice.projections] == [False, True]
 
 
 def test_the_tensor_copy_splits_attention_and_auto_resolves(monkeypatch):

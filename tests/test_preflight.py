@@ -2,18 +2,31 @@
 GPUs, each one's peak memory per device against the device's, exit 0 / 1, and nothing read or
 written but the config (opsd_jax/run_config/preflight.py)."""
 
+import importlib
 import json
 import re
 import shutil
+import sys
 
 import pytest
-from conftest import run_python
+from conftest import ROOT, run_python
 
 from configs import tiny as tiny_config
+from opsd_jax import run_config
 from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight
 
 GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def program_memory():
+    """bench/program_memory.py, imported as `python bench/program_memory.py` runs it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module("program_memory")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
 
 
 def train(*args, timeout=600):
@@ -21,7 +34,7 @@ def train(*args, timeout=600):
 
 
 @pytest.mark.slow
-def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
+def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path, program_memory):
     """The tiny run with the lookahead and taught by a deeper model of the stage-1 tokenizer
     (teacher_mode='checkpoint'; its directory needs its configs only: nothing else is read)."""
     teacher = tmp_path / "teacher"
@@ -48,19 +61,30 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
     assert re.search(r"^rollout_lookahead 1: [\d.]+ GiB per device of paused rows' KV", out, re.M)
     assert "1 compile-only H100 device(s) (79.1 GiB each, 85% of it usable: 67.2 GiB)" in out
     # Every program train.py compiles for the tiny run: its one length bucket's step, the
-    # rollout's refresh, prefill and decode round, the evaluation's prefill and decode round.
-    names = re.findall(r"^  (.*): peak ([\d.]+) GiB per device", out, re.M)
+    # rollout's refresh, then the sampling engine's prefill, insert and decode chunk for the
+    # rollout and for the evaluation (the tiny run has no image skip: no next round).
+    names = program_memory.predicted_programs(out)  # what bench/program_memory.py measures
     assert [n.split(" (")[0].split(",")[0] for n, _ in names] == [
         "train step",
         "decode-copy refresh",
-        "rollout",
-        "rollout",
-        "evaluation",
-        "evaluation",
+        *["rollout"] * 3,
+        *["evaluation"] * 3,
     ], out
-    assert all(0 < float(peak) < 67.2 for _, peak in names), names
+    engine_programs = [n.split(": ", 1)[1] for n, _ in names[2:]]
+    # With the lookahead a rollout's prefill can meet paused rows' pool; an evaluation's always
+    # can (its prompts outnumber its slots): each is counted beside the pool.
+    assert (
+        engine_programs
+        == [
+            "prefill (beside a pool holding rows)",
+            "insert into the pool",
+            "decode chunk",
+        ]
+        * 2
+    ), engine_programs
+    assert all(0 < peak < 67.2 for _, peak in names), names
     # 'auto' attention compiled as the GPU runs it (not as this CPU would): the Pallas range
-    # kernel in the train step and the prefills, XLA's attention in the decode rounds
+    # kernel in the train step and the prefills, XLA's attention in the decode chunks
     # (attention.DECODE_KERNEL_IN_AUTO).
     kernels = dict(
         re.findall(r"^  (.*?): peak .*; (Pallas kernels: .*|no Pallas kernel)\)$", out, re.M)
@@ -71,12 +95,54 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path):
             assert found == (
                 "Pallas kernels: range_attention_dkdv, range_attention_dq, range_attention_forward"
             ), name
-        elif name.endswith("prefill"):
+        elif ": prefill" in name:
             assert found == "Pallas kernels: range_attention_forward", name
         else:
             assert found == "no Pallas kernel", name
     assert re.search(r"^fits: every program leaves 15% of a H100 free", out, re.M)
     assert not run_dir.exists()  # no toy data, model, checkpoint or log was written
+
+
+def test_a_measured_program_runs_alone_on_zeros_with_what_the_preflight_counts_beside_it(
+    program_memory,
+):
+    """`measure=K` (bench/program_memory.py runs it on a GPU): program K alone is lowered and
+    compiled for this machine's device and run once on zero arguments, with the bytes the
+    preflight counts beside it held there; a CPU has no allocator statistics, so its line has
+    XLA's assignment only. A K past the run's programs is named."""
+    config = run_config.load_config_file("configs/tiny.py")
+    run_config.resolve_paths(config)
+
+    def measured(index):
+        lines = []
+        assert preflight.run(config, "h100:1", lines.append, measure=index) == 0
+        assert not [line for line in lines if line.startswith("  ")], lines  # nothing else
+        return json.loads(lines[-1].removeprefix("measured "))
+
+    step = measured(0)  # its arguments are the train state (a PRNG key among them)
+    assert step["program"].startswith("train step") and step["index"] == 0
+    assert step["assigned"] > 0 and step["beside"] == 0  # no lookahead: nothing beside it
+    # As bench/program_memory.py measures each: `--program=K` in a process of its own.
+    done = run_python(
+        "bench/program_memory.py", "--config", "configs/tiny.py", "--target=h100:1", "--program=3"
+    )
+    insert = program_memory.measured_line(done)
+    assert insert["program"].startswith("rollout") and insert["program"].endswith(
+        "insert into the pool"
+    )
+    assert insert["beside"] > 0  # the train state and the decode copy
+    assert "peak" not in insert  # a CPU's allocator reports nothing
+    line = program_memory.row(0.5, insert)
+    assert line["ratio"] is None and line["figures"].endswith("no allocator statistics"), line
+    # On a GPU: the allocator's peak against the prediction, and where the bytes were.
+    on_gpu = dict(insert, before=GIB, peak_before_run=GIB, peak=int(0.55 * GIB))
+    line = program_memory.row(0.5, on_gpu)
+    assert line["ratio"] == pytest.approx(1.1)
+    assert line["figures"].startswith("measured 0.55 GiB / predicted 0.50 = 1.10"), line
+    with pytest.raises(
+        preflight.PreflightError, match="no program 99 to measure: the run compiles 8"
+    ):
+        preflight.run(config, "h100:1", print, measure=99)
 
 
 def test_an_unknown_target_is_one_line_before_any_compute():

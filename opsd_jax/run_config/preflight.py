@@ -2,25 +2,29 @@
 
     python train.py --config configs/<name>.py --compile_only=h100:1
 
-compiles every program train.py would compile for the run, for `count` compile-only devices
-of a GPU target that opsd_jax/programs/gpu_target.py knows (h100, h200, h800), on any machine,
-with no GPU: the train step (one per length bucket: grad accumulation, the update, the EMA), and
-for an OPSD run the sampler's programs at the largest prompt the config allows (the decode-copy
-refresh, prefill and one decode round), and for a run that evaluates, the evaluation's prefill
-and decode round at its batch size. No weight, data or checkpoint file is read: the model's
+compiles every program train.py would compile for the run, for `count` compile-only devices of a
+GPU target that opsd_jax/programs/gpu_target.py knows (h100, h200, h800), on any machine, with
+no GPU: the train step (one per length bucket: grad accumulation, the update, the EMA), and for
+an OPSD run the sampler's programs at the largest prompt the config allows (the decode-copy
+refresh, then the sampling engine's prefill, insert into its slot pool, decode chunk and, with
+image skips, next round: preflight_sampling.py), and for a run that evaluates, the evaluation's
+engine programs at its batch size. No weight, data or checkpoint file is read: the model's
 shapes come from `model_path`'s llm_config.json and vit_config.json when they are there, else
 from the toy model (a toy config) or BAGEL-7B (any other).
 
-Each program's peak memory per device is what XLA:GPU assigned it (arguments + outputs -
-donated + temp) plus what stays on the device while it runs and is not its argument: the train
-state (params, optimizer moments, teacher) while the sampler's programs run. It passes when it
-leaves PREFLIGHT_HEADROOM (15%) of the device's memory free (allocator fragmentation, NCCL
-buffers, cuDNN workspaces). MaxText's train_compile.py is the model for this check.
+Each program's peak memory per device is what XLA:GPU assigned it (arguments + outputs - donated
++ temp) plus what stays on the device while it runs and is not its argument: the train state
+(params, optimizer moments, teacher) while the sampler's programs run, the decode copy beside
+the insert, the pool's cache beside a prefill that can meet it (with the lookahead, and in an
+evaluation), the lookahead's paused rows beside the train step and the evaluation. It passes
+when it leaves PREFLIGHT_HEADROOM (15%) of the device's memory free (allocator fragmentation,
+NCCL buffers, cuDNN workspaces). MaxText's train_compile.py is the model for this check.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable
@@ -31,25 +35,21 @@ from flax import nnx
 
 from models.bagel import Bagel
 from models.configs import BagelConfig
-from models.pack import Pack
-from models.sharding import logical_spec
 from opsd_jax.data import pack_shapes
 from opsd_jax.data.opsd_packs import bucket_in
-from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.io.hf_layout import LLM_CONFIG, VIT_CONFIG
 from opsd_jax.io.hf_load import read_config
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target, hbm_traffic
-from opsd_jax.run_config import builds, checks, trained_split
-from opsd_jax.sampling import decode_copy, layout_choice, sampler
+from opsd_jax.run_config import builds, checks, preflight_sampling, trained_split
+from opsd_jax.run_config.preflight_sampling import SHAPE_SPECIAL
+from opsd_jax.sampling import decode_copy, layout_choice
 from opsd_jax.training import step_compiler_flags, train_step
 from opsd_jax.training.step_batches import step_batches_for
 
 PREFLIGHT_HEADROOM = 0.15  # the share of device memory a program must leave free
 GIB = 2**30
-# Structural ids for shapes only: no tokenizer is read (the ids are never looked at).
-SHAPE_SPECIAL = SpecialTokens(im_start=1, im_end=2, vision_start=3, vision_end=4)
 
 
 class PreflightError(ValueError):
@@ -121,13 +121,35 @@ def allowed_share() -> float:
     return min(1 - PREFLIGHT_HEADROOM, allocator)
 
 
-def run(config, spec: str, say: Callable[[str], None] = print) -> int:
+def run(config, spec: str, say: Callable[[str], None] = print, measure: int | None = None) -> int:
     """Compile the run of `config` for `spec` ('h100:8'); print each program's memory; 0 when
     every program leaves PREFLIGHT_HEADROOM of the device free, else 1 (the line says which
     did not). Raises PreflightError for a bad `spec`, ConfigError for a config the devices
-    cannot take."""
+    cannot take.
+
+    measure: program number `measure` (in the order the lines print, from 0) is instead
+    compiled for this machine's first devices, run once on zero arguments with what the
+    preflight counts beside it held there, and its allocator peak printed beside XLA's
+    assignment (device_memory.measure_on_zeros, one line starting `measured `); nothing else
+    is compiled, and 0 is returned. On a GPU of `spec`'s kind this is what the prediction
+    promises, in a process that holds the run's resident state and runs that one program
+    (bench/program_memory.py runs each program so)."""
+    try:
+        return _compile_run(config, spec, say, measure)
+    except _Measured:
+        return 0
+
+
+def _compile_run(config, spec: str, say: Callable[[str], None], measure: int | None) -> int:
+    """run's body: the exception _Measured ends it in measure mode."""
     target, count = parse_target(spec)
-    jax.config.update("jax_platforms", "cpu")  # compile-only devices: no GPU is started
+    if measure is None:
+        jax.config.update("jax_platforms", "cpu")  # compile-only devices: no GPU is started
+    elif len(jax.devices()) < count:
+        raise PreflightError(
+            f"measuring a program of the run on {count} devices needs them: this machine has "
+            f"{len(jax.devices())} ({jax.devices()[0].device_kind})"
+        )
     config = builds.complete(config)
     checks.validate(config, count, 1, check_files=False)
     capacity = gpu_target.memory_bytes(target)
@@ -138,11 +160,18 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
     runtime = builds.model_runtime(config)
     model_config, source = model_config_for(config, runtime)
     data_size, fsdp_size, tensor_size = builds.mesh_shape(config, count)
-    mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)
+    if measure is None:
+        mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)
+        where = f"compiled for {count} compile-only {target.upper()} device(s) ("
+    else:
+        devices = jax.devices()[:count]
+        mesh = mesh_lib.make_mesh(data_size, fsdp_size, tensor_size, devices=devices)
+        kind = devices[0].device_kind
+        where = f"program {measure} measured on {count} {kind} device(s) (as {target.upper()}: "
     say(
-        f"preflight: {config.mode} run compiled for {count} compile-only {target.upper()} "
-        f"device(s) ({capacity / GIB:.1f} GiB each, {allowed_share():.0%} of it usable: "
-        f"{limit / GIB:.1f} GiB), mesh {dict(mesh.shape)}; model shapes from {source}"
+        f"preflight: {config.mode} run {where}{capacity / GIB:.1f} GiB each, "
+        f"{allowed_share():.0%} of it usable: {limit / GIB:.1f} GiB), mesh {dict(mesh.shape)}; "
+        f"model shapes from {source}"
     )
 
     split = trained_split.TrainedSplit.of_config(config)
@@ -188,11 +217,21 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
         f"train state per device: {resident / GIB:.2f} GiB "
         f"({sum(x.size for x in jax.tree.leaves(abstract_params)):,} parameters)"
     )
-    reports = []
+    reports, skipped = [], []  # programs compiled; programs passed over in measure mode
 
-    def compile_and_report(name, lowered, on_mesh, resident_bytes, options=None):
+    def compile_and_report(name, lower, on_mesh, resident_bytes, options=None):
+        """Compile the program `lower()` lowers and report it, or in measure mode, measure
+        the program whose number is `measure` and stop (_Measured), skipping the others."""
+        index = len(reports) + len(skipped)
+        if measure is not None and index != measure:
+            skipped.append(name)
+            return
         t0 = time.perf_counter()
-        compiled = gpu_target.compile(lowered, on_mesh, **(options or {}))
+        compiled = gpu_target.compile(lower(), on_mesh, **(options or {}))
+        if measure is not None:
+            found = device_memory.measure_on_zeros(compiled, resident_bytes, on_mesh)
+            say("measured " + json.dumps(dict(found, program=name, index=index)))
+            raise _Measured
         report = ProgramMemory(
             name, device_memory.program_peak(compiled), resident_bytes, time.perf_counter() - t0
         )
@@ -238,28 +277,36 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
             "paused rows' KV cache held through the train step"
         )
     for bucket in range(config.pack_length_buckets):
-        with mesh_lib.use_mesh(mesh):
-            lowered = step_fn.lower(state, batches.abstract_batch(bucket))
+
+        def lower_step(bucket=bucket):
+            with mesh_lib.use_mesh(mesh):
+                return step_fn.lower(state, batches.abstract_batch(bucket))
+
         compile_and_report(
             f"train step ({batches.describe(bucket)})",
-            lowered,
+            lower_step,
             mesh,
             paused,  # its arguments are the state
             step_compiler_flags.step_compiler_options(config.step_compiler_flags, model_config),
         )
 
     # ---- the sampler (OPSD rollouts) and the evaluation ---------------------------------------
-    rollouts = []  # (name, rows, max new tokens, prompt patches)
+    # (name, rows, max new tokens, prompt patches, whether a prefill can meet a pool holding
+    # rows, what else stays on the device): a training rollout's prefill meets one only with
+    # the lookahead's paused rows; an evaluation's prompts outnumber its slots, and it runs
+    # beside the paused rows' pool.
+    rollouts = []
     image = pack_shapes.image_patches(config.data.image_transform)
     largest = max(config.sample_prompt_buckets)
     if config.mode == "opsd":
         rows = config.samples_per_micro_batch * config.gradient_accumulation_steps
-        rollouts.append(("rollout", rows, config.sample_max_new_tokens, image))
+        lookahead = bool(config.rollout_lookahead)
+        rollouts.append(("rollout", rows, config.sample_max_new_tokens, image, lookahead, 0))
     if config.eval_every:
         contexts = [c for c in config.eval_contexts.split(",") if c]
         images = image * (1 + config.max_reference_rounds) if "teacher" in contexts else image
         new_tokens = config.eval_max_new_tokens or config.sample_max_new_tokens
-        rollouts.append(("evaluation", config.eval_batch_size, new_tokens, images))
+        rollouts.append(("evaluation", config.eval_batch_size, new_tokens, images, True, paused))
     if rollouts:
         layout = _decode_layout(
             config, model_config, abstract_params, mesh, shapes, capacity - resident
@@ -276,17 +323,18 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
             graphdef, model_state, view, config.compute_dtype
         )
         refresh = decode_copy.cast_function(graphdef, model_state, view, config.compute_dtype)
-        # The train state is live throughout; its params are the refresh's argument.
+        # The train state is live throughout (its params are the refresh's argument), and so
+        # are the lookahead's paused rows.
         compile_and_report(
             f"decode-copy refresh ('{layout}' on {dict(view.shape)})",
-            refresh.lower(model_state),
+            lambda: refresh.lower(model_state),
             view,
-            resident - device_memory.bytes_per_device((state.params, state.base)),
+            resident - device_memory.bytes_per_device((state.params, state.base)) + paused,
         )
         cache_dtype = jnp.dtype(builds.cache_dtype_for(config.compute_dtype))
-        for name, rows, new_tokens, patches in rollouts:
+        for name, rows, new_tokens, patches, pool_in_prefill, beside in rollouts:
             prompt_patches = bucket_in(min(patches, largest), config.sample_prompt_buckets)
-            _compile_rollout(
+            preflight_sampling.compile_engine_programs(
                 compile_and_report,
                 f"{name}, {rows} rows of {largest} tokens / {prompt_patches} patches, "
                 f"{new_tokens} new tokens",
@@ -300,9 +348,15 @@ def run(config, spec: str, say: Callable[[str], None] = print) -> int:
                 new_tokens,
                 config.sample_max_image_skips,
                 cache_dtype,
-                resident,
+                resident + beside,
+                pool_in_prefill,
             )
 
+    if measure is not None:
+        raise PreflightError(
+            f"no program {measure} to measure: the run compiles {len(skipped)} (0 to "
+            f"{len(skipped) - 1})"
+        )
     code, lines = verdict(reports, target, capacity)
     for line in lines:
         say(line)
@@ -326,6 +380,10 @@ def verdict(reports: list[ProgramMemory], target: str, capacity: int) -> tuple[i
         f"fits: every program leaves {1 - allowed_share():.0%} of a {target.upper()} free "
         f"(largest: {worst.name}, {worst.peak / GIB:.2f} GiB of {limit / GIB:.1f} GiB)"
     ]
+
+
+class _Measured(Exception):  # noqa: N818 (not an error: the measured program's way out of run)
+    """Raised inside `run` once the program it measures has been measured."""
 
 
 @dataclasses.dataclass
@@ -353,78 +411,3 @@ def _decode_layout(config, model_config, params, mesh, shapes, free_memory: int)
         free_memory=free_memory,
     )
     return choice.layout
-
-
-def _compile_rollout(
-    compile_and_report,
-    name,
-    model_config,
-    view,
-    copy_graphdef,
-    copy,
-    rows,
-    prompt_length,
-    patches,
-    new_tokens,
-    image_skips,
-    cache_dtype,
-    resident,
-) -> None:
-    """Prefill and one decode round of `rows` prompts on the decode copy, as sampler.sample
-    runs them (under the decode mesh and rules); the train state stays resident."""
-    rules = mesh_lib.DECODE_RULES
-
-    def on_view(shape, dtype, names):
-        spec = logical_spec(shape, names, view, rules)
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(view, spec))
-
-    def per_row(dtype, *tail):
-        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
-
-    prompt = Pack(
-        tokens=per_row(jnp.int32, prompt_length),
-        positions=per_row(jnp.int32, prompt_length),
-        segment_ids=per_row(jnp.int32, prompt_length),
-        k_start=per_row(jnp.int32, prompt_length),
-        k_end=per_row(jnp.int32, prompt_length),
-        vit_patches=per_row(jnp.float32, patches, model_config.vit.patch_dim),
-        vit_pos_ids=per_row(jnp.int32, patches),
-        vit_slots=per_row(jnp.int32, patches),
-        vit_image_ids=per_row(jnp.int32, patches),
-    )
-    slots = sampler.cache_slots_for(prompt_length, new_tokens, image_skips)
-    llm = model_config.llm
-    with mesh_lib.use_mesh(view, rules):
-        lowered = sampler.prefill_rows.lower(
-            copy_graphdef, copy, prompt, new_tokens, slots, cache_dtype, rules
-        )
-    compile_and_report(f"{name}: prefill", lowered, view, resident)
-    decode_state = sampler.abstract_decode_state(
-        sampler.cache_shape_for(
-            llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
-        ),
-        new_tokens,
-        lambda shape, names: jax.sharding.NamedSharding(
-            view, logical_spec(shape, names, view, rules)
-        ),
-        cache_dtype,
-    )
-    settings = sampler.RoundSettings(
-        temperature=1.0,
-        do_sample=True,
-        bos_id=SHAPE_SPECIAL.im_start,
-        eos_id=SHAPE_SPECIAL.im_end,
-        vocab_limit=llm.vocab_size,
-        max_steps=new_tokens + 1,
-    )
-    with mesh_lib.use_mesh(view, rules):
-        lowered = sampler.decode_round.lower(
-            copy_graphdef,
-            copy,
-            decode_state,
-            sampler.abstract_key(view),
-            per_row(jnp.int32),
-            settings,
-            rules,
-        )
-    compile_and_report(f"{name}: decode round", lowered, view, resident)

@@ -99,6 +99,11 @@ class _Row:
     versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
+# Decode steps a chunk runs at most before the host looks at the pool (rows to retire, prompts
+# waiting for a slot).
+CHUNK_STEPS = 64
+
+
 class Engine:
     """B slots over one KV cache; `run(prompts, rng)` samples one completion per row.
 
@@ -121,7 +126,7 @@ class Engine:
         max_image_skips: int = 0,
         decode_text: Callable[[list[int]], str] | None = None,
         cache_dtype: str = "bfloat16",
-        chunk_steps: int = 64,
+        chunk_steps: int = CHUNK_STEPS,
         prompt_buckets: Sequence[int] | None = None,
     ):
         """model: a `DecodeCopy` (run under its mesh and rules) or an nnx model (run as it is).
@@ -287,6 +292,11 @@ class Engine:
         needed = sampler.cache_slots_for(sub.row_length, self.max_new_tokens, self.max_image_skips)
         grow = self._pool is not None and needed > self.cache_slots
         self.cache_slots = max(self.cache_slots, needed)
+        # The pool grows before the prefill, not after: the grown copy is made from the old
+        # pool while neither holds the prefilled rows' cache beside them. Rows in the pool keep
+        # their cache: a row reads its first kv_length slots.
+        if grow:
+            self._pool = pool_programs.grown(self._pool, self.cache_slots, rules)
         prefilled = sampler.prefill_rows(
             self.graphdef,
             self.params,
@@ -302,8 +312,6 @@ class Engine:
             self._pool = pool_programs.empty_pool(
                 self.pool_size, shape, self.max_new_tokens, self.cache_dtype, batch.key.shape, rules
             )
-        elif grow:  # rows in the pool keep their cache: a row reads its first kv_length slots
-            self._pool = pool_programs.grown(self._pool, self.cache_slots, rules)
         self.pool_shapes.add(self.cache_slots)
         slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
         slots[: len(group)] = free[: len(group)]

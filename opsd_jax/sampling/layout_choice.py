@@ -120,6 +120,9 @@ def choose(
         if layout == "tensor" and size == 1:
             continue  # nothing to split: the same as replicated
         device_bytes = copy_bytes // size + cache_bytes // num_devices
+        # What must fit is more than a step reads: the engine's insert holds the prefilled
+        # rows' cache beside the pool's (opsd_jax/run_config/preflight_sampling.py).
+        held = device_bytes + cache_bytes // num_devices
         collectives = 0 if size == 1 else 2 * num_layers + 1
         projections.append(
             Projection(
@@ -127,7 +130,7 @@ def choose(
                 size,
                 device_bytes / bandwidth + collectives * latency,
                 device_bytes,
-                fits=budget is None or device_bytes <= budget,
+                fits=budget is None or held <= budget,
             )
         )
     fitting = [p for p in projections if p.fits] or projections  # none fits: the least bad

@@ -52,6 +52,27 @@ def pinned(state: PoolState) -> PoolState:
     )
 
 
+def abstract_pool(decode: DecodeState, sharding_for, key_shape: tuple = (2,)) -> PoolState:
+    """A PoolState of abstract arrays over `decode`'s slots (sampler.abstract_decode_state, with
+    the same `sharding_for(shape, logical axis names)`), for compiling the pool's programs ahead
+    of time (the preflight, tests/test_gpu_compile.py). key_shape: the key data's (threefry's)."""
+    slots = decode.length.shape[0]
+
+    def per_slot(dtype, *tail):
+        shape = (slots, *tail)
+        names = ("act_batch",) + (None,) * len(tail)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_for(shape, names))
+
+    return PoolState(
+        decode=decode,
+        feed=per_slot(jnp.int32),
+        step=per_slot(jnp.int32),
+        round=per_slot(jnp.int32),
+        sample_id=per_slot(jnp.int32),
+        key=per_slot(jnp.uint32, *key_shape),
+    )
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def empty_pool(
     pool_size: int, cache_shape: tuple, new_tokens: int, cache_dtype, key_shape: tuple, rules=()
