@@ -64,7 +64,8 @@ def compile_engine_programs(
     - the decode chunk over the pool, the program that decodes;
     - with image skips, the next round's start (the image-end token fed through the model).
     The pool's growth to a longer bucket (old and new pool at once, before the prefill) holds
-    no more than the insert does."""
+    no more than the insert does. Each goes to `compile_and_report(name, lower, mesh, beside)`,
+    `lower()` lowering it when asked (preflight.run's measure mode lowers one program only)."""
     rules = mesh_lib.DECODE_RULES
 
     def sharding_for(shape, names):
