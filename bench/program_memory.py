@@ -30,11 +30,10 @@ import sys
 
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from opsd_jax import run_config
+from opsd_jax.run_config import preflight
 
-from opsd_jax import run_config  # noqa: E402
-from opsd_jax.run_config import preflight  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GIB = 2**30
 # What the preflight's verdict means on a GPU: a program's allocator peak at most this many

@@ -6,7 +6,6 @@ import importlib
 import json
 import re
 import shutil
-import sys
 
 import pytest
 from conftest import ROOT, run_python
@@ -19,14 +18,12 @@ from opsd_jax.run_config import preflight
 GIB = 2**30
 
 
-@pytest.fixture(scope="module")
-def program_memory():
-    """bench/program_memory.py, imported as `python bench/program_memory.py` runs it."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        return importlib.import_module("program_memory")
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+@pytest.fixture
+def program_memory(monkeypatch):
+    """bench/program_memory.py, with bench/ on the path for this test only, as
+    `python bench/program_memory.py` has it."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    return importlib.import_module("program_memory")
 
 
 def train(*args, timeout=600):
