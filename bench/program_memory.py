@@ -105,10 +105,15 @@ def row(predicted_gib: float, found: dict) -> dict:
 
 
 def main(argv):
-    # argv[0] is the script; the config's flags, as parse_flags left them, are rebuilt for the
-    # subprocesses from sys.argv (everything that is not this script's own flag).
+    # The subprocesses get train.py's flags as given: sys.argv less this script's own flags
+    # (`--target=X` or `--target X`).
     own = ("--target", "--program")
-    passed = [a for a in sys.argv[1:] if not a.startswith(own)]
+    passed, args = [], iter(sys.argv[1:])
+    for arg in args:
+        if arg in own:
+            next(args, None)  # its value
+        elif not arg.startswith(tuple(f"{flag}=" for flag in own)):
+            passed.append(arg)
     target = _TARGET.value
     if _PROGRAM.value is not None:
         sys.exit(preflight.run(run_config.config_flag_value(), target, measure=_PROGRAM.value))
