@@ -3,6 +3,7 @@ completions for any pool size and arrival order, image-skip rounds in their slot
 steps than static batches when lengths differ, and a bounded set of compiled shapes."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sampler import (
@@ -19,6 +20,7 @@ from test_sampler import (
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.packing import Text
+from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight_sampling
 from opsd_jax.sampling import engine as engine_lib
 from opsd_jax.sampling import pool_programs, sampler
@@ -193,6 +195,36 @@ def test_every_program_the_engine_runs_is_one_the_preflight_counts(monkeypatch):
     ), programs
     unaccounted = set(programs) - set(preflight_sampling.ENGINE_PROGRAMS)
     assert not unaccounted, f"the preflight does not count {unaccounted}"
+
+
+def test_rows_are_written_into_the_pools_cache_as_jaxs_scatter_writes_them():
+    """pool_programs.write_rows against `cache.at[:, slots].set(rows, mode="drop")`: padding
+    rows (slot == pool size) are dropped, whatever slot 0 holds."""
+    rng = np.random.default_rng(0)
+    cache = rng.normal(size=(3, 6, 5, 2)).astype(np.float32)  # [L, B, S, ...], slot 0 busy
+    rows = rng.normal(size=(3, 4, 5, 2)).astype(np.float32)
+    for slots in ([2, 5, 6, 6], [0, 1, 2, 3], [4, 6, 6, 6]):
+        slots = np.array(slots, np.int32)
+        want = jnp.asarray(cache).at[:, slots].set(rows, mode="drop")
+        got = jax.jit(pool_programs.write_rows)(cache, rows, slots)
+        np.testing.assert_array_equal(got, want, err_msg=str(slots))
+
+
+def test_compiled_for_a_gpu_the_insert_writes_the_pools_cache_in_place():
+    """XLA:GPU makes the scatter along the cache's row axis two transposes of the whole cache
+    with a cache-sized temp between them; write_rows writes each row in place."""
+    mesh = gpu_target.make_mesh("h100", 1)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    cache = jax.ShapeDtypeStruct((4, 8, 1024, 2, 4, 128), jnp.bfloat16, sharding=replicated)
+    slots = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=replicated)
+    size = 4 * 8 * 1024 * 2 * 4 * 128 * 2
+
+    def temp(write):
+        lowered = jax.jit(write, donate_argnums=0).lower(cache, cache, slots)
+        return gpu_target.compile(lowered, mesh).memory_analysis().temp_size_in_bytes
+
+    assert temp(lambda c, r, s: c.at[:, s].set(r, mode="drop")) >= size  # the old insert
+    assert temp(pool_programs.write_rows) < size // 100
 
 
 def test_a_freed_slot_is_refilled_before_the_longest_row_ends():
