@@ -1069,8 +1069,10 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         refresh_s=refresh_moved / run.link_bw,
         prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
         # The engine's programs (opsd_jax/run_config/preflight_sampling.py): the prefill writes
-        # the rows' cache beside its temp, the insert holds that cache and the pool's at once,
-        # a decode chunk the pool beside its temp; the copy and the train state throughout.
+        # the rows' cache beside its temp, an insert into a pool that holds rows (with the
+        # lookahead, in an evaluation) that cache and the pool's at once (without them the rows
+        # become the pool: this bounds it), a decode chunk the pool beside its temp; the copy
+        # and the train state throughout.
         peak=model.resident
         + copy_bytes
         + cache_bytes

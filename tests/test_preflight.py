@@ -119,9 +119,12 @@ def test_a_measured_program_runs_alone_on_zeros_with_what_the_preflight_counts_b
     step = measured(0)  # its arguments are the train state (a PRNG key among them)
     assert step["program"].startswith("train step") and step["index"] == 0
     assert step["assigned"] > 0 and step["beside"] == 0  # no lookahead: nothing beside it
-    # As bench/program_memory.py measures each: `--program=K` in a process of its own.
+    # As bench/program_memory.py measures each: `--program=K` in a process of its own (with the
+    # lookahead, whose rollout inserts into a pool that holds rows).
     done = run_python(
-        "bench/program_memory.py", "--config", "configs/tiny.py", "--target=h100:1", "--program=3"
+        "bench/program_memory.py",
+        *("--config", "configs/tiny.py", "--config.rollout_lookahead=1"),
+        *("--target=h100:1", "--program=3"),
     )
     insert = program_memory.measured_line(done)
     assert insert["program"].startswith("rollout") and insert["program"].endswith(

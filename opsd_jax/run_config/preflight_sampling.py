@@ -26,7 +26,8 @@ from opsd_jax.sampling import engine, pool_programs, sampler
 # fails on a program the engine runs that is not named here.
 ENGINE_PROGRAMS = {
     "prefill_rows": "compiled (the pool's cache beside it where a prefill can meet one)",
-    "insert_rows": "compiled (the pool and the prefilled rows at once)",
+    "pool_of_rows": "compiled where prompts fill an empty pool (a rollout without lookahead)",
+    "insert_rows": "compiled where a pool can hold rows (the pool and the prefilled rows)",
     "decode_chunk": "compiled",
     "next_round": "compiled when the run has image skips",
     "empty_pool": "within insert_rows (it makes the pool beside the prefilled rows)",
@@ -60,7 +61,9 @@ def compile_engine_programs(
     - the prefill of `rows` prompts (the first insert fills the whole pool); where a prefill
       can meet a pool that holds rows (`pool_in_prefill`: a lookahead's paused rows, an
       evaluation's prompts waiting for slots) the pool's cache is beside it;
-    - the insert of the prefilled rows into the pool: both caches at once, beside the copy;
+    - where a prefill can meet a pool holding rows, the insert of the prefilled rows into the
+      pool: both caches at once, beside the copy; elsewhere (a rollout without lookahead,
+      whose prompts fill the empty pool in order) the pool made of the prefilled rows;
     - the decode chunk over the pool, the program that decodes;
     - with image skips, the next round's start (the image-end token fed through the model).
     The pool's growth to a longer bucket (old and new pool at once, before the prefill) holds
@@ -125,18 +128,30 @@ def compile_engine_programs(
         view,
         resident + (pool_bytes if pool_in_prefill else 0),
     )
-    insert = on_view_mesh(
-        lambda: pool_programs.insert_rows.lower(
-            pool,
-            prefilled,
-            replicated(jnp.int32, rows),  # the slots
-            replicated(jnp.int32, rows),  # the rows' sample ids
-            replicated(key_data.dtype, *key_data.shape),
-            SHAPE_SPECIAL.im_start,
-            rules,
+    if pool_in_prefill:
+        insert = on_view_mesh(
+            lambda: pool_programs.insert_rows.lower(
+                pool,
+                prefilled,
+                replicated(jnp.int32, rows),  # the slots
+                replicated(jnp.int32, rows),  # the rows' sample ids
+                replicated(key_data.dtype, *key_data.shape),
+                SHAPE_SPECIAL.im_start,
+                rules,
+            )
         )
-    )
-    compile_and_report(f"{name}: insert into the pool", insert, view, resident + copy_bytes)
+        compile_and_report(f"{name}: insert into the pool", insert, view, resident + copy_bytes)
+    else:
+        fill = on_view_mesh(
+            lambda: pool_programs.pool_of_rows.lower(
+                prefilled,
+                replicated(jnp.int32, rows),  # the rows' sample ids
+                replicated(key_data.dtype, *key_data.shape),
+                SHAPE_SPECIAL.im_start,
+                rules,
+            )
+        )
+        compile_and_report(f"{name}: the pool from the rows", fill, view, resident + copy_bytes)
     settings = sampler.RoundSettings(
         temperature=1.0,
         do_sample=True,

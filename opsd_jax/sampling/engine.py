@@ -306,19 +306,31 @@ class Engine:
             self.cache_dtype,
             rules,
         )
-        if self._pool is None:  # the cache's layout read from the prefilled rows'
-            layers, _, cache_slots, two, kv_heads, head_dim = prefilled.cache.shape
-            shape = (layers, self.pool_size, cache_slots, two, kv_heads, head_dim)
-            self._pool = pool_programs.empty_pool(
-                self.pool_size, shape, self.max_new_tokens, self.cache_dtype, batch.key.shape, rules
-            )
         self.pool_shapes.add(self.cache_slots)
-        slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
-        slots[: len(group)] = free[: len(group)]
         ids = batch.row_ids[np.asarray(group)[pad]].astype(np.int32)
-        self._pool = pool_programs.insert_rows(
-            self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules
-        )
+        if self._pool is None and len(group) == self.pool_size == size:
+            # Every slot, in order (an empty pool's are free in order): the rows become the
+            # pool, with no second cache beside them (a rollout's step without lookahead).
+            self._pool = pool_programs.pool_of_rows(
+                prefilled, ids, batch.key, self.special.im_start, rules
+            )
+        else:
+            if self._pool is None:  # the cache's layout read from the prefilled rows'
+                layers, _, cache_slots, two, kv_heads, head_dim = prefilled.cache.shape
+                shape = (layers, self.pool_size, cache_slots, two, kv_heads, head_dim)
+                self._pool = pool_programs.empty_pool(
+                    self.pool_size,
+                    shape,
+                    self.max_new_tokens,
+                    self.cache_dtype,
+                    batch.key.shape,
+                    rules,
+                )
+            slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
+            slots[: len(group)] = free[: len(group)]
+            self._pool = pool_programs.insert_rows(
+                self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules
+            )
         for slot, index in zip(free, group):
             self._slots[slot] = _Row(batch, index, versions=[(version, 0)])
 

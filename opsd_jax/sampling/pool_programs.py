@@ -1,6 +1,6 @@
 """The slot pool's device programs: the state of B slots over one KV cache, and the jitted
-programs that change it (empty, insert prefilled rows, start an image-skip round, decode a chunk,
-grow the cache).
+programs that change it (empty, fill from prefilled rows, insert prefilled rows, start an
+image-skip round, decode a chunk, grow the cache).
 
 The host side that decides which prompt goes into which slot and when a row leaves is
 engine.py; the programs here know nothing of batches or prompts, only of slots. Each program
@@ -93,6 +93,26 @@ def empty_pool(
     i32 = zeros(jnp.int32)
     key = zeros(jnp.uint32, *key_shape)
     return pinned(PoolState(decode=decode, feed=i32, step=i32, round=i32, sample_id=i32, key=key))
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=(0,))
+def pool_of_rows(rows: DecodeState, sample_ids, key, bos_id: int, rules=()):
+    """A pool whose slot i holds prefilled row i, each starting its first round, drawing from
+    `key` (key data): what empty_pool then insert_rows into every slot in order make, but the
+    rows' state is donated and becomes the pool's, so no second cache is made or written."""
+    del rules
+    slots = sample_ids.shape[0]
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return pinned(
+        PoolState(
+            decode=rows,
+            feed=jnp.full((slots,), bos_id, jnp.int32),
+            step=zeros,
+            round=zeros,
+            sample_id=sample_ids.astype(jnp.int32),
+            key=jnp.broadcast_to(key, (slots, *key.shape)),
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(5, 6), donate_argnums=(0,))
