@@ -34,7 +34,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target, hbm_traffic, hlo_stats, thunk_launches
-from opsd_jax.sampling import decode_copy, pool_programs, sampler
+from opsd_jax.sampling import decode_copy, engine, pool_programs, sampler
 from opsd_jax.training import train_step
 
 SPECIAL = SpecialTokens(1020, 1021, 1022, 1023)  # the toy vocabulary's structural ids
@@ -716,21 +716,23 @@ def test_the_engine_decode_chunk_is_one_graph_launch_and_moves_no_weight(h100_sa
     is: one CUDA graph per token, nothing launched and no host sync per token, no weight moved
     between devices, and the pool's state written in place (donated)."""
     copy, decode_state, _, feed, settings, rules = h100_sampler.decode_inputs
-    rows = feed.shape[0]
-    spec = feed.sharding.spec
-    key_data = jax.ShapeDtypeStruct(
-        (rows, 2),
-        jnp.uint32,
-        sharding=jax.sharding.NamedSharding(feed.sharding.mesh, P(*spec, None)),
-    )
-    watched = jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=feed.sharding)
-    pool = pool_programs.PoolState(
-        decode=decode_state, feed=feed, step=feed, round=feed, sample_id=feed, key=key_data
-    )
     view = feed.sharding.mesh
+
+    def sharding_for(shape, names):
+        return jax.sharding.NamedSharding(view, logical_spec(shape, names, view, rules))
+
+    pool = pool_programs.abstract_pool(decode_state, sharding_for)  # as the preflight makes it
+    watched = jax.ShapeDtypeStruct(feed.shape, jnp.bool_, sharding=feed.sharding)
     with mesh_lib.use_mesh(view, rules):
         lowered = pool_programs.decode_chunk.lower(
-            h100_sampler.copy_graphdef, copy, pool, "threefry2x32", settings, 64, watched, rules
+            h100_sampler.copy_graphdef,
+            copy,
+            pool,
+            "threefry2x32",
+            settings,
+            engine.CHUNK_STEPS,
+            watched,
+            rules,
         )
         program = hlo_stats.compile_and_read_all(lowered, gpu_target.compiler_options(view))
     launches = launches_per_token(program)

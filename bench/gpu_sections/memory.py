@@ -35,23 +35,18 @@ def run(args):
     for index, (name, gib) in enumerate(program_memory.predictions(argv, target)):
         found = program_memory.measured(argv, target, index)
         line = program_memory.row(gib, found)
-        value = line["figures"]
-        if line["ratio"] is None:  # no allocator statistics (a CPU), or it did not run
-            emit(
-                section="memory",
-                case=f"{config}: {name}",
-                value=value,
-                unit="FAILED" if "error" in found else "not compared: no allocator here",
-                ok="error" not in found,
-                kind="check" if "error" in found else "info",
-            )
-            continue
-        met = line["ratio"] <= limit
+        if "error" in found:
+            unit, ok, kind = "FAILED", False, "check"
+        elif line["ratio"] is None:  # no allocator statistics (a CPU)
+            unit, ok, kind = "not compared: no allocator here", True, "info"
+        else:
+            ok, kind = line["ratio"] <= limit, "check"
+            unit = f"{'at most' if ok else 'above'} {limit} x the preflight's prediction"
         emit(
             section="memory",
             case=f"{config}: {name}",
-            value=value,
-            unit=f"{'at most' if met else 'above'} {limit} x the preflight's prediction",
-            ok=met,
-            kind="check",
+            value=line["figures"],
+            unit=unit,
+            ok=ok,
+            kind=kind,
         )
