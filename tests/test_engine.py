@@ -20,10 +20,12 @@ from test_sampler import (
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax.data.packing import Text
+from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight_sampling
+from opsd_jax.sampling import decode_copy, pool_programs, sampler
 from opsd_jax.sampling import engine as engine_lib
-from opsd_jax.sampling import pool_programs, sampler
+from opsd_jax.sampling.row_placement import placed_rows
 
 from flax import nnx  # isort: skip
 
@@ -79,6 +81,64 @@ def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_
                 )
                 assert got.finished[row] == want.finished[sample], where
                 assert got.rounds[row] == want.rounds[sample], where
+
+
+def test_each_row_is_dealt_to_the_share_that_holds_its_slot():
+    """placed_rows with the pool's 4 slots in 2 shares (slots 0-1, 2-3) and a prefill of R
+    rows in 2 shares (rows 0 .. R/2 - 1, then the rest): every row's slot lies in its row's
+    share, each free slot taken at most once, padding rows dropped (slot 4)."""
+    # slot 0 busy: share 0 has slot 1 free, share 1 both; three prompts
+    assert placed_rows([1, 2, 3], 3, 2, 4) == [(0, 1), (None, 4), (1, 2), (2, 3)]
+    assert placed_rows([0, 1, 2, 3], 4, 2, 4) == [(0, 0), (2, 1), (1, 2), (3, 3)]
+    assert placed_rows([3], 1, 2, 4) == [(None, 4), (0, 3)]
+    assert placed_rows([1, 3], 2, 1, 4) == [(0, 1), (1, 3)]  # one share: in order
+    for free, count in (([0, 2, 3], 2), ([1, 2, 3], 3), ([2, 3], 2), ([0, 1, 2, 3], 3)):
+        rows = placed_rows(free, count, 2, 4)
+        per_share = len(rows) // 2
+        real = [(r, place, slot) for r, (place, slot) in enumerate(rows) if place is not None]
+        assert sorted(place for _, place, _ in real) == list(range(count))
+        assert all(slot in free and slot // 2 == r // per_share for r, _, slot in real)
+        assert len({slot for _, _, slot in real}) == count
+
+
+def test_rows_split_over_devices_are_written_where_they_were_prefilled(monkeypatch):
+    """The pool's 4 slots over 2 devices (a 'replicated' decode copy: slots 0-1 on one, 2-3 on
+    the other) and 8 prompts of the scripted model (which reads its tokens from its own
+    cache), their lengths such that the rows freeing slots at once are both on one device:
+    the next two prompts are both dealt to that device, with two padding rows on the other,
+    each device writes its rows into its own slots (insert_rows' `local_slots`), and the
+    completions equal one device's sampler's."""
+    eos = SPECIAL.im_end
+    scripts = [[7, 8, eos], [9, 10, 11, 12, 13, eos], [15, 16, eos], [17, 18, 19, 20, 21, eos]]
+    scripts += [[22, 23, 24, 25, 26, 27, 28, eos], [29, 30, 31, 32, 33, 34, 35, eos]]
+    scripts += [[36, 37, eos], [38, eos]]
+    settings = scripted_settings(8, 0)
+    want = sampler.sample(ScriptedModel(scripts), scripted_pack(8), jax.random.key(0), **settings)
+    graphdef, state = nnx.split(ScriptedModel(scripts))
+    copy = decode_copy.make_decode_copy(
+        graphdef,
+        state,
+        layout="replicated",
+        mesh=mesh_lib.make_mesh(devices=jax.devices()[:2]),
+        dtype=jnp.float32,
+    )
+    inserts = []
+    insert_rows = pool_programs.insert_rows
+
+    def recorded(pool, rows, slots, *args):
+        inserts.append((np.asarray(slots).tolist(), np.asarray(args[-1]).tolist()))
+        return insert_rows(pool, rows, slots, *args)
+
+    monkeypatch.setattr(pool_programs, "insert_rows", recorded)
+    del settings["do_sample"]
+    engine = engine_lib.Engine(copy, pool_size=4, chunk_steps=2, prompt_length=4, **settings)
+    got = engine.run(scripted_pack(8), jax.random.key(0))
+    # The empty pool's dealing: prompts 0, 1, 2, 3 in slots 0, 2, 1, 3. Prompts 0 and 2 end
+    # first: 4 and 5 go to slots 0 and 1, the first device's, as rows 0 and 1 of 4; then 1
+    # and 3 end: 6 and 7 go to slots 2 and 3, the second device's slots 0 and 1.
+    assert inserts == [([0, 1, 4, 4], [0, 1, 2, 2]), ([4, 4, 2, 3], [2, 2, 0, 1])], inserts
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.lengths, want.lengths)
 
 
 def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
@@ -262,6 +322,46 @@ def test_compiled_for_a_gpu_the_insert_writes_the_pools_cache_in_place():
     if jax.__version_info__ >= (0, 12):
         assert temp(lambda c, r, s: c.at[:, s].set(r, mode="drop")) >= size  # the old insert
     assert temp(pool_programs.write_rows) < size // 100
+
+
+def test_compiled_for_8_gpus_each_device_writes_its_own_rows_into_its_own_slots():
+    """The paper recipe's pool in its 'tensor' decode layout on 8 H100s (rows over 2 shares,
+    kv heads over 4; 2 of its 28 layers): with the rows placed on their slots' devices
+    (`local_slots`), the insert gathers no cache row and has no temp; the scatter it replaces
+    gathers the rows first (a temp of 4 devices' shares of the cache)."""
+    from models.sharding import logical_spec
+    from opsd_jax.parallel import mesh as mesh_lib
+
+    rows, slots, layers = 16, 7296, 2
+    view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 8), "tensor", 4)
+    rules = mesh_lib.DECODE_RULES
+
+    def laid_out(shape, names):
+        return jax.sharding.NamedSharding(view, logical_spec(shape, names, view, rules))
+
+    state = sampler.abstract_decode_state(
+        sampler.cache_shape_for(layers, rows, slots, 4, 128), 8, laid_out, jnp.bfloat16
+    )
+    pool = pool_programs.abstract_pool(state, laid_out)
+    whole = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=laid_out(shape, (None,)))  # noqa: E731
+    own = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=laid_out((rows,), ("act_batch",)))
+    share = layers * (rows // 2) * slots * 2 * 128 * 2  # a device's share of the cache, bytes
+
+    def compiled(local):
+        """(the insert's temp bytes, its all-gathers of cache rows)"""
+        with mesh_lib.use_mesh(view, rules):
+            lowered = pool_programs.insert_rows.lower(
+                pool, state, whole(rows), whole(rows), whole(2), 1, rules, local
+            )
+        program = gpu_target.compile(lowered, view)
+        text = program.as_text().splitlines()
+        gathers = [line for line in text if "all-gather-start" in line and f",{slots}," in line]
+        return program.memory_analysis().temp_size_in_bytes, gathers
+
+    temp, gathers = compiled(own)
+    assert temp < share // 100 and not gathers, gathers
+    temp, gathers = compiled(None)
+    assert temp >= share and gathers
 
 
 def test_a_freed_slot_is_refilled_before_the_longest_row_ends():

@@ -138,6 +138,7 @@ def compile_engine_programs(
                 replicated(key_data.dtype, *key_data.shape),
                 SHAPE_SPECIAL.im_start,
                 rules,
+                per_row(jnp.int32),  # a row's slot among its devices' (row_placement)
             )
         )
         compile_and_report(f"{name}: insert into the pool", insert, view, resident + copy_bytes)

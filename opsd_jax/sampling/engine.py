@@ -6,7 +6,9 @@ sit finished while one runs to the cap. The engine keeps B slots busy instead:
 
 - `insert`: waiting prompts are prefilled (images through the ViT) in the prompt buckets, a
   group of rows at a time (a power of two up to the free slots), and their cache rows and
-  per-row state are written into free slots only (`pool_programs.insert_rows`);
+  per-row state are written into free slots only (`pool_programs.insert_rows`); where the
+  pool's rows are split over devices, each row is prefilled on the devices that hold its slot
+  (`row_placement.placed_rows`), which write it in place;
 - a decode chunk (`pool_programs.decode_chunk`, one jitted while loop, a CUDA graph on the GPU as the
   sampler's rounds are) runs until `chunk_steps` tokens are done, every slot has stopped, or a
   slot has stopped while prompts wait;
@@ -45,11 +47,13 @@ from flax import nnx
 from flax.core import spmd
 
 from models.pack import Pack
+from models.sharding import per_device
 from opsd_jax.data.opsd_packs import bucket, bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import to_host
 from opsd_jax.sampling import pool_programs, sampler
 from opsd_jax.sampling.decode_copy import DecodeCopy
+from opsd_jax.sampling.row_placement import placed_rows
 from opsd_jax.sampling.sampler import Completions
 
 
@@ -275,17 +279,27 @@ class Engine:
             )
 
     def _insert(self, free, version: int, rules) -> None:
-        """Prefill waiting prompts of one batch into the first free slots: a power of two of
-        rows or the whole pool (padding rows repeat the first and are dropped), cut to the
-        group's bucket."""
+        """Prefill waiting prompts of one batch into free slots (placed_rows: a power of two
+        of rows or the whole pool, each on the devices that hold its slot; padding rows repeat
+        the first and are dropped), cut to the group's bucket."""
         batch = self._waiting[0][0]
         group = []
         while self._waiting and self._waiting[0][0] is batch and len(group) < len(free):
             group.append(self._waiting.popleft()[1])
-        size = min(1 << (len(group) - 1).bit_length(), self.pool_size)
+        shares = self._row_shares(self.pool_size)
+        placed = placed_rows(free, len(group), shares, self.pool_size)
+        local = None  # rows not on their slots' devices: the scatter, which XLA partitions
+        if self._row_shares(len(placed)) == shares:  # the prefilled rows split as the pool's
+            share = self.pool_size // shares  # a share's slots, then past them (dropped)
+            local = [slot % share if slot < self.pool_size else share for _, slot in placed]
+            local = np.array(local, np.int32)
+        else:
+            placed = placed_rows(free, len(group), 1, self.pool_size)
+        size = len(placed)
+        slots = np.array([slot for _, slot in placed], np.int32)
         built = jax.tree.map(to_host, batch.prompts.pack(group))
         sampler.check_prompt_pack(built)
-        pad = np.array(list(range(len(group))) + [0] * (size - len(group)))
+        pad = np.array([0 if place is None else place for place, _ in placed])
         sub = _cut_to_bucket(jax.tree.map(lambda x: x[pad], built), self.buckets)
         self._check_length(int((sub.segment_ids > 0).sum(axis=1).max()))
         self.shapes.add((size, sub.row_length, sub.vit_patches.shape[1] if sub.has_images else 0))
@@ -308,7 +322,7 @@ class Engine:
         )
         self.pool_shapes.add(self.cache_slots)
         ids = batch.row_ids[np.asarray(group)[pad]].astype(np.int32)
-        if self._pool is None and len(group) == self.pool_size == size:
+        if self._pool is None and np.array_equal(slots, np.arange(self.pool_size)):
             # Every slot, in order (an empty pool's are free in order): the rows become the
             # pool, with no second cache beside them (a rollout's step without lookahead).
             self._pool = pool_programs.pool_of_rows(
@@ -326,13 +340,18 @@ class Engine:
                     batch.key.shape,
                     rules,
                 )
-            slots = np.full(size, self.pool_size, np.int32)  # past the pool: dropped
-            slots[: len(group)] = free[: len(group)]
             self._pool = pool_programs.insert_rows(
-                self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules
+                self._pool, prefilled, slots, ids, batch.key, self.special.im_start, rules, local
             )
-        for slot, index in zip(free, group):
-            self._slots[slot] = _Row(batch, index, versions=[(version, 0)])
+        for place, slot in placed:
+            if place is not None:
+                self._slots[slot] = _Row(batch, group[place], versions=[(version, 0)])
+
+    @staticmethod
+    def _row_shares(rows: int) -> int:
+        """Into how many devices' shares `rows` rows are split under the active layout (1:
+        each device holds every row)."""
+        return rows // per_device((rows,), ("act_batch",))[0]
 
     def _retire(self, rules) -> None:
         """Rows that stopped in the last chunk: the next image-skip round in their slot, or
