@@ -7,7 +7,9 @@ prefill of R rows the same way, row r in share r // (R / S). A row prefilled on 
 than its slot's would cross devices in the insert, and XLA's partitioned scatter there gathers
 every row to every device first (a temp of 7.49 GiB in the paper recipe's insert on 8 H100s).
 Dealt as below, each device writes its own rows into its own slots
-(pool_programs.insert_rows with `local_slots`).
+(pool_programs.insert_rows with `local_slots`). The price: where the free slots lie mostly in
+one share, the other shares prefill padding rows (at most one share's rows each, which the
+preflight counts: it compiles the prefill of a whole pool).
 """
 
 from __future__ import annotations
