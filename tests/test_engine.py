@@ -25,7 +25,7 @@ from opsd_jax.programs import gpu_target
 from opsd_jax.run_config import preflight_sampling
 from opsd_jax.sampling import decode_copy, pool_programs, sampler
 from opsd_jax.sampling import engine as engine_lib
-from opsd_jax.sampling.row_placement import placed_rows
+from opsd_jax.sampling.row_placement import own_slots, placed_rows
 
 from flax import nnx  # isort: skip
 
@@ -89,6 +89,8 @@ def test_each_row_is_dealt_to_the_share_that_holds_its_slot():
     share, each free slot taken at most once, padding rows dropped (slot 4)."""
     # slot 0 busy: share 0 has slot 1 free, share 1 both; three prompts
     assert placed_rows([1, 2, 3], 3, 2, 4) == [(0, 1), (None, 4), (1, 2), (2, 3)]
+    # each row's slot within its share (slots 2, 3 are share 1's 0, 1; padding past it: 2)
+    assert own_slots([(0, 1), (None, 4), (1, 2), (2, 3)], 2, 4) == [1, 2, 0, 1]
     assert placed_rows([0, 1, 2, 3], 4, 2, 4) == [(0, 0), (2, 1), (1, 2), (3, 3)]
     assert placed_rows([3], 1, 2, 4) == [(None, 4), (0, 3)]
     assert placed_rows([1, 3], 2, 1, 4) == [(0, 1), (1, 3)]  # one share: in order

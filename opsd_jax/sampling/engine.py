@@ -53,7 +53,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import to_host
 from opsd_jax.sampling import pool_programs, sampler
 from opsd_jax.sampling.decode_copy import DecodeCopy
-from opsd_jax.sampling.row_placement import placed_rows
+from opsd_jax.sampling.row_placement import own_slots, placed_rows
 from opsd_jax.sampling.sampler import Completions
 
 
@@ -290,9 +290,7 @@ class Engine:
         placed = placed_rows(free, len(group), shares, self.pool_size)
         local = None  # rows not on their slots' devices: the scatter, which XLA partitions
         if self._row_shares(len(placed)) == shares:  # the prefilled rows split as the pool's
-            share = self.pool_size // shares  # a share's slots, then past them (dropped)
-            local = [slot % share if slot < self.pool_size else share for _, slot in placed]
-            local = np.array(local, np.int32)
+            local = np.array(own_slots(placed, shares, self.pool_size), np.int32)
         else:
             placed = placed_rows(free, len(group), 1, self.pool_size)
         size = len(placed)

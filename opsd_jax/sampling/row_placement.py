@@ -45,3 +45,10 @@ def placed_rows(
         rows += [(place, open_slots[k][j]) for j, place in enumerate(dealt[k])]
         rows += [(None, pool_size)] * (per_share - len(dealt[k]))
     return rows
+
+
+def own_slots(placed: list[tuple[int | None, int]], shares: int, pool_size: int) -> list[int]:
+    """Each row's slot among its share's own (insert_rows' `local_slots`): slot s is
+    s % (pool_size / shares) there; a padding row's is past the share (dropped)."""
+    share = pool_size // shares
+    return [slot % share if slot < pool_size else share for _, slot in placed]
