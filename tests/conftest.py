@@ -189,29 +189,53 @@ INDEPENDENT_CASES = ("test_entry_points.py",)
 SAME_UNIT_AS = {"test_step_compiler_flags.py": "test_remat.py"}
 
 # The longest units of work (a file, or one case of INDEPENDENT_CASES by its parameter), in
-# seconds of one worker on 2 cores (2026-12-05). Only the order of the run depends on them: the
-# longest start first, so no long file starts last while the other worker sits idle (xdist's own
-# order is by the number of tests, which put one-test files such as tests/test_remat.py last).
-# A unit not named here weighs 0 and keeps its collection order, after these.
+# seconds of one worker on 2 cores (the README command, 2026-12-07: `--durations=0`, summed per
+# unit). Only the order of the run depends on them: the longest start first and every unit of
+# 9 s or more is named, so what runs last is short and neither worker sits idle long at the end
+# (xdist's own order is by the number of tests, which put one-test files such as
+# tests/test_remat.py last). A unit not named here weighs 0 and keeps its collection order,
+# after these.
 UNIT_SECONDS = {
-    "test_train_cli.py": 274,
-    "test_offline.py": 198,
-    "test_teacher_by_source.py": 179,
-    "test_train_step.py": 117,
-    "test_lora_training.py": 100,
-    "test_multihost.py": 100,
-    "bench/gpu_check.py": 108,
-    "test_gpu_compile.py": 105,
-    "test_teacher_checkpoint.py": 40,
-    "test_remat.py": 60,  # with test_step_compiler_flags.py (SAME_UNIT_AS)
-    "test_preflight.py": 70,
-    "test_toy_experiment.py": 69,
-    "test_disk_full.py": 51,
-    "test_decode_copy.py": 45,
-    "test_qwen2_mot.py": 42,
-    "test_sampler.py": 42,
-    "bench/offline.py": 39,
-    "bench/scale.py": 31,  # 2026-12-06, one sampler layout on one device
+    "test_train_cli.py": 168,
+    "test_teacher_by_source.py": 128,
+    "test_gpu_compile.py": 119,
+    "test_train_step.py": 89,
+    "test_offline.py": 82,
+    "test_lora_training.py": 78,
+    "bench/gpu_check.py": 72,
+    "test_multihost.py": 63,
+    "test_preflight.py": 54,
+    "test_toy_experiment.py": 50,
+    "test_decode_copy.py": 37,
+    "test_disk_full.py": 37,
+    "test_qwen2_mot.py": 36,
+    "bench/scale.py": 32,
+    "test_teacher_checkpoint.py": 31,
+    "bench/offline.py": 30,
+    "test_sampler.py": 29,
+    "test_remat.py": 28,  # with test_step_compiler_flags.py (SAME_UNIT_AS)
+    "test_engine.py": 25,
+    "test_attention.py": 24,
+    "scripts/make_toy_stage1.py": 22,
+    "test_tiny_demo.py": 22,
+    "test_layout.py": 21,
+    "test_losses.py": 20,
+    "test_benchmarks.py": 18,
+    "bench/vs_pytorch.py": 18,
+    "bench/train_step.py": 18,
+    "test_step_flops.py": 16,
+    "test_decode_attention_pallas.py": 14,
+    "test_evaluation.py": 14,
+    "test_attention_cudnn.py": 14,
+    "test_sharding.py": 14,
+    "bench/sampler.py": 14,
+    "test_rollout_mismatch.py": 12,
+    "test_bagel.py": 12,
+    "test_attention_pallas.py": 12,
+    "test_pallas_blocks.py": 12,  # estimated: 25.8 before pallas_blocks.py shared its index maps
+    "test_lora.py": 12,
+    "scripts/kl_diagnostic.py": 10,
+    "bench/grad_step.py": 9,
 }
 
 
