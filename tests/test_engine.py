@@ -332,7 +332,6 @@ def test_compiled_for_8_gpus_each_device_writes_its_own_rows_into_its_own_slots(
     (`local_slots`), the insert gathers no cache row and has no temp; the scatter it replaces
     gathers the rows first (a temp of 4 devices' shares of the cache)."""
     from models.sharding import logical_spec
-    from opsd_jax.parallel import mesh as mesh_lib
 
     rows, slots, layers = 16, 7296, 2
     view = mesh_lib.decode_mesh(gpu_target.make_mesh("h100", 8), "tensor", 4)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ def _block_sizes(block_shape) -> list[int]:
 # over grids of many sizes (the decode kernel at every cache length of a recipe), so each map
 # compiles once per power-of-two program count instead of once per call and slot count.
 # tests/test_pallas_blocks.py alone, one process on 2 cores (2026-12-07): 18.25 s -> 7.54 s.
-_EVALUATORS: dict[tuple[str, int], object] = {}
+_EVALUATORS: dict[tuple[str, int], Callable] = {}
 
 
 def block_indices(index_map, program_ids: np.ndarray) -> np.ndarray:
@@ -98,14 +99,13 @@ def block_indices(index_map, program_ids: np.ndarray) -> np.ndarray:
 
     count = len(program_ids)
     padded = 1 << max(count - 1, 0).bit_length()  # rows of program 0 fill the rest
-    key = (str(index_map), padded)
-    if index_map.consts:  # values the text does not show: not shared
-        return np.asarray(jax.jit(jax.vmap(index_of))(program_ids))
-    if key not in _EVALUATORS:
-        _EVALUATORS[key] = jax.jit(jax.vmap(index_of))
+    if index_map.consts:  # values the map's text does not show: not shared
+        evaluate = jax.jit(jax.vmap(index_of))
+    else:
+        evaluate = _EVALUATORS.setdefault((str(index_map), padded), jax.jit(jax.vmap(index_of)))
     rows = np.zeros((padded, program_ids.shape[1]), np.int32)
     rows[:count] = program_ids
-    return np.asarray(_EVALUATORS[key](rows))[:count]
+    return np.asarray(evaluate(rows))[:count]
 
 
 def call_overhangs(call: PallasCall) -> list[str]:
