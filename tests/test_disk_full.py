@@ -93,7 +93,18 @@ def _wait_until_still(directory, quiet=0.5, most=20.0):
     """Until no file under `directory` has appeared, gone or changed size for `quiet` s."""
 
     def listing():
-        return sorted((str(p), p.stat().st_size) for p in directory.rglob("*") if p.is_file())
+        # The writers being waited for may remove a file (a tensorstore lock) or a folder
+        # between the walk that finds it and its stat: gone is a change like any other, not an
+        # error (os.walk skips a folder it can no longer list).
+        files = []
+        for folder, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    files.append((path, os.stat(path).st_size))
+                except FileNotFoundError:
+                    files.append((path, -1))
+        return sorted(files)
 
     deadline, last = time.monotonic() + most, listing()
     while time.monotonic() < deadline:
