@@ -325,6 +325,47 @@ def test_export_against_a_mismatched_source_writes_nothing(loaded_bf16, toy_bf16
         hf_export.save_hf(model, source, toy_bf16)
 
 
+def test_export_into_shards_of_any_name_keeps_our_params(toy_fp32_sharded, tmp_path):
+    """An index may name its shards anything; the export writes ours into them, and the copy of
+    the source directory's other files must not put the source's shards back over them."""
+    source = tmp_path / "odd_names"
+    shutil.copytree(toy_fp32_sharded, source)
+    index_path = source / index_name("model")
+    index = json.loads(index_path.read_text())
+    renamed = {
+        name: f"part_{i}.safetensors"
+        for i, name in enumerate(sorted(set(index["weight_map"].values())))
+    }
+    for old, new in renamed.items():
+        (source / old).rename(source / new)
+    index["weight_map"] = {key: renamed[name] for key, name in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    model, _, _ = hf_load.load_hf(source, tokenizer=False)
+    model.language_model.embed_tokens[...] += 1.0  # "trained"
+
+    out = hf_export.save_hf(model, tmp_path / "out", source)
+    key = "language_model.model.embed_tokens.weight"
+    exported = WeightDirectory(out)
+    assert exported.file_of[key].path.name in renamed.values()
+    np.testing.assert_array_equal(
+        exported.array(key), np.asarray(model.language_model.embed_tokens[...])
+    )
+    assert not np.array_equal(exported.array(key), WeightDirectory(source).array(key))
+
+
+def test_export_against_a_source_with_fewer_layers_is_refused(loaded_bf16, tmp_path):
+    """Against a shallower source the export would write only the source's layers of ours."""
+    shallow = toy_model.write_toy_model(
+        tmp_path / "shallow", config=BagelConfig.tiny(llm=dict(num_hidden_layers=1))
+    )
+    with pytest.raises(
+        hf_layout.HFCheckpointError,
+        match=r"stacked parameters: we hold 2 layers, the source has keys for 1",
+    ):
+        hf_export.save_hf(loaded_bf16[0], tmp_path / "out", shallow)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shallow"]
+
+
 def test_a_checkpoint_without_the_fixed_table_gets_the_computed_one(toy_bf16, tmp_path):
     source = tmp_path / "no_table"
     shutil.copytree(toy_bf16, source)

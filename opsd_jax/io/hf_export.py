@@ -84,6 +84,21 @@ def _is_weight_file(name: str) -> bool:
     )
 
 
+def _weight_file_names(directory: Path) -> set[str]:
+    """The weight files of `directory`: the usual names, and every shard that an index lists.
+
+    An index may name its shards anything (`model_part1.safetensors`); such a shard must not be
+    copied as "another file of the directory", or it would land on the shard just exported."""
+    names = {entry.name for entry in directory.iterdir() if _is_weight_file(entry.name)}
+    for stem in WEIGHT_STEMS:
+        try:
+            weight_map = json.loads((directory / index_name(stem)).read_text())["weight_map"]
+            names |= {str(name) for name in weight_map.values()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # no index of that stem, or not one we could export from: nothing it names
+    return names
+
+
 def save_hf(
     model,
     out_dir: str | os.PathLike,
@@ -124,6 +139,7 @@ def save_hf(
         )
     entries: dict[str, list] = {file.path.name: [] for file in files.files}
     used, wrong = set(), []
+    layers_written: dict[str, set[int]] = {}  # per stacked parameter, the layers a key takes
     for key in files.keys():
         info = files.info(key)
         matched = match_key(key)
@@ -140,10 +156,23 @@ def save_hf(
             elif source_shape != info.shape:
                 wrong.append(f"{key}: ours gives {list(out_shape)}, source is {list(info.shape)}")
             used.add(rule.target)
+            if layer is not None:
+                layers_written.setdefault(rule.target, set()).add(layer)
             produce = _ours_producer(value, rule, layer, DTYPES[info.dtype])
         else:
             produce = lambda key=key: files.raw(key)  # noqa: E731
         entries[files.file_of[key].path.name].append((key, info.dtype, out_shape, produce))
+    # A source with fewer layers than ours would drop the rest of our layers: one line per
+    # (ours, the source's) layer count, naming the first parameter of each.
+    short: dict[tuple[int, int], list[str]] = {}
+    for target, layers in sorted(layers_written.items()):
+        if len(layers) < params[target].shape[0]:
+            short.setdefault((int(params[target].shape[0]), len(layers)), []).append(target)
+    for (ours, theirs), targets in short.items():
+        wrong.append(
+            f"{targets[0]} and {len(targets) - 1} more stacked parameters: we hold {ours} "
+            f"layers, the source has keys for {theirs}"
+        )
     # Any parameter we hold must land somewhere; only the recomputable table may be absent.
     unwritten = [path for path in params if path not in used and path != "vit_pos_embed"]
     if wrong or unwritten:
@@ -192,8 +221,10 @@ def save_hf(
             )
             index["metadata"] = {**dict(index.get("metadata") or {}), "total_size": total_size}
             _write_json(tmp / index_name(files.stem), index)
+        # The rest of the source directory, never over a file this export has written.
+        skipped = _weight_file_names(source_dir) | {entry.name for entry in tmp.iterdir()}
         for entry in sorted(source_dir.iterdir()):
-            if entry.name.startswith(".") or _is_weight_file(entry.name):
+            if entry.name.startswith(".") or entry.name in skipped:
                 continue
             if entry.is_dir():
                 shutil.copytree(entry, tmp / entry.name)
