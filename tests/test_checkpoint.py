@@ -23,6 +23,7 @@ from opsd_jax import run_config
 from opsd_jax.io import checkpoint as ckpt_lib
 from opsd_jax.io import saved_items
 from opsd_jax.parallel import mesh as mesh_lib
+from opsd_jax.trainer import start
 from opsd_jax.training import train_step
 
 SAVE_STEP = 10
@@ -232,6 +233,29 @@ def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
     # A restarted run sees the same latest step.
     with ckpt_lib.Checkpointer(directory, save_every=1) as restarted:
         assert restarted.latest_step() == 3
+
+
+def test_a_start_before_steps_its_directory_already_holds_is_refused(tmp_path, capsys):
+    """A fresh start, or a resume of an older step, over a directory with later steps: their
+    saves would be skipped (a step already saved is not saved again) and the next resume would
+    go back to the old steps. The start is refused; a start at or after the newest step is not."""
+    directory = tmp_path / "run" / "checkpoints"
+    with ckpt_lib.Checkpointer(directory, save_every=1, max_to_keep=5) as checkpointer:
+        for step in (1, 2, 3):
+            checkpointer.save(step, _small_state(step), data_state=None, config={})
+        checkpointer.wait_until_finished()
+        assert not checkpointer.save(2, _small_state(20), data_state=None, config={}, force=True)
+        for resumed, later in ((None, "1, 2, 3"), (str(directory / "1"), "2, 3")):
+            with pytest.raises(SystemExit) as exited:
+                start.check_no_later_steps(checkpointer, str(directory), resumed)
+            assert exited.value.code == 2
+            assert f"already holds step(s) {later}, after this run's start" in (
+                capsys.readouterr().err
+            )
+        for resumed in (str(directory), str(directory / "3")):
+            start.check_no_later_steps(checkpointer, str(directory), resumed)
+    with ckpt_lib.Checkpointer(tmp_path / "empty", save_every=1) as fresh:
+        start.check_no_later_steps(fresh, str(tmp_path / "empty"), str(directory / "1"))
 
 
 def test_errors_name_the_directory_and_the_steps(tmp_path, saved):

@@ -13,6 +13,7 @@ asked of the config's TrainedSplit (run_config/trained_split.py), never decided 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,29 @@ def resumed_from(config, checkpointer: Checkpointer, checkpoint_dir: str) -> str
     if config.resume_from and not config.resume_model_only:
         return config.resume_from
     return None
+
+
+def check_no_later_steps(checkpointer: Checkpointer, checkpoint_dir: str, resumed: str | None):
+    """Refuse a start whose own checkpoint directory already holds steps after its start step
+    (a fresh start, or a resume of an older step, over an earlier run's checkpoints): the saves
+    of those steps would be skipped, and the next resume would go back to the old ones."""
+    if resumed == checkpoint_dir:  # its own newest step: nothing lies after it
+        return
+    start_step = 0
+    if resumed:
+        try:
+            start_step = int(os.path.basename(saved_items.step_dir_of(resumed)))
+        except (FileNotFoundError, ValueError) as e:
+            run_config.config_error(f"resume_from={resumed}: {e}")
+    later = [step for step in checkpointer.all_steps() if step > start_step]
+    if later:
+        run_config.config_error(
+            f"checkpoint_dir {checkpoint_dir} already holds step(s) "
+            f"{', '.join(map(str, later))}, after this run's start at step {start_step}: "
+            "its saves of those steps would be skipped and a resume would go back to them; "
+            "move or delete them, or give another checkpoint_dir"
+            + ("" if resumed else " (or auto_resume=True to continue from them)")
+        )
 
 
 def check_resume(config, resumed: str, say: Callable) -> str | None:
@@ -283,6 +307,7 @@ def open_start(config, mesh, checkpointer, checkpoint_dir: str, say: Callable) -
     """The run's start: fresh, or resumed from its own or another checkpoint (the resume's
     'resumed from' line is the caller's, once the data iterator has its state)."""
     resumed = resumed_from(config, checkpointer, checkpoint_dir)
+    check_no_later_steps(checkpointer, checkpoint_dir, resumed)
     saved_teacher = check_resume(config, resumed, say) if resumed else None
     split = run_config.TrainedSplit.of_config(config)
     say(split.describe())
