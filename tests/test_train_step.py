@@ -1,5 +1,7 @@
 """The OPSD train step: learning in every teacher mode, EMA, accumulation, mesh, freezing, LR."""
 
+import dataclasses
+
 import builders
 import jax
 import jax.numpy as jnp
@@ -266,6 +268,42 @@ def test_one_step_with_two_micro_batches_equals_accumulated_grads_then_update(sp
         jax.tree.leaves((ref_state.params, ref_state.teacher_params, ref_state.opt_state)),
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_token_sum_accumulates_to_the_whole_steps_sum(split_model):
+    """loss_reduction='token_sum' is a plain sum over the step's tokens: two micro-batches give
+    the one big batch's loss and gradient (not their mean, half of it), and the step's token
+    count is both micro-batches' tokens."""
+    graphdef, params, rest = split_model
+    config = optim_config()
+    optimizer = train_step.make_optimizer(config)
+    settings = builders.loss_settings(num_samples=2, reduction="token_sum")
+    step = train_step.make_train_step(
+        train_step.make_opsd_loss(graphdef, rest, settings, "self"),
+        optimizer,
+        teacher_mode="self",
+        ema_decay=0.5,
+        schedule=train_step.learning_rate_schedule(config),
+        sum_micro_batches=True,
+    )
+    state = train_step.init_state(
+        jax.tree.map(jnp.copy, params), optimizer, "self", jax.random.key(0)
+    )
+    micro = [fixed_packs(SAMPLES[:2], COMPLETIONS[:2]), fixed_packs(SAMPLES[2:], COMPLETIONS[2:])]
+    _, metrics = step(state, stacked(*micro))
+
+    whole = train_step.make_grad_step(
+        graphdef, rest, dataclasses.replace(settings, num_samples=4), "self"
+    )
+    everything = packs_for(SAMPLES, COMPLETIONS, num_rows=2)
+    grads, want = whole(params, None, everything.student, everything.teacher)
+    tokens = sum(len(c) + 1 for c in COMPLETIONS)  # each completion and its <|im_end|>
+    assert float(metrics["loss_tokens"]) == float(want["loss_tokens"]) == tokens
+    np.testing.assert_allclose(float(metrics["loss"]), float(want["loss"]), rtol=1e-5)
+    np.testing.assert_allclose(
+        float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-4
+    )
 
 
 @pytest.mark.slow

@@ -243,4 +243,5 @@ def train_step_for(
         frozen=frozen,
         max_bad_steps=config.max_consecutive_bad_steps,
         state_shardings=train_step.shardings_of(abstract_state),
+        sum_micro_batches=config.loss_reduction == "token_sum",
     )

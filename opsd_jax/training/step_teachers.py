@@ -135,8 +135,9 @@ def source_metrics(
 
 
 def finish_source_metrics(metrics: dict) -> dict:
-    """The step's metrics (micro-batch means) with each source's `<metric>_sum` replaced by its
-    per-token mean `<metric>` (NaN for a source without a token in the step)."""
+    """The step's metrics (each source's sum and tokens added up over the micro-batches) with
+    each source's `<metric>_sum` replaced by its per-token mean `<metric>` (NaN for a source
+    without a token in the step; the logger weighs the steps of a window by their tokens)."""
     out = {}
     for key, value in metrics.items():
         if key.startswith(SOURCE_PREFIX) and key.endswith("_sum"):

@@ -599,6 +599,21 @@ def make_apply_update(
     return apply_update
 
 
+# The loss metrics in the loss's own units: under 'token_sum' a step's value is their sum.
+LOSS_TERMS = ("loss", "jsd", "ce", "kd", "tinker_k1", "tinker_surrogate")
+
+
+def micro_batch_reduction(key: str, sum_micro_batches: bool):
+    """How a step combines a metric over its micro-batches: a largest (`_max`) stays the
+    largest; a count (`tokens`, a `_sum`) adds up, as do the loss terms when the loss is a plain
+    sum ('token_sum'); the rest (means, fractions) are the micro-batches' mean."""
+    if key.endswith("_max"):
+        return jnp.max
+    if key.endswith(("tokens", "_sum")) or (sum_micro_batches and key in LOSS_TERMS):
+        return jnp.sum
+    return jnp.mean
+
+
 def make_train_step(
     loss_fn: Loss,
     optimizer: optax.GradientTransformation,
@@ -609,6 +624,7 @@ def make_train_step(
     frozen: tuple[str, ...] = (),
     max_bad_steps: int | None = None,
     state_shardings=None,
+    sum_micro_batches: bool = False,
 ):
     """jit(state, micro_batches) -> (state, metrics), the state donated.
 
@@ -620,8 +636,10 @@ def make_train_step(
     micro-batch axis. Gradient accumulation is a `lax.scan` over that axis: the gradients of
     the trainable params are summed in one buffer (sharded like the params when
     `state_shardings` is given, which also pins the output state to the input's layout, so the
-    compiled step takes its own output). Metrics: the micro-batch means of the loss metrics,
-    then `grad_norm` (trainable params), `nonfinite`, `bad_steps` and `lr`, the learning rate
+    compiled step takes its own output). The step's loss is the micro-batches' mean, or their
+    sum with `sum_micro_batches` (the 'token_sum' reduction: the step's plain sum over all its
+    tokens, so its gradient is the one big batch's). Metrics: combined over the micro-batches
+    by `micro_batch_reduction`, then `grad_norm` (trainable params), `nonfinite`, `bad_steps` and `lr`, the learning rate
     this update applied; with teachers by data source, each source's `source/<name>/jsd` and
     `source/<name>/tokens` (step_teachers.finish_source_metrics).
     """
@@ -658,11 +676,11 @@ def make_train_step(
             layout = split_params(state_shardings.params, frozen)[0]
             grads = jax.lax.with_sharding_constraint(grads, layout)
         grads, metrics = jax.lax.scan(accumulate, grads, micro_batches)
-        num_micro = jax.tree.leaves(micro_batches)[0].shape[0]
-        grads = jax.tree.map(lambda g: g / num_micro, grads)
-        # A micro-batch's largest (a `_max` metric) stays the largest; the rest are means.
+        if not sum_micro_batches:  # the micro-batches' mean, as one batch of them all
+            num_micro = jax.tree.leaves(micro_batches)[0].shape[0]
+            grads = jax.tree.map(lambda g: g / num_micro, grads)
         metrics = {
-            k: (jnp.max if k.endswith("_max") else jnp.mean)(m, axis=0) for k, m in metrics.items()
+            k: micro_batch_reduction(k, sum_micro_batches)(m, axis=0) for k, m in metrics.items()
         }
         metrics = step_teachers.finish_source_metrics(metrics)
         lr = applied_learning_rate(state.opt_state, schedule)
