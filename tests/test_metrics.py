@@ -3,6 +3,7 @@ back with EventAccumulator), phase timings, non-main silence, the missing-wandb 
 device-array values. A fake clock makes throughput, ETA and phase numbers exact."""
 
 import json
+import math
 import re
 import sys
 import types
@@ -142,6 +143,27 @@ def test_data_and_total_keys_take_latest_value_and_max_keys_the_largest(tmp_path
     assert out["rollout/staleness_max"] == 1.0
     assert out["loss"] == pytest.approx(3.0)
     assert _read_jsonl(tmp_path / "metrics.jsonl")[0]["data/skipped/too_long"] == 5
+
+
+def test_a_per_token_mean_is_weighed_by_its_tokens_and_a_step_without_any_left_out(tmp_path, clock):
+    """A source's jsd (NaN in a step without its samples) over a window: the steps' values
+    weighed by the tokens beside them, not a plain mean that one NaN step spoils."""
+    logger = MetricsLogger(str(tmp_path), total_steps=100, log_every=4, progress_bar=False)
+    steps = [(0.2, 10.0), (0.4, 30.0), (0.1, 20.0), (math.nan, 0.0)]  # (jsd, tokens)
+    for step, (jsd, tokens) in enumerate(steps, start=1):
+        out = logger.log_step(
+            step,
+            {
+                "source/b/jsd": jsd,
+                "source/b/tokens": tokens,
+                "source/c/jsd": math.nan,
+                "source/c/tokens": 0.0,
+            },
+        )
+    logger.close()
+    assert out["source/b/jsd"] == pytest.approx((0.2 * 10 + 0.4 * 30 + 0.1 * 20) / 60)
+    assert out["source/b/tokens"] == pytest.approx(15.0)  # tokens per step
+    assert math.isnan(out["source/c/jsd"]) and out["source/c/tokens"] == 0.0
 
 
 def test_force_and_last_step_log(tmp_path, clock, capsys):

@@ -108,6 +108,23 @@ def _is_window_max(key: str) -> bool:
     return key.endswith("_max")
 
 
+def _count_of(key: str) -> str:
+    """The count a per-token mean is taken over: `source/<name>/jsd` has `source/<name>/tokens`
+    beside it (a key without such a sibling is a plain mean)."""
+    return key.rsplit("/", 1)[0] + "/tokens" if "/" in key and not key.endswith("/tokens") else ""
+
+
+def _token_weighted_mean(values: list, counts: list) -> float:
+    """A per-token mean over a window: each step's mean weighed by its tokens. A step without
+    tokens (its mean NaN) weighs nothing; a window without any is NaN."""
+    total = weight = 0.0
+    for value, count in zip(values, counts):
+        value, count = _to_float(value), _to_float(count)
+        if value is not None and count:
+            total, weight = total + value * count, weight + count
+    return total / weight if weight else math.nan
+
+
 def format_number(value: float) -> str:
     """Compact rendering: about 4 significant digits, scientific only for tiny or huge values."""
     if math.isnan(value) or math.isinf(value):
@@ -443,6 +460,8 @@ class MetricsLogger:
                 record[key] = floats[-1]
             elif _is_window_max(key):
                 record[key] = max(floats)
+            elif _count_of(key) in host_values:
+                record[key] = _token_weighted_mean(values, host_values[_count_of(key)])
             else:
                 record[key] = sum(floats) / len(floats)
 
