@@ -6,10 +6,12 @@ the two on-disk layouts must mean the same thing. Images use ImageTransform(112,
 patches) to keep the tests fast.
 """
 
+import codecs
 import io
 import json
 import os
 import pickle
+import re
 
 import builders
 import numpy as np
@@ -20,8 +22,10 @@ from opsd_jax.data.data_config import DataConfig, DatasetSpec
 from opsd_jax.data.image_transform import ImageTransform
 from opsd_jax.data.pipeline import DataIterator, build_dataset, make_iterator
 from opsd_jax.data.sources import (
+    DataError,
     RawSample,
     Skipped,
+    check_dataset,
     decode_row,
     is_heldout,
     iter_samples,
@@ -125,6 +129,60 @@ def test_decode_row_edge_cases(toy_dir):
     # An image path that does not exist is a bad image, not an exception.
     missing = dict(record, problem_image_0={"bytes": None, "path": "nowhere.png"})
     assert decode_row(missing, "m", max_reference_rounds=ROUNDS).reason == "bad_image"
+
+
+def test_a_jsonl_line_that_is_not_utf8_is_one_counted_read_error(tmp_path):
+    # A byte-order mark (Notepad, PowerShell) must not cost line 1, and one Latin-1 line must
+    # cost only itself, named by file and line, not crash the reading of the whole file.
+    path = tmp_path / "train.jsonl"
+    toy.write_jsonl(toy.make_rows("toy_maze", "train", 3, seed=6), str(path))
+    lines = path.read_bytes().splitlines(keepends=True)
+    latin1 = '{"pid": "latin1", "question": "caf\u00e9?", "answer": "A"}\n'.encode("latin-1")
+    path.write_bytes(codecs.BOM_UTF8 + lines[0] + latin1 + b"".join(lines[1:]))
+    spec = DatasetSpec("j", str(path))
+    assert check_dataset(spec) == 1
+    out = list(iter_samples(spec, "all", **SOURCE))
+    assert [type(o).__name__ for o in out] == ["RawSample", "Skipped", "RawSample", "RawSample"]
+    assert out[1].reason == "read_error"
+    assert out[1].detail.startswith("train.jsonl:2: not UTF-8")
+    # A file with no UTF-8 line at all is a whole unreadable file: an error up front, saying why.
+    utf16 = tmp_path / "utf16" / "train.jsonl"
+    utf16.parent.mkdir()
+    utf16.write_text(b"".join(lines).decode("utf-8"), encoding="utf-16")
+    with pytest.raises(DataError, match=re.escape(f"{utf16} has no readable line")):
+        check_dataset(DatasetSpec("j16", str(utf16)))
+
+
+def _damage_column_chunk(path, group, column):
+    """Overwrite the first page header of one column chunk; the footer stays valid."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(j).path for j in range(meta.num_columns)]
+    chunk = meta.row_group(group).column(names.index(column))
+    with open(path, "r+b") as f:
+        f.seek(chunk.data_page_offset)
+        f.write(b"\xff" * 16)
+
+
+def test_a_damaged_parquet_row_group_skips_its_rows_naming_file_and_group(tmp_path):
+    # The footer is intact, so check_dataset passes: the damage shows only when the row group is
+    # read, mid-run, inside grain's reader threads, where it must be a counted skip, not a crash.
+    rows = toy.make_rows("toy_maze", "train", 12, seed=7)
+    path = str(tmp_path / "train.parquet")
+    toy.write_parquet(rows, path, row_group_size=4)
+    _damage_column_chunk(path, group=1, column="problem_image_0.bytes")
+    spec = DatasetSpec("p", path)
+    assert check_dataset(spec) == 1
+    it = _iterate(_config([spec]), "all")
+    assert [s.pid for s in it] == [r["pid"] for r in rows[:4] + rows[8:]]
+    assert {k: v for k, v in it.skipped.items() if v} == {"read_error": 4}
+    error = open_source(spec, "all", **SOURCE)[5]["_error"]
+    assert error.startswith(f"{path}: row group 1: cannot read")
+    # The pid column is read when the source opens (the split needs it): an error up front.
+    _damage_column_chunk(path, group=0, column="pid")
+    with pytest.raises(DataError, match=re.escape(f"{path}: cannot read the pid column")):
+        open_source(spec, "all", **SOURCE)
 
 
 # ----------------------------------------------------------------------------- checkpointed state

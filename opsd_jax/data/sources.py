@@ -10,7 +10,9 @@ row by index without loading a whole file's images (ThinkMorph rows carry encode
 a task is hundreds of MB). Parquet is read one row group at a time, only the needed columns, with
 a small LRU cache; only the `pid` column is read eagerly (to build the split). Decoding is kept
 out of the sources so that a bad row becomes a counted `Skipped` element downstream instead of an
-exception inside grain's worker threads.
+exception inside grain's worker threads. For the same reason a source never raises for a row it
+cannot read (a JSONL line that is not UTF-8 or not a JSON object, a damaged parquet row group): it
+returns `{"_error": "<file>...: <why>"}`, which `decode_row` turns into `Skipped(read_error)`.
 
 Layouts (docs/opsd_loss.md §c.1):
 
@@ -27,7 +29,7 @@ files whose `pid` hashes below `heldout_fraction` (sha1, so identical on every m
 held out. `split="train"` = train files minus held-out rows; `split="eval"` = held-out rows plus all
 rows of the other files (e.g. a `test-*.parquet`); `split="all"` = everything.
 
-One module of a little over 400 lines: finding a data set's files, splitting it and decoding its
+One module of under 600 lines: finding a data set's files, splitting it and decoding its
 rows are the one job of reading a data set, and the constants (column names, skip reasons) are
 shared by all three.
 """
@@ -35,6 +37,7 @@ shared by all three.
 from __future__ import annotations
 
 import bisect
+import codecs
 import collections
 import dataclasses
 import glob
@@ -43,7 +46,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from PIL import Image
@@ -201,13 +204,21 @@ def check_dataset(spec, *, require_vt: bool = True) -> int:
             names = set(_open_parquet(path).schema_arrow.names)
         else:
             names = set()
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line) if line.strip() else {}
-                    except json.JSONDecodeError:
-                        continue  # a bad line is a bad row (skipped and counted)
-                    names.update(record if isinstance(record, dict) else ())
+            first_bad_line = None
+            try:
+                for _, record in read_jsonl_lines(path):
+                    if "_error" in record:  # a bad line is a bad row (skipped and counted)
+                        first_bad_line = first_bad_line or record["_error"]
+                    else:
+                        names.update(record)
+            except OSError as e:
+                raise DataError(f"dataset {spec.name!r}: {path}: cannot read ({e})") from None
+            if not names and first_bad_line:
+                # e.g. a UTF-16 file: "no column 'pid'" alone would hide why.
+                raise DataError(
+                    f"dataset {spec.name!r}: {path} has no readable line "
+                    f"(first error: {first_bad_line})"
+                )
         missing = [c for c in required if c not in names]
         if missing:
             raise DataError(
@@ -221,6 +232,41 @@ def check_dataset(spec, *, require_vt: bool = True) -> int:
 # ----------------------------------------------------------------------------------------------
 # Sources
 # ----------------------------------------------------------------------------------------------
+
+
+def _error_on_one_line(error: Exception) -> str:
+    # pyarrow's messages span lines ("Couldn't deserialize thrift: ...\nDeserializing page ...").
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def read_jsonl_lines(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number from 1, object) for each non-blank line of a JSONL file.
+
+    A line that is not UTF-8, not JSON or not an object gives `{"_error": "<file>:<line>: why"}`
+    instead: one bad line is one bad row (skipped and counted), never the whole file. Lines are
+    read as bytes and decoded one by one, because a text-mode file raises UnicodeDecodeError from
+    the iteration itself, for the whole file. A UTF-8 byte-order mark (Notepad, PowerShell) at the
+    start of the file is dropped, so line 1 is read like any other.
+    """
+    name = os.path.basename(path)
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield line_no, {"_error": f"{name}:{line_no}: not UTF-8 ({e})"}
+                continue
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                record = {"_error": f"{name}:{line_no}: {e}"}
+            if not isinstance(record, dict):
+                record = {"_error": f"{name}:{line_no}: not an object"}
+            yield line_no, record
 
 
 class ParquetSource:
@@ -241,6 +287,8 @@ class ParquetSource:
         num_used_data: int = -1,
         row_group_cache: int = 4,
     ):
+        import pyarrow as pa
+
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         self._files = list(files)
@@ -259,7 +307,13 @@ class ParquetSource:
             self._group_starts.append(starts)
             # The pid column is small; reading it for every row is what makes the split possible.
             if "pid" in names:
-                pids = meta.read(columns=["pid"]).column("pid").to_pylist()
+                try:
+                    pids = meta.read(columns=["pid"]).column("pid").to_pylist()
+                except (pa.ArrowException, OSError) as e:
+                    # The footer was fine (_open_parquet), but a pid column chunk is damaged.
+                    raise DataError(
+                        f"{path}: cannot read the pid column ({_error_on_one_line(e)})"
+                    ) from None
             else:
                 pids = [None] * starts[-1]
             base = os.path.basename(path)
@@ -277,15 +331,27 @@ class ParquetSource:
         return len(self._index)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        import pyarrow as pa
+
         file_idx, row = self._index[i]
+        path = self._files[file_idx]
         starts = self._group_starts[file_idx]
         group = bisect.bisect_right(starts, row) - 1
-        table = self._row_group(file_idx, group)
-        record = table.slice(row - starts[group], 1).to_pylist()[0]
-        record["_base_dir"] = os.path.dirname(os.path.abspath(self._files[file_idx]))
+        try:
+            table = self._row_group(file_idx, group)
+        except (pa.ArrowException, OSError) as e:
+            # A damaged row group (the footer, checked up front, can be fine) costs its rows, each
+            # skipped and counted, not the run: this runs inside grain's reader threads.
+            record = {"_error": f"{path}: row group {group}: cannot read ({_error_on_one_line(e)})"}
+        else:
+            record = table.slice(row - starts[group], 1).to_pylist()[0]
+        record["_base_dir"] = os.path.dirname(os.path.abspath(path))
         return record
 
     def _row_group(self, file_idx: int, group: int):
+        """The needed columns of one row group, cached; raises what pyarrow raises (a failed
+        read is not cached: the next row of the group tries again and is counted on its own)."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         key = (file_idx, group)
@@ -297,7 +363,12 @@ class ParquetSource:
             handle = self._handles.get(file_idx)
             if handle is None:
                 handle = self._handles[file_idx] = pq.ParquetFile(self._files[file_idx])
-            table = handle.read_row_group(group, columns=self._columns[file_idx])
+            try:
+                table = handle.read_row_group(group, columns=self._columns[file_idx])
+            except (pa.ArrowException, OSError):
+                # Reopen next time rather than trust a handle whose read failed half-way.
+                self._handles.pop(file_idx, None)
+                raise
             self._cache[key] = table
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
@@ -331,24 +402,14 @@ class JsonlSource:
         rows: list[dict[str, Any]] = []
         for path, is_train in zip(files, _train_flags(files)):
             base_dir = os.path.dirname(os.path.abspath(path))
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        # Keep the row so it is counted as skipped, rather than vanish silently.
-                        record = {"_error": f"{os.path.basename(path)}:{line_no + 1}: {e}"}
-                    if not isinstance(record, dict):
-                        record = {
-                            "_error": f"{os.path.basename(path)}:{line_no + 1}: not an object"
-                        }
-                    record["_base_dir"] = base_dir
-                    pid = record.get("pid")
-                    key = f"{os.path.basename(path)}:{line_no}"
-                    if _row_in_split(pid, key, is_train, split, heldout_fraction):
-                        rows.append(record)
+            # A bad line is kept as an `_error` row, so it is counted as skipped, not lost silently.
+            for line_no, record in read_jsonl_lines(path):
+                record["_base_dir"] = base_dir
+                pid = record.get("pid")
+                # 0-based in the key, as it always was: the split of pid-less rows must not move.
+                key = f"{os.path.basename(path)}:{line_no - 1}"
+                if _row_in_split(pid, key, is_train, split, heldout_fraction):
+                    rows.append(record)
         if num_used_data > 0:
             rows = rows[:num_used_data]
         self._rows = rows
@@ -453,8 +514,9 @@ def decode_row(
 
     Reasons: missing_field (pid/question/answer/problem image absent or None), empty_question,
     too_long (question over max_question_chars), missing_vt_image (no reasoning_image_0 while
-    require_vt), bad_image (undecodable or unreadable image), read_error (unparsable JSONL line).
-    Cheap text checks run before any image is decoded.
+    require_vt), bad_image (undecodable or unreadable image), read_error (a JSONL line that is not
+    a UTF-8 JSON object, a parquet row group that cannot be read). Cheap text checks run before
+    any image is decoded.
     """
     pid = record.get("pid")
     # Integer ids (some hand-made JSONL) are fine; they are used as strings everywhere.
