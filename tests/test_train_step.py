@@ -183,6 +183,10 @@ def test_tinker_logs_its_k1_value_and_the_pytorch_surrogate():
         student, teacher, packs.student, builders.loss_settings(num_samples=2)
     )[1]
     assert not {"tinker_k1", "tinker_surrogate"} & set(jsd_metrics)
+    # Its estimate holds only at the sampling temperature (docs/opsd_loss.md): said if not.
+    hotter = dataclasses.replace(settings, sample_temperature=0.5)
+    with pytest.warns(UserWarning, match="differs from the sampling temperature 0.5"):
+        train_step.completion_loss(student, teacher, packs.student, hotter)
 
 
 def stacked(*micro):

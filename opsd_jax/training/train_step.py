@@ -255,6 +255,7 @@ def completion_loss(
             pack.loss_targets,
             pack.loss_mask,
             temperature=settings.jsd_temperature,
+            sample_temperature=settings.sample_temperature,  # warns when they differ
             reduction=settings.reduction,
             vocab_limit=settings.vocab_limit,
             **common,
