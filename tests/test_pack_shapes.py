@@ -5,8 +5,16 @@ import pytest
 from test_opsd_packs import OPTIONS, SPECIAL, encode, sample
 
 from configs import common, smoke, thinkmorph_7b
+from opsd_jax.data.image_transform import PATCH_SIZE, ImageTransform
 from opsd_jax.data.opsd_packs import build_training_packs
-from opsd_jax.data.pack_shapes import PackShape, choose_bucket, cut_report, fit_rows, pack_shapes
+from opsd_jax.data.pack_shapes import (
+    PackShape,
+    choose_bucket,
+    cut_report,
+    fit_rows,
+    image_patches,
+    pack_shapes,
+)
 from opsd_jax.data.sft_packs import build_sft_packs
 
 
@@ -19,6 +27,18 @@ def test_derived_sizes_of_the_7b_recipe():
     # The largest image: 980 px / 14 = 70 patches a side = 4900 patches.
     assert teacher[0] == PackShape(10240, 10240, 1152)
     assert student[0] == PackShape(6272, 4992, 1152)  # 4902 + 1026 + 256 -> 6184 -> 6272
+
+
+@pytest.mark.parametrize("stride", [14, 28])
+def test_the_largest_image_is_counted_in_vit_patches_whatever_the_stride(stride):
+    """A stride of 28 snaps sides to 28 px, but the ViT still cuts 14-px patches: the count is
+    the resize rule's largest image (a large square, resized to 980 px: max_pixels is above
+    980^2) in 14-px patches, 4900 for either stride."""
+    transform = ImageTransform(980, 224, stride)
+    width, height = transform.target_size(4000, 4000)
+    want = (width // PATCH_SIZE) * (height // PATCH_SIZE)
+    got = image_patches(dict(max_size=980, stride=stride, max_pixels=transform.max_pixels))
+    assert got == want == 4900
 
 
 def test_the_offline_row_has_the_problem_image_only_and_reference_targets():

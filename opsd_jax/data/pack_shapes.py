@@ -37,6 +37,8 @@ import math
 
 import numpy as np
 
+from opsd_jax.data.image_transform import PATCH_SIZE
+
 MULTIPLE = 128  # sizes are rounded up to this: TPU lanes / GPU attention blocks, loss chunks
 PROMPT_TOKENS = 256  # per-sample allowance for system prompt + question in the derived student row
 
@@ -60,10 +62,15 @@ def round_up(n: int, multiple: int = MULTIPLE) -> int:
     return max(multiple, -(-int(n) // multiple) * multiple)
 
 
-def image_patches(image_transform) -> int:
-    """The most ViT patches one image can have under the resize rule (max side, max pixels)."""
-    side = image_transform["max_size"] // image_transform["stride"]
-    return min(side * side, image_transform["max_pixels"] // image_transform["stride"] ** 2)
+def image_patches(image_transform, patch_size: int = PATCH_SIZE) -> int:
+    """The most ViT patches one image can have under the resize rule (max side, max pixels).
+
+    The resize snaps each side to the stride, so an image is whole stride cells; each cell is
+    (stride / patch_size)^2 ViT patches (a stride of 28 over 14-px patches: 4 a cell)."""
+    stride = image_transform["stride"]
+    side = image_transform["max_size"] // stride
+    cells = min(side * side, image_transform["max_pixels"] // stride**2)
+    return cells * (stride // patch_size) ** 2
 
 
 def pack_shapes(config) -> dict[str, list[PackShape]]:
