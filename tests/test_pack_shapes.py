@@ -125,6 +125,21 @@ def test_training_packs_take_the_fixed_shape_and_cut_completions_that_do_not_fit
         np.testing.assert_array_equal(getattr(packs.student, field), getattr(packs.teacher, field))
 
 
+def test_a_sample_whose_context_alone_is_too_long_is_dropped_and_counted_not_fatal():
+    """Over max_forward_tokens before its completion: dropped and counted beside one that fits;
+    alone (one sample a micro-batch), an all-padding pack with nothing to learn from."""
+    long = sample("long", question="q" * 300)
+    kwargs = dict(num_rows=1, max_forward_tokens=96, shapes=SHAPES)
+    packs = build_training_packs(
+        [sample("a"), long], [[7, 8], [9]], encode, OPTIONS, SPECIAL, **kwargs
+    )
+    assert packs.kept == [0] and packs.num_dropped == 1
+    alone = build_training_packs([long], [[9]], encode, OPTIONS, SPECIAL, **kwargs)
+    assert alone.kept == [] and alone.num_dropped == 1
+    assert alone.student.tokens.shape == (1, 64) and alone.teacher.tokens.shape == (1, 96)
+    assert not alone.student.loss_mask.any() and not alone.teacher.segment_ids.any()
+
+
 def test_sft_pack_takes_the_fixed_shape_and_samples_that_fit_no_row_are_dropped():
     long = sample("long", question="q" * 80)
     long.full_text_only_thought, long.thoughts = "", []
@@ -141,16 +156,18 @@ def test_sft_pack_takes_the_fixed_shape_and_samples_that_fit_no_row_are_dropped(
     )
     assert packs.kept == [0] and packs.num_dropped == 1
     assert packs.pack.tokens.shape == (1, 96) and packs.pack.vit_patches.shape == (1, 8, 588)
-    with pytest.raises(ValueError, match="no sample fits the fixed pack shape"):
-        build_sft_packs(
-            [long],
-            encode,
-            OPTIONS,
-            SPECIAL,
-            num_rows=1,
-            max_forward_tokens=256,
-            shapes=[PackShape(96, 8, 48)],
-        )
+    # Alone (one sample a micro-batch): an all-padding pack, counted, not the run's end.
+    alone = build_sft_packs(
+        [long],
+        encode,
+        OPTIONS,
+        SPECIAL,
+        num_rows=1,
+        max_forward_tokens=256,
+        shapes=[PackShape(96, 8, 48)],
+    )
+    assert alone.kept == [] and alone.num_dropped == 1 and not alone.pack.loss_mask.any()
+    assert alone.pack.tokens.shape == (1, 96)
 
 
 def test_cut_and_dropped_samples_are_reported_with_the_sizes_to_raise():

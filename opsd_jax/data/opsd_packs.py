@@ -284,7 +284,7 @@ def build_training_packs(
         contexts.append(context)
         prompts.append(prompt)
         packed_completions.append(completion)
-    if not kept:
+    if not kept and shapes is None:  # fixed shapes: an empty (all padding) pack, all dropped
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
     def items(completion_list):
@@ -295,7 +295,7 @@ def build_training_packs(
         )
 
     student_items, teacher_items = items(packed_completions)
-    dropped, bucket_index = 0, 0
+    bucket_index = 0
     if shapes is None:
         rows_of = assign_rows([sample_length(i) for i in teacher_items], num_rows)
         loss_entries = bucket(per_row_max(student_items, rows_of, num_rows, loss_entries_of))
@@ -318,20 +318,18 @@ def build_training_packs(
             np.array([t.row_length, t.patches, s.row_length, s.patches, t.loss_entries])
             for s, t in zip(shapes["student"], shapes["teacher"])
         ]
-        bucket_index, rows, cuts = choose_bucket(
-            needs,
-            capacities,
-            num_rows,
-            cuttable=[len(c) for c in packed_completions],
-            cut_dims=np.array([True, False, True, False, True]),
-        )
-        keep = [i for i, row in enumerate(rows) if row is not None]
-        dropped = len(rows) - len(keep)
-        if not keep:
-            raise ValueError(
-                "no sample fits the fixed pack shapes (pack_row_tokens, "
-                f"pack_row_patches, ...): {shapes}"
+        bucket_index, rows, cuts = 0, [], []
+        if needs:
+            bucket_index, rows, cuts = choose_bucket(
+                needs,
+                capacities,
+                num_rows,
+                cuttable=[len(c) for c in packed_completions],
+                cut_dims=np.array([True, False, True, False, True]),
             )
+        # A sample that fits no row is dropped and counted, never the run: with one sample a
+        # micro-batch (the one-GPU recipe) a long one leaves an all-padding pack, loss 0.
+        keep = [i for i, row in enumerate(rows) if row is not None]
         truncated = [truncated[i] or cuts[i] > 0 for i in keep]
         kept = [kept[i] for i in keep]
         prompts, contexts = [prompts[i] for i in keep], [contexts[i] for i in keep]
@@ -363,7 +361,7 @@ def build_training_packs(
         packed_completions,
         sum(truncated),
         padding,
-        dropped,
+        len(samples) - len(kept),  # over max_forward_tokens, or fitting no row
         bucket_index,
     )
 

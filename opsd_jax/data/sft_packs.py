@@ -93,7 +93,7 @@ def build_sft_packs(
         kept.append(index)
         targets.append(target)
         with_vt.append(vt)
-    if not kept:
+    if not kept and shapes is None:  # fixed shapes: an empty (all padding) pack, all dropped
         raise ValueError(f"no sample fits max_forward_tokens={max_forward_tokens}")
 
     bucket_index = 0
@@ -108,13 +108,12 @@ def build_sft_packs(
     else:
         needs = [[sample_length(i), patches_of(i), loss_entries_of(i)] for i in items]
         capacities = [np.array(dataclasses.astuple(s)) for s in shapes]
-        bucket_index, rows, _ = choose_bucket(needs, capacities, num_rows)  # no cuts: drops
+        rows = []
+        if needs:
+            bucket_index, rows, _ = choose_bucket(needs, capacities, num_rows)  # no cuts: drops
+        # A sample that fits no row is dropped and counted, never the run (a micro-batch of
+        # one long sample: an all-padding pack, loss 0).
         keep = [i for i, row in enumerate(rows) if row is not None]
-        if not keep:
-            raise ValueError(
-                f"no sample fits the fixed pack shape (pack_row_tokens, "
-                f"pack_row_patches, pack_loss_entries): {shapes[-1]}"
-            )
         items, kept = [items[i] for i in keep], [kept[i] for i in keep]
         targets, with_vt = [targets[i] for i in keep], [with_vt[i] for i in keep]
         rows_of, shape = [rows[i] for i in keep], shapes[bucket_index]

@@ -283,7 +283,8 @@ class SftBatches(StepBatches):
             shapes=self.shapes["sft"][first_bucket:],
         )
         self._add_mean(sums, "pack/sft_padding", packs.padding_fraction)
-        self._add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
+        if packs.kept:  # (a micro-batch whose samples were all dropped has no context share)
+            self._add_mean(sums, "pack/vt_context", sum(packs.with_vt) / len(packs.kept))
         self._add(sums, "pack/dropped", packs.num_dropped)
         return ((packs.pack,), first_bucket + packs.bucket, int((packs.pack.segment_ids > 0).sum()))
 
