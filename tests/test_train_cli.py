@@ -1,5 +1,6 @@
 """train.py as a user runs it: the tiny config end to end, and config errors before compute."""
 
+import copy
 import json
 import os
 import pathlib
@@ -15,7 +16,9 @@ import pytest
 from conftest import run_python, subprocess_env
 
 from configs import smoke
+from models.configs import BagelConfig
 from opsd_jax import run_config
+from opsd_jax.toy.model import write_toy_model
 from scripts import crash_drill
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -549,6 +552,12 @@ def _valid_config(tmp_path):
         ("sample_prompt_buckets", (), "sample_prompt_buckets=(): must be"),
         ("rollout_lookahead", 5, "rollout_lookahead=5: must be an integer in 0..4"),
         ("mode", "sft", "rollout_lookahead=1 with mode='sft': only an OPSD run samples"),
+        ("jsd_weight", -1.0, "jsd_weight=-1.0: must be >= 0"),
+        ("ce_weight", -0.5, "ce_weight=-0.5: must be >= 0"),
+        ("min_lr", 1e-3, "min_lr=0.001 exceeds lr=0.0001: the cosine 'decay' would raise"),
+        ("results_dir", "", "results_dir is empty"),
+        ("pack_row_tokens", 256, "pack_row_tokens=256 < pack_student_row_tokens=512"),
+        ("pack_row_patches", 64, "pack_row_patches=64 < pack_student_row_patches=128"),
     ],
 )
 def test_bad_configs_are_named(tmp_path, key, value, message):
@@ -563,6 +572,58 @@ def test_bad_configs_are_named(tmp_path, key, value, message):
     with pytest.raises(ValueError) as error:
         run_config.validate(config, num_devices=1)
     assert message in str(error.value)
+
+
+def test_a_loss_with_nothing_to_learn_from_is_refused(tmp_path):
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.jsd_weight, config.ce_weight = 0.0, 1.0
+    run_config.validate(config, num_devices=1)  # CE alone still trains
+    with config.unlocked():
+        config.ce_weight = 0.0
+    with pytest.raises(ValueError, match="jsd_weight=0 and ce_weight=0 with mode='opsd': the"):
+        run_config.validate(config, num_devices=1)
+
+
+def test_the_data_sections_values_are_named_before_anything_reads_them(tmp_path):
+    """What the data pipeline would refuse once the run reads its data (after the lock, the
+    toy data, the model load), refused with the other values, each under its data.* key; the
+    image size against the ViT grid of model_path's own vit_config.json."""
+    base = _valid_config(tmp_path)
+
+    def problems(change):
+        config = copy.deepcopy(base)
+        with config.unlocked():
+            change(config)
+        with pytest.raises(ValueError) as error:
+            run_config.validate(config, num_devices=1)
+        return str(error.value)
+
+    def heldout(c):
+        c.data.heldout_fraction = 1.5
+
+    def stride(c):
+        c.data.image_transform.stride = 15
+
+    def fraction_of_rows(c):
+        c.data.datasets = [dict(c.data.datasets[0], num_used_data=2e3)]
+
+    assert "data.heldout_fraction must be in [0, 1), got 1.5" in problems(heldout)
+    assert "data.image_transform.stride=15 is not a multiple" in problems(stride)
+    assert "num_used_data=2000.0: must be an integer" in problems(fraction_of_rows)
+
+    # smoke's 112-px images are 8 patches a side; a checkpoint whose ViT grid is 6 cannot take them.
+    model = write_toy_model(
+        tmp_path / "model", config=BagelConfig.tiny(vit=dict(image_size=14 * 6)), weights=False
+    )
+
+    def small_grid(c):
+        c.model_path = str(model)
+
+    assert (
+        "max_size=112 px allows 8 patches of 14 px per side, more than the model's ViT "
+        "position grid of 6" in problems(small_grid)
+    )
 
 
 def test_dense_attention_is_refused_for_long_rows(tmp_path):
@@ -613,8 +674,6 @@ def test_a_broken_data_file_is_one_error_naming_it_before_any_compute(tmp_path, 
 
 @pytest.fixture(scope="module")
 def toy_model(tmp_path_factory):
-    from opsd_jax.toy.model import write_toy_model
-
     return write_toy_model(tmp_path_factory.mktemp("toy_model") / "model", dtype="fp32")
 
 

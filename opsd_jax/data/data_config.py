@@ -29,11 +29,16 @@ class DatasetSpec:
 
     def __post_init__(self):
         if self.format not in ("auto", "parquet", "jsonl"):
-            raise ValueError(f"DatasetSpec.format must be auto|parquet|jsonl, got {self.format!r}")
+            raise ValueError(
+                f"data.datasets {self.name!r}: format must be auto|parquet|jsonl, got {self.format!r}"
+            )
         if self.weight <= 0:
-            raise ValueError(f"DatasetSpec {self.name!r}: weight must be > 0, got {self.weight}")
+            raise ValueError(f"data.datasets {self.name!r}: weight must be > 0, got {self.weight}")
         if self.num_used_data < -1 or self.num_used_data == 0:
-            raise ValueError(f"DatasetSpec {self.name!r}: num_used_data must be -1 or > 0")
+            raise ValueError(
+                f"data.datasets {self.name!r}: num_used_data must be -1 or > 0, "
+                f"got {self.num_used_data}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +66,14 @@ class DataConfig:
 
     def __post_init__(self):
         if not self.datasets:
-            raise ValueError("DataConfig.datasets is empty")
+            raise ValueError("data.datasets is empty")
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate dataset names: {names}")
+            raise ValueError(f"data.datasets: duplicate names: {names}")
         if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+            raise ValueError(
+                f"data.heldout_fraction must be in [0, 1), got {self.heldout_fraction}"
+            )
         if self.max_reference_rounds < 1:
             raise ValueError("max_reference_rounds must be >= 1")
         transform = self.image_transform

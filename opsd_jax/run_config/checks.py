@@ -15,9 +15,10 @@ import re
 
 from models import attention, configs
 from opsd_jax.data import pack_shapes
+from opsd_jax.data.data_config import DataConfig
 from opsd_jax.io import hf_layout, hf_load
 from opsd_jax.parallel import distributed, mesh
-from opsd_jax.run_config import trained_split
+from opsd_jax.run_config import builds, trained_split
 from opsd_jax.run_config.builds import mesh_shape
 from opsd_jax.training import losses, step_compiler_flags, train_step
 from opsd_jax.training.offline import cache as offline_cache
@@ -54,6 +55,8 @@ _RANGES = (
     ("jsd_top_k", lambda v: v >= 0, ">= 0 (0 = full vocabulary)"),
     ("ema_decay", lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
     ("kd_weight", lambda v: v >= 0, ">= 0"),
+    ("jsd_weight", lambda v: v >= 0, ">= 0 (a negative weight trains away from the teacher)"),
+    ("ce_weight", lambda v: v >= 0, ">= 0"),
     ("kd_temperature", lambda v: v > 0, "> 0"),
     ("offline_top_k", lambda v: v >= 1, ">= 1"),
     ("offline_shard_samples", lambda v: v >= 1, ">= 1"),
@@ -183,6 +186,10 @@ def validate(
             f"sample_prompt_buckets={buckets!r}: must be a non-empty, strictly "
             "increasing list of integers >= 16 (prompt row lengths)"
         )
+    if not problems:
+        problems += _loss_and_schedule_problems(config)
+    if not config.results_dir:
+        problems.append("results_dir is empty: give the run's directory (logs, checkpoints)")
     if config.freeze_llm and config.freeze_vit:
         problems.append("freeze_llm=True and freeze_vit=True: nothing left to train")
     if config.freeze_und and config.freeze_llm:
@@ -220,6 +227,7 @@ def validate(
                     f"data.datasets[{i}] ({dict(spec).get('name', '?')}): "
                     f"path {path!r} does not exist"
                 )
+    problems += _data_problems(config, check_files)
     if num_devices is not None:
         problems += _device_problems(config, num_devices, num_processes)
     if config.rows_per_micro_batch > config.samples_per_micro_batch:
@@ -242,6 +250,62 @@ def validate(
             )
     if problems:
         raise ConfigError("bad training config:\n  " + "\n  ".join(problems))
+
+
+def _loss_and_schedule_problems(config) -> list[str]:
+    """Values fine alone that contradict each other: a loss with nothing to learn from, a
+    cosine decay that would climb, a teacher row smaller than the student row it extends."""
+    problems = []
+    terms = {"opsd": ("jsd_weight", "ce_weight"), "offline": ("kd_weight", "ce_weight")}
+    weights = terms.get(config.mode, ())
+    if weights and not any(config[key] for key in weights):
+        problems.append(
+            f"{' and '.join(f'{key}=0' for key in weights)} with mode={config.mode!r}: the loss "
+            "is 0, nothing would train"
+        )
+    if config.lr_scheduler == "cosine" and config.min_lr > config.lr:
+        problems.append(
+            f"min_lr={config.min_lr} exceeds lr={config.lr}: the cosine 'decay' would raise the "
+            "learning rate to min_lr; lower min_lr"
+        )
+    if config.mode == "opsd":  # the teacher row holds the student's prompt plus the VT images
+        for teacher, student in (
+            ("pack_row_tokens", "pack_student_row_tokens"),
+            ("pack_row_patches", "pack_student_row_patches"),
+        ):
+            if config[teacher] and config[student] and config[teacher] < config[student]:
+                problems.append(
+                    f"{teacher}={config[teacher]} < {student}={config[student]}: a teacher row "
+                    "holds its student row's sample and the VT images, so no sample would fit"
+                )
+    return problems
+
+
+def _data_problems(config, check_files: bool) -> list[str]:
+    """The data section's values, as the data pipeline will check them when the run reads
+    its data (DataConfig), named here before anything is loaded; with `check_files`, the image
+    transform against the ViT grid of model_path's own config files."""
+    problems = []
+    specs = [dict(spec) for spec in config.data.datasets]
+    for i, spec in enumerate(specs):
+        used = spec.get("num_used_data", -1)
+        if not isinstance(used, int) or isinstance(used, bool):
+            problems.append(
+                f"data.datasets[{i}] ({spec.get('name', '?')}): num_used_data={used!r}: must "
+                "be an integer (-1 = every row)"
+            )
+    if problems:
+        return problems
+    # A toy config lists no data set until it writes its own: check the rest with a stand-in.
+    specs = specs or [{"name": "toy", "path": ""}]
+    try:
+        data = DataConfig.from_dict(dict(builds.data_fields(config), datasets=specs))
+        directory = builds.model_dir(config) if check_files else None
+        if directory and os.path.isfile(os.path.join(directory, hf_layout.VIT_CONFIG)):
+            data.for_model(hf_load.read_config(directory))  # the checkpoint's ViT grid
+    except (ValueError, TypeError) as e:
+        problems.append(str(e))  # each names its data.* key
+    return problems
 
 
 def _teacher_problems(config, check_files: bool) -> list[str]:
