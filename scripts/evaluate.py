@@ -44,6 +44,7 @@ from opsd_jax.evaluation.benchmarks import scoring
 from opsd_jax.evaluation.cli import (
     add_model_and_data_flags,
     add_sampling_flags,
+    check_batch_size,
     check_sampling_flags,
     image_transform_arg,
     load_config,
@@ -55,12 +56,24 @@ from opsd_jax.evaluation.cli import (
 )
 from opsd_jax.parallel import distributed
 
+# --benchmarks decodes by the paper's protocol, not by the config's sampling settings: greedy,
+# 1024 new tokens; --harness_sampling: the harness's temperature 0.3 and 4096 new tokens.
+PAPER_MAX_NEW_TOKENS, HARNESS_MAX_NEW_TOKENS, HARNESS_TEMPERATURE = 1024, 4096, 0.3
+BENCHMARK_MAX_IMAGE_SKIPS = 0
 
-def main(argv=None) -> None:
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_and_data_flags(parser)
     parser.add_argument("--context", choices=evaluation.CONTEXTS, default="student")
-    add_sampling_flags(parser)
+    add_sampling_flags(
+        parser,
+        benchmark_defaults={
+            "max_new_tokens": f"{PAPER_MAX_NEW_TOKENS}, "
+            f"{HARNESS_MAX_NEW_TOKENS} with --harness_sampling",
+            "max_image_skips": str(BENCHMARK_MAX_IMAGE_SKIPS),
+        },
+    )
     parser.add_argument(
         "--out",
         default=None,
@@ -82,7 +95,8 @@ def main(argv=None) -> None:
     bench.add_argument(
         "--harness_sampling",
         action="store_true",
-        help="temperature 0.3, 4096 new tokens (the harness's setting) instead of greedy, 1024",
+        help=f"temperature {HARNESS_TEMPERATURE}, {HARNESS_MAX_NEW_TOKENS} new tokens (the "
+        f"harness's setting) instead of greedy, {PAPER_MAX_NEW_TOKENS}",
     )
     bench.add_argument(
         "--image_transform",
@@ -100,7 +114,11 @@ def main(argv=None) -> None:
         "reads it (a plain number, 5%% of the prediction); loose: currency, thousands commas "
         "and a unit word stripped, 5%% of the gold (can score above the harness's rule)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     check_sampling_flags(args)
     if args.benchmarks:
         return run_benchmarks(args)
@@ -153,6 +171,7 @@ def run_benchmarks(args) -> None:
     decoded and scored (opsd_jax/evaluation/benchmarks/run.py)."""
     from opsd_jax.data.data_config import image_transform_from
 
+    check_batch_size(args)
     try:
         benchmarks = benchmark_registry.benchmarks_named(args.benchmarks)
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -173,14 +192,7 @@ def run_benchmarks(args) -> None:
     if args.system_prompt_file:
         with open(args.system_prompt_file, encoding="utf-8") as f:
             options = dataclasses.replace(options, use_system_prompt=True, system_prompt=f.read())
-    harness = args.harness_sampling
-    decode = benchmark_run.DecodeSettings(
-        max_new_tokens=args.max_new_tokens or (4096 if harness else 1024),
-        do_sample=harness or args.temperature > 0,
-        temperature=0.3 if harness else (args.temperature or 1.0),
-        batch_size=args.batch_size,
-        max_image_skips=args.max_image_skips or 0,
-    )
+    decode = benchmark_decode_settings(args)
     transform = image_transform_arg(args.image_size)
     if transform is None and args.image_transform == "run":
         transform = config.data.image_transform.to_dict()
@@ -213,6 +225,22 @@ def run_benchmarks(args) -> None:
     print(benchmark_run.markdown_table(result["summary"]), end="")
     for kind, path in paths.items():
         print(f"{kind}: {path}")
+
+
+def benchmark_decode_settings(args) -> benchmark_run.DecodeSettings:
+    """--benchmarks' decoding from the flags, the paper's protocol (or the harness's sampling)
+    filling what they leave open; the config's sampling settings are not read."""
+    harness = args.harness_sampling
+    default_max_new_tokens = HARNESS_MAX_NEW_TOKENS if harness else PAPER_MAX_NEW_TOKENS
+    return benchmark_run.DecodeSettings(
+        max_new_tokens=args.max_new_tokens or default_max_new_tokens,
+        do_sample=harness or args.temperature > 0,
+        temperature=HARNESS_TEMPERATURE if harness else (args.temperature or 1.0),
+        batch_size=args.batch_size,
+        max_image_skips=(
+            args.max_image_skips if args.max_image_skips is not None else BENCHMARK_MAX_IMAGE_SKIPS
+        ),
+    )
 
 
 if __name__ == "__main__":

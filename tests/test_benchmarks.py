@@ -607,6 +607,59 @@ def test_the_evaluate_script_runs_the_benchmarks(toy, tmp_path, capsys):
         evaluate_cli.main(script_args(model_dir, tmp_path, tmp_path, "blink"))
 
 
+@pytest.mark.parametrize("batch_size", ["0", "-3"])
+def test_a_batch_size_below_one_stops_the_script_before_any_load(tmp_path, monkeypatch, batch_size):
+    """--benchmarks with --batch_size < 1 is named before the config or the model loads (0 used
+    to fail with a ZeroDivisionError after the whole decode, a negative value ran silently)."""
+    from scripts import evaluate as evaluate_cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before --batch_size was checked")
+
+    monkeypatch.setattr(evaluate_cli, "load_config", no_load)
+    monkeypatch.setattr(evaluate_cli, "load_model", no_load)
+    tsv.write_tsv(tmp_path / "MMVP.tsv", [mcq(0)])
+    argv = script_args(tmp_path, tmp_path, tmp_path / "out", "mmvp", "--batch_size", batch_size)
+    with pytest.raises(SystemExit, match=f"--batch_size must be >= 1, got {batch_size}"):
+        evaluate_cli.main(argv)
+
+
+def test_the_runner_refuses_a_batch_size_below_one(tmp_path):
+    tsv.write_tsv(tmp_path / "MMVP.tsv", [mcq(0)])
+    with pytest.raises(ValueError, match="decode.batch_size must be >= 1, got 0"):
+        run.evaluate_benchmarks(
+            None,  # refused before the model is used
+            None,
+            registry.benchmarks_named("mmvp"),
+            str(tmp_path),
+            options=run_config.prompt_options({}),
+            decode=run.DecodeSettings(batch_size=0),
+        )
+
+
+def test_the_help_names_the_decoding_defaults_of_each_mode(monkeypatch, capsys):
+    """--max_new_tokens / --max_image_skips: the held-out mode fills them from the config, the
+    --benchmarks mode from the paper's protocol; the help says both, as the code does."""
+    from scripts import evaluate as evaluate_cli
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag: the phrases are not wrapped
+    with pytest.raises(SystemExit):
+        evaluate_cli.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "(default: the config's sample_max_new_tokens; "
+        "with --benchmarks: 1024, 4096 with --harness_sampling)"
+    ) in help_text
+    assert "(default: the config's sample_max_image_skips; with --benchmarks: 0)" in help_text
+    parser = evaluate_cli.build_parser()
+    paper = evaluate_cli.benchmark_decode_settings(parser.parse_args(["--benchmarks", "mmvp"]))
+    assert (paper.max_new_tokens, paper.max_image_skips, paper.do_sample) == (1024, 0, False)
+    harness = evaluate_cli.benchmark_decode_settings(
+        parser.parse_args(["--benchmarks", "mmvp", "--harness_sampling"])
+    )
+    assert (harness.max_new_tokens, harness.do_sample, harness.temperature) == (4096, True, 0.3)
+
+
 def test_prompt_items_are_system_images_then_text():
     import dataclasses
 

@@ -31,6 +31,11 @@ from opsd_jax.toy import model as toy_model
         ("<think>a</think><answer>3.5", "3.5"),  # cut off before </answer>
         ("So the answer is B. The red square is walled off.", "B"),
         ("Final Answer: 42\nDone.", "42"),
+        ("The answer is: B", "B"),  # the colon after "is" is not part of the answer
+        ("so the final answer is : 42.", "42"),
+        # A thought that mentions the tag opens no answer: the match never crosses an <answer>.
+        ("<think>I will put it in <answer> tags.</think><answer>B</answer>", "B"),
+        ("<answer> tags, so <answer>B</answer>", "B"),
         ("the answer is 3.5 m.", "3.5 m"),  # a decimal point is not a sentence end
         ("answer: 7</think>", "7"),  # stops at the next tag
         ("I think the count is four", None),

@@ -1,10 +1,11 @@
 """Pulling the final answer out of a completion and comparing it with the reference.
 
 Extraction (`extract_answer`), in order:
-1. the content of the last complete `<answer>...</answer>`;
+1. the content of the last complete `<answer>...</answer>` (one with no other `<answer>` inside:
+   in "I will use <answer> tags.</think><answer>B</answer>" that is "B");
 2. a completion cut off inside its answer: the text after the last unclosed `<answer>`;
-3. no tag: the text after the last "answer is" / "answer:" (any case, "final" allowed before it),
-   up to the end of that line, the next tag, or the end of the sentence;
+3. no tag: the text after the last "answer is" / "answer:" / "answer is:" (any case, "final"
+   allowed before it), up to the end of that line, the next tag, or the end of the sentence;
 4. otherwise None (counted as wrong).
 
 Normalisation (`normalize_answer`): Unicode NFKC, lower case, whitespace collapsed, `\\boxed{}` /
@@ -19,9 +20,12 @@ from __future__ import annotations
 import re
 import unicodedata
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
+# A tagged answer may not contain another opening tag: an earlier `<answer>` that a thought
+# mentions would otherwise open the match and swallow the real tag.
+_ANSWER_TAG = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.IGNORECASE | re.DOTALL)
 _OPEN_TAG = re.compile(r"<answer>", re.IGNORECASE)
-_ANSWER_PHRASE = re.compile(r"(?:final\s+)?answer\s*(?:is\b|:)\s*", re.IGNORECASE)
+# "answer is", "answer:" and "answer is:" (the colon after "is" is not part of the answer).
+_ANSWER_PHRASE = re.compile(r"(?:final\s+)?answer\s*(?:is\b\s*:?|:)\s*", re.IGNORECASE)
 # The end of a phrase answer: a line break, the next tag, or a sentence end (". " or "." at the
 # end), so "the answer is 3.5 m." keeps "3.5 m" and "the answer is B. Because ..." keeps "B".
 _PHRASE_END = re.compile(r"\n|<|[.!?](?=\s|$)")

@@ -86,8 +86,20 @@ def add_model_and_data_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    """Decoding flags; shared with scripts/generate.py (see sampling_settings for defaults)."""
+def add_sampling_flags(
+    parser: argparse.ArgumentParser, benchmark_defaults: dict[str, str] | None = None
+) -> None:
+    """Decoding flags; shared with scripts/generate.py (see sampling_settings for defaults).
+    benchmark_defaults: flag name -> the default of scripts/evaluate.py's --benchmarks mode, which
+    does not read the config's sampling settings; the flag's help names it too."""
+    benchmark_defaults = benchmark_defaults or {}
+
+    def default_help(name: str, config_field: str) -> str:
+        benchmark = benchmark_defaults.get(name)
+        return f"default: the config's {config_field}" + (
+            f"; with --benchmarks: {benchmark}" if benchmark else ""
+        )
+
     parser.add_argument(
         "--temperature",
         type=float,
@@ -98,18 +110,25 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
         "--max_new_tokens",
         type=int,
         default=None,
-        help="total over image-skip rounds (default: the config's sample_max_new_tokens)",
+        help="total over image-skip rounds "
+        f"({default_help('max_new_tokens', 'sample_max_new_tokens')})",
     )
     parser.add_argument(
         "--max_image_skips",
         type=int,
         default=None,
         help="extra rounds after an <image_start> the model cannot draw "
-        "(default: the config's sample_max_image_skips)",
+        f"({default_help('max_image_skips', 'sample_max_image_skips')})",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="random stream of sampling (with --temperature > 0)"
     )
+
+
+def check_batch_size(args) -> None:
+    """--batch_size (add_model_and_data_flags), before any loading: a bad value fails at once."""
+    if args.batch_size < 1:
+        raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}")
 
 
 def check_sampling_flags(args) -> None:
@@ -203,8 +222,7 @@ def load_model(args, file_config, config, log=print):
 
 def setup(args, log=print):
     """(model, tokenizer, samples, prompt options, run config, mesh) from the shared flags."""
-    if args.batch_size < 1:
-        raise SystemExit(f"--batch_size must be >= 1, got {args.batch_size}")
+    check_batch_size(args)
     if args.num_samples is not None and args.num_samples < 1:
         raise SystemExit(f"--num_samples must be >= 1, got {args.num_samples}")
     file_config, config = load_config(args)

@@ -160,8 +160,11 @@ def evaluate(
     tokenizer: a `BagelTokenizer` (encode, decode, special_tokens(), vocab_length).
     options: the prompt options of the run (system prompt, VT toggles, noise_vt, ...);
       None = the defaults (configs/common.py).
-    do_sample=False is greedy; otherwise temperature sampling, each sample drawing from
-      `fold_in(key(seed), its index)`, so a result does not depend on `batch_size`.
+    do_sample=False is greedy; otherwise temperature sampling, each token of a sample drawn
+      from `fold_in(fold_in(fold_in(key(seed), round), its index), step)`, so its random draws
+      do not depend on `batch_size`; the logits can, in the last bits (the matmul kernels are
+      chosen by shape), so in bfloat16 a completion can differ between batch sizes
+      (opsd_jax/sampling/engine.py).
     batch_size: the engine's slots (opsd_jax/sampling/engine.py): every prompt streams through
       them, a finished row's slot taken by the next prompt, so no row waits for a longer one.
     mesh: sample on a decode copy of the model over its devices

@@ -11,8 +11,10 @@ the sampling distribution.
    generate does), then each step writes the fed token's K/V in place, samples the next token
    (temperature, or greedy), and stops a row at `<|im_end|>` (not appended) or when its budget
    is spent; the loop ends when every row has stopped. Rows never read each other's cache, and
-   each row draws from `fold_in(fold_in(rng, row_id), step)`, so a row's tokens do not depend on
-   what else is in the batch. Vocabulary rows at or past `vocab_limit` are never sampled.
+   each row draws from `fold_in(fold_in(fold_in(rng, round), row_id), step)` (`sample` passes
+   each round `fold_in(rng, round)`), so a row's random draws do not depend on what else is in
+   the batch (its logits can, in the last bits: see engine.py). Vocabulary rows at or past
+   `vocab_limit` are never sampled.
 3. Image-skip rounds (BAGEL/ThinkMorph quirk): a row that ended a round on `<|im_end|>` right
    and whose round text contains `<image_start>` (detected by decoding: it is ordinary text) gets
    `<|im_end|>` appended to its cache and samples another round, up to `max_image_skips` times.

@@ -165,6 +165,8 @@ def evaluate_benchmarks(
     """{'records': one dict per (seed, row), 'summary': the table's figures}; `limit`: the
     first N rows of each dataset; `image_transform`: None for the harness's images;
     `chartqa_parse`: 'harness' (its rule, the default) or 'loose' (scoring.relaxed_correct)."""
+    if decode.batch_size < 1:  # the engine's slots; also the progress line's period
+        raise ValueError(f"decode.batch_size must be >= 1, got {decode.batch_size}")
     check_chartqa_parse(chartqa_parse)
     check_files(data_dir, benchmarks)
     if image_transform is None:
