@@ -112,6 +112,22 @@ def test_a_full_resume_reads_one_file_only(two_files, mesh, file_params):
     assert start.teacher_source is None  # the checkpoint brings the teacher
 
 
+def test_a_lora_resume_reads_its_base_from_the_file_its_first_launch_used(
+    two_files, mesh, file_params
+):
+    """finetune_from_ema with LoRA: the base is ema.safetensors at the first launch, and again
+    at a resume (the checkpoint holds adapters only); the recorded identity names it both times."""
+    config = run_config(
+        two_files, lora_rank=4, lora_targets=".*", teacher_mode="ema", finetune_from_ema=True
+    )
+    first = load(config, mesh)
+    resumed = load(config, mesh, full_resume=True)
+    assert_same(first.params, file_params["ema"])
+    assert_same(resumed.params, file_params["ema"])
+    assert first.base == resumed.base == init_weights.base_identity(config)
+    assert first.base["weights"] == "ema"
+
+
 def test_file_choice_with_one_file_and_errors(two_files, tmp_path):
     only_ema = tmp_path / "only_ema"
     toy_model.write_toy_model(only_ema, dtype="fp32", weights_name="ema")

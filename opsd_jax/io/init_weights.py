@@ -50,17 +50,19 @@ class StartingWeights:
     base: dict | None = None  # LoRA: the base weights' identity (weights_digest.identity)
 
 
-def base_identity(config, *, full_resume: bool = False) -> dict:
+def base_identity(config) -> dict:
     """LoRA: the identity (weights_digest.identity) of the base `load` starts from: the
-    student's weights file of model_path (with weights='random', the seed it is drawn from)."""
+    student's weights file of model_path (with weights='random', the seed it is drawn from).
+    The same at every launch of a run, resumes included: the adapters apply to that file."""
     if config.weights == hf_load.RANDOM_WEIGHTS:
         return {
             "model_path": os.path.abspath(config.model_path),
             "weights": hf_load.RANDOM_WEIGHTS,
             "digest": f"random initialisation, seed {config.global_seed}",
         }
-    from_ema = config.finetune_from_ema and not full_resume
-    stem = hf_load.initial_weights(config.model_path, config.weights, finetune_from_ema=from_ema)
+    stem = hf_load.initial_weights(
+        config.model_path, config.weights, finetune_from_ema=config.finetune_from_ema
+    )
     return weights_digest.identity(config.model_path, stem.student)
 
 
@@ -70,7 +72,10 @@ def load(config, mesh, *, split, config_changes=None, full_resume: bool = False)
     if config.weights == hf_load.RANDOM_WEIGHTS:
         return _random_start(config, split, mesh, config_changes, full_resume)
     model_only = bool(config.resume_from) and config.resume_model_only and not full_resume
-    from_ema = config.finetune_from_ema and not full_resume
+    # A full resume reads no student weights, except a LoRA run's frozen base: that is read
+    # again from the file the run's first launch started from (ema.safetensors with
+    # finetune_from_ema), or its adapters would land on other weights.
+    from_ema = config.finetune_from_ema and (split.lora or not full_resume)
     files = hf_load.initial_weights(
         config.model_path, config.weights, finetune_from_ema=from_ema and not model_only
     )
@@ -82,7 +87,7 @@ def load(config, mesh, *, split, config_changes=None, full_resume: bool = False)
     described = {"student": f"{files.student}.safetensors"}
     teacher = split.teacher
     if split.lora:
-        base = base_identity(config, full_resume=full_resume)
+        base = base_identity(config)
         description = (
             f"frozen base from {files.student}.safetensors (digest {base['digest'][:12]}), "
             f"LoRA adapters of rank {split.adapters.rank} from seed {config.global_seed}"
@@ -145,5 +150,5 @@ def _random_start(config, split, mesh, config_changes, full_resume: bool) -> Sta
     )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     description = f"random weights (seed {config.global_seed}) for every copy"
-    base = base_identity(config, full_resume=full_resume) if split.lora else None
+    base = base_identity(config) if split.lora else None
     return StartingWeights(graphdef, params, rest, model_config, tokenizer, None, description, base)

@@ -133,7 +133,7 @@ def check_resume(config, resumed: str, say: Callable) -> str | None:
             )
     if split.lora:  # the adapters apply to the base they were trained on, only
         saved_base = saved_items.saved_lora_base(resumed)
-        now_base = init_weights.base_identity(config, full_resume=True)
+        now_base = init_weights.base_identity(config)
         if saved_base is None or saved_base["digest"] != now_base["digest"]:
             run_config.config_error(
                 f"resume from {resumed}: its LoRA adapters were trained on "
