@@ -145,27 +145,12 @@ def test_sft_pack_takes_the_fixed_shape_and_samples_that_fit_no_row_are_dropped(
     long.full_text_only_thought, long.thoughts = "", []
     short = sample("s")
     short.full_text_only_thought = "x"
-    packs = build_sft_packs(
-        [short, long],
-        encode,
-        OPTIONS,
-        SPECIAL,
-        num_rows=1,
-        max_forward_tokens=256,
-        shapes=[PackShape(96, 8, 48)],
-    )
+    kwargs = dict(num_rows=1, max_forward_tokens=256, shapes=[PackShape(96, 8, 48)])
+    packs = build_sft_packs([short, long], encode, OPTIONS, SPECIAL, **kwargs)
     assert packs.kept == [0] and packs.num_dropped == 1
     assert packs.pack.tokens.shape == (1, 96) and packs.pack.vit_patches.shape == (1, 8, 588)
     # Alone (one sample a micro-batch): an all-padding pack, counted, not the run's end.
-    alone = build_sft_packs(
-        [long],
-        encode,
-        OPTIONS,
-        SPECIAL,
-        num_rows=1,
-        max_forward_tokens=256,
-        shapes=[PackShape(96, 8, 48)],
-    )
+    alone = build_sft_packs([long], encode, OPTIONS, SPECIAL, **kwargs)
     assert alone.kept == [] and alone.num_dropped == 1 and not alone.pack.loss_mask.any()
     assert alone.pack.tokens.shape == (1, 96)
 
