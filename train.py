@@ -129,13 +129,11 @@ def main(argv, opened: OpenedCheckpoints | None = None):
 
     # ---- one run per directory: a second run on the same results_dir refuses here -----------
     checkpoint_dir = config.checkpoint_dir or os.path.join(config.results_dir, "checkpoints")
-    held = [config.results_dir]  # and checkpoint_dir where it lies outside results_dir
-    if os.path.relpath(
-        os.path.abspath(checkpoint_dir), os.path.abspath(config.results_dir)
-    ).startswith(os.pardir):
-        held.append(checkpoint_dir)
+    # Both, each by its own run.lock (results_dir's first; one lock if they are the same): a
+    # run whose checkpoint_dir is another run's <results_dir>/checkpoints meets that run's lock
+    # there, whichever of the two started first.
     try:
-        run_lock.acquire_for_run(held, say=say)
+        run_lock.acquire_for_run([config.results_dir, checkpoint_dir], say=say)
     except run_lock.RunLockError as e:
         run_config.config_error(e)
     if config.toy_data:

@@ -2,17 +2,21 @@
 
 Why: two runs on one `results_dir` would both resume from its checkpoints and write the same
 step numbers, metrics and TensorBoard events, each silently overwriting the other. A run
-therefore holds its directories (results_dir, and checkpoint_dir when it lies elsewhere) for
-its lifetime: `acquire` writes `<dir>/run.lock` with O_EXCL (host, process id, the process's
-start, the time and the command), and a second run refuses with one line naming the holder.
+therefore holds its directories (results_dir, and checkpoint_dir too: each by its own lock, so
+a run whose checkpoint_dir is another run's `<results_dir>/checkpoints` meets that run there)
+for its lifetime: `acquire` writes `<dir>/run.lock` with O_EXCL (host, process id, the
+process's start, the time and the command), and a second run refuses with one line naming the
+holder.
 
 The lock is released when the run ends (normally, on an error, on Ctrl-C: `release`, also at
-interpreter exit). A run killed with SIGKILL leaves its lock behind; the next run on the same
-host sees that the process is gone (its id is not running, or runs a process started after
-the lock was written: a reused id) and takes the lock over, saying so. A lock written on
-another host cannot be checked from here: the message says which host and process to check,
-and that deleting the file releases it. With several processes (hosts) only the main one takes
-the lock of the shared directory, and all of them stop if it is refused (`acquire_for_run`).
+interpreter exit), and a directory the lock made goes again if the run left it empty. A run
+killed with SIGKILL leaves its lock behind; the next run on the same host sees that the process
+is gone (its id is not running, or runs a process started after the lock was written: a reused
+id) and takes the lock over, saying so; of several runs taking over the same dead holder's lock
+at once exactly one wins (`_take_over`). A lock written on another host cannot be checked from
+here: the message says which host and process to check, and that deleting the file releases it.
+With several processes (hosts) only the main one takes the lock of the shared directory, and
+all of them stop if it is refused (`acquire_for_run`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 LOCK_NAME = "run.lock"
 
@@ -90,16 +95,21 @@ class RunLock:
 
     def __init__(self, paths: list[str], holder: Holder):
         self.paths, self.holder = paths, holder
+        # The directories `acquire` made: removed again if the run left them empty, so a run
+        # refused after its lock (a bad data file) leaves no empty checkpoints/ behind.
+        self.created: list[str] = []
         atexit.register(self.release)
 
     def release(self) -> None:
-        for path in self.paths:
+        for path in reversed(self.paths):
             if _read(path) == self.holder:  # never remove a lock another run took over
-                try:
-                    os.remove(path)
-                except FileNotFoundError:
-                    pass
-        self.paths = []
+                _remove_if_present(path)
+        for directory in reversed(self.created):  # checkpoints/ before the results_dir holding it
+            try:
+                os.rmdir(directory)  # only an empty one
+            except OSError:
+                pass
+        self.paths, self.created = [], []
 
 
 def _read(path: str) -> Holder | None:
@@ -128,6 +138,8 @@ def acquire(directories: list[str], say=print) -> RunLock:
     lock = RunLock(taken, holder)
     try:
         for directory in dict.fromkeys(os.path.abspath(d) for d in directories):
+            if not os.path.isdir(directory):
+                lock.created.append(directory)
             taken.append(_acquire_one(directory, holder, say))
     except BaseException:
         lock.release()
@@ -143,11 +155,13 @@ def _acquire_one(directory: str, holder: Holder, say) -> str:
     if not os.access(directory, os.W_OK):
         raise RunLockError(f"the run directory {directory} is not writable")
     path = os.path.join(directory, LOCK_NAME)
-    for _ in range(3):  # a lost race with another run taking over the same stale lock
-        if _take(path, holder):
-            if os.path.exists(f"{path}.stale"):
-                os.remove(f"{path}.stale")
-            return path
+    for _ in range(3):  # a lost race with other runs taking the same lock
+        try:
+            if _take(path, holder):
+                return path
+        except FileNotFoundError:  # a run that ended removed the directory it had made, just now
+            os.makedirs(directory, exist_ok=True)
+            continue
         other = _read(path)
         if other is None:
             raise RunLockError(
@@ -165,14 +179,54 @@ def _acquire_one(directory: str, holder: Holder, say) -> str:
                 f"{directory} is in use by another run: {other.describe()}. Wait for it to "
                 f"end, stop it, or give this run another results_dir"
             )
-        # The holder is gone (killed before it could release): move its lock aside atomically,
-        # so of two runs taking over at once only one succeeds, then take it.
-        try:
-            os.replace(path, f"{path}.stale")
-        except FileNotFoundError:
-            continue
-        say(f"taking over the lock of {directory}: {other.describe()} is no longer running")
+        # The holder is gone (killed before it could release): take its lock over, unless
+        # another run was first (then the next round sees that run's lock and refuses).
+        if _take_over(path, other, holder):
+            say(f"taking over the lock of {directory}: {other.describe()} is no longer running")
+            return path
     raise RunLockError(f"could not lock {directory}: other runs keep taking {path}")
+
+
+def _take_over(path: str, dead: Holder, holder: Holder) -> bool:
+    """Replace the lock file of `dead` (checked not running) by this run's; False when another
+    run was first (it took the lock over, or created it once free): the caller looks again.
+
+    Why a claim: removing the file and creating ours are two steps, and a second run that read
+    the same dead holder a moment earlier would otherwise remove (or move aside) the lock the
+    first one had just written, and both would hold the directory. So a run first claims the
+    takeover of this one dead holder by creating `<lock>.takeover-<pid>-<start>` (named after
+    `dead`) with O_EXCL, the lock's own primitive: at most one run holds the claim at a time,
+    and under it the lock file is read again and removed only if it still names `dead`. Nothing
+    else can change that file in between: only a claimant of `dead` removes `dead`'s lock,
+    `dead` itself never runs again, and a new lock is only ever created where none exists. A
+    run that claims later finds the winner's lock there and is refused like any second run.
+    """
+    claim = f"{path}.takeover-{dead.pid}-{dead.process_start}"
+    if not _take(claim, holder):
+        claimant = _read(claim)
+        if claimant is not None and not _running(claimant.pid, claimant.process_start):
+            if _read(path) == dead:  # the claimant was killed between its claim and the removal
+                raise RunLockError(
+                    f"{path} names {dead.describe()}, which is no longer running, and a "
+                    f"takeover of it by {claimant.describe()} was interrupted: if no run uses "
+                    f"{os.path.dirname(path)}, delete {path} and {claim}"
+                )
+        time.sleep(0.1)  # another run takes it over right now (a few file operations): look again
+        return False
+    try:
+        if _read(path) != dead:
+            return False
+        os.remove(path)
+        return _take(path, holder)  # False: a new run took the free name first
+    finally:
+        _remove_if_present(claim)
+
+
+def _remove_if_present(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def acquire_for_run(directories: list[str], say=print) -> RunLock | None:
