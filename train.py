@@ -31,7 +31,7 @@ from absl import app, flags, logging
 
 from opsd_jax import run_config
 from opsd_jax.data import sources
-from opsd_jax.data.pipeline import make_iterator
+from opsd_jax.data.pipeline import check_split_sizes, make_iterator
 from opsd_jax.io import compile_cache, disk_errors, run_lock
 from opsd_jax.io.checkpoint import Checkpointer, CheckpointError, CheckpointWriteError
 from opsd_jax.io.hf_layout import HFCheckpointError
@@ -143,6 +143,9 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     try:
         for spec in data_check.datasets:
             sources.check_dataset(spec, require_vt=data_check.require_vt)
+        # ... and each split the run reads has rows (an empty held-out split, a train split
+        # smaller than the processes), before the model loads: the iterators would raise after.
+        check_split_sizes(data_check, num_processes, evaluates=config.eval_every > 0)
     except (sources.DataError, FileNotFoundError) as e:
         run_config.config_error(e)
     if run_config.TrainedSplit.of_config(

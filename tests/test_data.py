@@ -20,7 +20,12 @@ from PIL import Image
 
 from opsd_jax.data.data_config import DataConfig, DatasetSpec
 from opsd_jax.data.image_transform import ImageTransform
-from opsd_jax.data.pipeline import DataIterator, build_dataset, make_iterator
+from opsd_jax.data.pipeline import (
+    DataIterator,
+    build_dataset,
+    check_split_sizes,
+    make_iterator,
+)
 from opsd_jax.data.sources import (
     DataError,
     RawSample,
@@ -423,6 +428,20 @@ def test_toy_rows_are_consistent():
 
 
 # ------------------------------------------------------------------- whole files: checked up front
+
+
+def test_an_empty_split_is_an_error_naming_the_dataset_and_its_keys(tmp_path):
+    """Three rows in one train file: with nothing held out, a run that evaluates has no
+    held-out row, and four processes would find fewer train rows than readers."""
+    path = tmp_path / "d" / "train.jsonl"
+    path.parent.mkdir()
+    toy.write_jsonl(toy.make_rows("toy_maze", "train", 3, seed=6), str(path))
+    config = _config([DatasetSpec("d", str(path.parent))], heldout_fraction=0.0)
+    check_split_sizes(config, 3, evaluates=False)  # a train row for each of three readers
+    with pytest.raises(DataError, match=r"'d' .*: its held-out split is empty \(data\.heldout_"):
+        check_split_sizes(config, 1, evaluates=True)
+    with pytest.raises(DataError, match=r"its train split has 3 rows, fewer than the 4 process"):
+        check_split_sizes(config, 4, evaluates=False)
 
 
 def test_a_corrupt_parquet_file_is_an_error_naming_it(toy_dir, tmp_path):

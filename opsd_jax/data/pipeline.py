@@ -33,6 +33,7 @@ from opsd_jax.data.sources import (
     BAD_IMAGE,
     DECODE_ERROR,
     SKIP_REASONS,
+    DataError,
     RawSample,
     Skipped,
     decode_row,
@@ -161,6 +162,39 @@ def _process_blocks(ds: grain.MapDataset, index: int, count: int, block: int) ->
     turns, rest = divmod(len(ds), count * block)
     local = turns * block + min(max(rest - index * block, 0), block)
     return grain.MapDataset.range(local).map(_GlobalRow(ds, index, count, block))
+
+
+def check_split_sizes(config: DataConfig, process_count: int, *, evaluates: bool) -> None:
+    """Before a run loads its model: each dataset's train split has a row for every process
+    and, when the run evaluates, its held-out split has a row at all. A DataError names the
+    dataset, the split and the keys that decide it (later, the iterators would raise after
+    the model load and the compiles)."""
+    for spec in config.datasets:
+        splits = [("train", process_count)] + ([("eval", 1)] if evaluates else [])
+        for split, needed in splits:
+            rows = len(
+                open_source(
+                    spec,
+                    split,
+                    heldout_fraction=config.heldout_fraction,
+                    max_reference_rounds=config.max_reference_rounds,
+                    row_group_cache=config.row_group_cache,
+                )
+            )
+            if rows >= needed:
+                continue
+            where = f"dataset {spec.name!r} ({spec.path})"
+            if split == "eval":
+                raise DataError(
+                    f"{where}: its held-out split is empty (data.heldout_fraction="
+                    f"{config.heldout_fraction}, and no file besides train-*): raise "
+                    "data.heldout_fraction, add a test file, or set eval_every=0"
+                )
+            raise DataError(
+                f"{where}: its train split has {rows} rows, fewer than the {needed} "
+                f"processes reading it (data.heldout_fraction={config.heldout_fraction} holds "
+                "the rest out)"
+            )
 
 
 def build_dataset(
