@@ -25,11 +25,10 @@ to the longest prompt inserted so far.
 Same draws as `sampler.sample`: a token of a sample is drawn with
 `fold_in(fold_in(fold_in(rng, round), sample id), step within the round)`, so a sample's random
 draws do not depend on its slot, its neighbours, the pool size or the order prompts arrive in
-(tests/test_engine.py compares the two). Its logits, though, can depend on how many rows decode
-at once: XLA (cuBLAS on the GPU) chooses a matmul's kernel by its shape, so in bfloat16 a greedy
-completion can differ between pool sizes (measured on the CPU: one row's logits differed from
-those of a batch of 2, 4 or 8 rows, which agreed bit for bit). Compiled shapes are fixed per
-run: the pool (B slots of `prompt_length + max_new_tokens + rounds` cache slots), the insert
+(tests/test_engine.py compares the two). Its logits can depend on how many rows decode at once
+(XLA, cuBLAS on the GPU, pick a matmul kernel by shape), so a bf16 greedy completion can differ
+between pool sizes (on the CPU one row differed from 2, 4 or 8, which agreed bit for bit).
+Compiled shapes are fixed per run: the pool (B slots of `prompt_length + max_new_tokens + rounds` cache slots), the insert
 groups (powers of two up to B, and B) and the prompt buckets.
 
 This module is the host's bookkeeping (which prompt goes into which slot, when a row leaves or
