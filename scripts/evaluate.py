@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
             "max_new_tokens": f"{PAPER_MAX_NEW_TOKENS}, "
             f"{HARNESS_MAX_NEW_TOKENS} with --harness_sampling",
             "max_image_skips": str(BENCHMARK_MAX_IMAGE_SKIPS),
+            "temperature": f"{HARNESS_TEMPERATURE} under --harness_sampling, whatever this says",
+            "seed": "not read; --seeds gives the seeds",
         },
     )
     parser.add_argument(

@@ -651,7 +651,13 @@ def test_the_help_names_the_decoding_defaults_of_each_mode(monkeypatch, capsys):
         "with --benchmarks: 1024, 4096 with --harness_sampling)"
     ) in help_text
     assert "(default: the config's sample_max_image_skips; with --benchmarks: 0)" in help_text
+    assert "with --benchmarks: 0.3 under --harness_sampling, whatever this says" in help_text
+    assert "with --benchmarks: not read; --seeds gives the seeds" in help_text
     parser = evaluate_cli.build_parser()
+    harness = evaluate_cli.benchmark_decode_settings(
+        parser.parse_args(["--benchmarks", "mmvp", "--harness_sampling", "--temperature", "0.9"])
+    )
+    assert harness.temperature == 0.3  # as the help says
     paper = evaluate_cli.benchmark_decode_settings(parser.parse_args(["--benchmarks", "mmvp"]))
     assert (paper.max_new_tokens, paper.max_image_skips, paper.do_sample) == (1024, 0, False)
     harness = evaluate_cli.benchmark_decode_settings(

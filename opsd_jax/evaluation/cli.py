@@ -94,17 +94,18 @@ def add_sampling_flags(
     does not read the config's sampling settings; the flag's help names it too."""
     benchmark_defaults = benchmark_defaults or {}
 
-    def default_help(name: str, config_field: str) -> str:
+    def benchmark_note(name: str) -> str:
         benchmark = benchmark_defaults.get(name)
-        return f"default: the config's {config_field}" + (
-            f"; with --benchmarks: {benchmark}" if benchmark else ""
-        )
+        return f"; with --benchmarks: {benchmark}" if benchmark else ""
+
+    def default_help(name: str, config_field: str) -> str:
+        return f"default: the config's {config_field}{benchmark_note(name)}"
 
     parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
-        help="0 = greedy decoding; > 0 samples at this temperature",
+        help=f"0 = greedy decoding; > 0 samples at this temperature{benchmark_note('temperature')}",
     )
     parser.add_argument(
         "--max_new_tokens",
@@ -121,7 +122,10 @@ def add_sampling_flags(
         f"({default_help('max_image_skips', 'sample_max_image_skips')})",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="random stream of sampling (with --temperature > 0)"
+        "--seed",
+        type=int,
+        default=0,
+        help=f"random stream of sampling (with --temperature > 0){benchmark_note('seed')}",
     )
 
 
