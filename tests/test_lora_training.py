@@ -23,7 +23,8 @@ from models import lora
 from models.bagel import Bagel
 from models.configs import BagelConfig
 from opsd_jax import run_config
-from opsd_jax.io import teacher_checkpoint
+from opsd_jax.evaluation import model_loader
+from opsd_jax.io import hf_load, teacher_checkpoint
 from opsd_jax.io.safetensors_io import WeightDirectory
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
@@ -266,6 +267,26 @@ def test_a_lora_run_taught_by_another_checkpoint_resumes_bit_identically_and_ref
         assert not np.allclose(m, w)  # trained adapters: the weight moved
         checked += 1
     assert checked == 2 * 7 + 2 * 6 + 1 + 2  # LM: 2 layers x 7; ViT: 2 x 6 + patch; connector
+
+    # The evaluation scripts (--checkpoint, as the run's closing lines print) read the same
+    # merged model: the export's weights, to the export's rounding to the source dtype.
+    evaluated, _, _ = model_loader.load_model(checkpoint=str(run), compute_dtype="float32")
+    exported, _, _ = hf_load.load_hf(
+        run / "hf", config_changes={"llm": {"compute_dtype": "float32"}}
+    )
+    pairs = zip(
+        nnx.to_flat_state(nnx.state(evaluated, nnx.Param)),
+        nnx.to_flat_state(nnx.state(exported, nnx.Param)),
+    )
+    for (path, ours), (same_path, theirs) in pairs:
+        assert path == same_path
+        np.testing.assert_allclose(
+            np.asarray(ours.get_value(), np.float32),
+            np.asarray(theirs.get_value(), np.float32),
+            rtol=2.0**-8,
+            atol=1e-7,
+            err_msg=str(path),
+        )
 
 
 def test_on_a_mesh_the_base_is_sharded_as_the_weights_and_the_adapters_replicated():

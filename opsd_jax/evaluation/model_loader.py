@@ -11,8 +11,9 @@ import jax
 from flax import nnx
 
 from opsd_jax import run_config as run_config_lib
-from opsd_jax.io import saved_items
+from opsd_jax.io import lora_export, saved_items
 from opsd_jax.io.hf_load import load_hf
+from opsd_jax.parallel.mesh import make_mesh
 
 
 def load_model(
@@ -29,7 +30,8 @@ def load_model(
 
     With `checkpoint`, the architecture and tokenizer come from `model_dir` or, when that is
     None, from the `model_path` in the checkpoint's saved config; the `which` item
-    ('params' | 'ema_params') is then restored into it.
+    ('params' | 'ema_params') is then restored into it; a LoRA run's checkpoint (adapters
+    only) gives the base with that item's adapters merged in (lora_export.restore_merged).
     """
     run_config = None
     step_dir = None
@@ -60,7 +62,14 @@ def load_model(
     )
     if step_dir is not None:
         graphdef, abstract, rest = nnx.split(model, nnx.Param, ...)
-        params = saved_items.restore_model_params(step_dir, abstract, which=which)
+        if lora_export.lora_checkpoint(step_dir) is not None:
+            # A LoRA run saves its adapters alone: they are folded into the base they were
+            # trained on (model_dir's weights, checked by digest), as the HF export does.
+            params = lora_export.restore_merged(
+                step_dir, model_dir, mesh or make_mesh(devices=jax.devices()[:1]), which=which
+            )
+        else:
+            params = saved_items.restore_model_params(step_dir, abstract, which=which)
         model = nnx.merge(graphdef, params, rest)
     if log is not None:
         source = f"{which} of {step_dir} on " if step_dir else ""
