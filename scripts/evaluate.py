@@ -152,8 +152,11 @@ def main(argv=None) -> None:
         split=args.split,
     )
     name = args.context + ("_noise_vt" if args.noise_vt else "")
-    if args.checkpoint:  # step<N>_<context>, as the trainer names its evaluations: no overwrites
+    if args.checkpoint:
+        # step<N>_<context>..._evaluate: beside the trainer's own step<N>_<context> files in the
+        # run's eval/, never over them (the run's summary reads those as its held-out history).
         step = os.path.basename(step_dir_of(args.checkpoint))
+        name += ("_ema" if args.params == "ema_params" else "") + "_evaluate"
         name = f"step{step}_{name}" if step.isdigit() else name
     out = args.out
     if out is None:

@@ -362,13 +362,20 @@ def test_cli_writes_under_the_run_by_default(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     evaluate_cli.main(["--checkpoint", str(tmp_path / "run")])
     assert not (tmp_path / "results").exists()
-    summary = tmp_path / "run" / "eval" / "step3_student_summary.json"
+    summary = tmp_path / "run" / "eval" / "step3_student_evaluate_summary.json"
     assert summary.is_file() and f"summary: {summary}" in capsys.readouterr().out
-    # Another step of the same run gets its own files (the trainer's step<N>_<context> names).
+    # Another step of the same run, and another item of it, get their own files; the trainer's
+    # own step<N>_<context> evaluation (the run's held-out history) is never written over.
     (tmp_path / "run" / "checkpoints" / "5").mkdir()
     (tmp_path / "run" / "checkpoints" / "5" / "commit_success.txt").write_text("ok")
-    evaluate_cli.main(["--checkpoint", str(tmp_path / "run" / "checkpoints" / "5")])
-    assert summary.is_file() and (summary.parent / "step5_student_summary.json").is_file()
+    trainers = summary.parent / "step5_student_summary.json"
+    trainers.write_text("the trainer's")
+    step_5 = str(tmp_path / "run" / "checkpoints" / "5")
+    evaluate_cli.main(["--checkpoint", step_5])
+    evaluate_cli.main(["--checkpoint", step_5, "--params", "ema_params"])
+    assert summary.is_file() and (summary.parent / "step5_student_evaluate_summary.json").is_file()
+    assert (summary.parent / "step5_student_ema_evaluate_summary.json").is_file()
+    assert trainers.read_text() == "the trainer's"
 
 
 def test_cli_on_an_fsdp_mesh(toy, tmp_path, capsys):
