@@ -148,6 +148,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         check_split_sizes(data_check, num_processes, evaluates=config.eval_every > 0)
     except (sources.DataError, FileNotFoundError) as e:
         run_config.config_error(e)
+    step_program.check_offline_cache_files(config, data_check)  # whole, and every sample in it
     if run_config.TrainedSplit.of_config(
         config
     ).lora:  # the adapters' targets against the projections

@@ -9,9 +9,11 @@ KL(teacher with VT || the same model on the text-only view); then train with the
 (`mode='offline'`). The model, data, prompt and `max_forward_tokens` come from that config, so
 the cache matches what the trainer packs; the teacher is the student's starting weights, or with
 `teacher_mode='checkpoint'` the model of `teacher_path` (checked against the student's tokenizer
-and shapes; the manifest records its digest, and training refuses the cache under another), or
-with `teacher_by_source` each dataset's own (`self` or a checkpoint's directory; the manifest
-records each); `rows_per_micro_batch` rows of
+and shapes), or with `teacher_by_source` each dataset's own (`self` or a checkpoint's
+directory). The manifest records the digest of every teacher's weights, the starting weights'
+too (model_path's, or resume_from's with resume_model_only), and the image transform: a rerun
+refuses to resume into a cache of other weights or settings, and training refuses the cache
+under another teacher; `rows_per_micro_batch` rows of
 `samples_per_micro_batch` samples go through each forward.
 
 Resumable: run the same command again after a kill and it continues with the samples not yet
@@ -34,6 +36,7 @@ from opsd_jax.io import hf_load, init_weights, teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import checks as offline_checks
 from opsd_jax.training.offline import collect as offline_collect
 
 _PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "this process's share of the rows")
@@ -49,7 +52,7 @@ class _Teacher:
     model_config: Any
     tokenizer: Any  # the student's (a checkpoint teacher's is checked equal)
     source: str  # where its weights came from
-    identity: dict | None  # a checkpoint teacher's (weights_digest.identity), else None
+    identity: dict  # of the weights it runs with (weights_digest.identity, checks.*_identity)
 
 
 def load_teacher(config, mesh, config_changes, path: str = "", student=None) -> _Teacher:
@@ -67,7 +70,9 @@ def load_teacher(config, mesh, config_changes, path: str = "", student=None) -> 
             start.model_config,
             start.tokenizer,
             config.model_path,
-            None,
+            # Recorded as a checkpoint teacher's: a collection resumed from other starting
+            # weights (another resume_from) is refused, not mixed into the cache.
+            offline_checks.teacher_identity(config, split.lora),
         )
     _, student_config, tokenizer = student or student_shapes(config, mesh, config_changes)
     try:
@@ -154,13 +159,7 @@ def main(argv) -> None:
     model_config = student[1] if by_source else None
     data_config = run_config.data_config(config).for_model(model_config or teacher.model_config)
     options = run_config.prompt_options(config)
-    data = dict(
-        datasets=[
-            dict(name=d.name, path=d.path, num_used_data=d.num_used_data)
-            for d in data_config.datasets
-        ],
-        heldout_fraction=data_config.heldout_fraction,
-    )
+    data = offline_checks.data_settings(data_config)  # the image transform too
     manifest = offline_cache.make_manifest(
         model_config or teacher.model_config,
         tokenizer,

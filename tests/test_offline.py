@@ -162,7 +162,8 @@ def toy_data(tmp_path_factory):
     return config
 
 
-def _collect(directory, data_config, process=0, count=1, samples_per_batch=2, **kwargs):
+def _collect(directory, data_config, process=0, count=1, samples_per_batch=2, made=None, **kwargs):
+    """`made`: what else the manifest records (make_manifest's `data`, `teacher`)."""
     manifest = offline_cache.make_manifest(
         BagelConfig.tiny(),
         _Tokenizer(),
@@ -170,6 +171,7 @@ def _collect(directory, data_config, process=0, count=1, samples_per_batch=2, **
         top_k=4,
         logprob_dtype="float16",
         max_forward_tokens=4096,
+        **(made or {}),
     )
     mesh = mesh_lib.make_mesh(1, 1, 1, devices=jax.devices()[:1])
     return offline_collect.collect(
@@ -336,6 +338,238 @@ def test_trainer_refuses_a_cache_of_another_teacher_naming_it(tmp_path):
     assert "teacher of maze" not in str(refused.value)
     with pytest.raises(offline_cache.CacheError, match="teacher of count: cache"):
         offline_cache.check_manifest(str(tmp_path), *args, None)  # no mapping now
+
+
+# ---- the trainer's micro-batches from a tiny cache ----------------------------------------------
+
+
+def _write_cache(directory, samples, options=OPTIONS, skip=(), shard_samples=2, **manifest):
+    """A cache of `samples` written with the project's writer (targets as the views give them,
+    made-up teacher values), `skip`'s keys recorded as too long; returns its manifest."""
+    os.makedirs(directory, exist_ok=True)
+    settings = dict(top_k=4, logprob_dtype="float16", max_forward_tokens=4096, **manifest)
+    made = offline_cache.make_manifest(BagelConfig.tiny(), _Tokenizer(), options, **settings)
+    offline_cache.write_json_atomic(os.path.join(directory, offline_cache.MANIFEST), made)
+    writer = offline_cache.ShardWriter(str(directory), 0, "float16", shard_samples)
+    packs = offline_views.build_offline_packs(
+        samples, encode, options, SPECIAL, num_rows=1, max_forward_tokens=4096, with_teacher=True
+    )
+    for j, index in enumerate(packs.kept):
+        key = offline_cache.cache_key(samples[index])
+        if key in skip:
+            writer.skip(key, offline_cache.TOO_LONG)
+            continue
+        row, cols = offline_views.sample_entries(packs.teacher, j)
+        targets = packs.teacher.loss_targets[row, cols]
+        top = np.stack([(targets + i) % 100 for i in range(4)], axis=-1)
+        logprobs = -np.arange(4, dtype=np.float32)[None].repeat(len(targets), 0)
+        writer.add(key, targets, top, logprobs, np.ones(len(targets)))
+    writer.commit()
+    return made
+
+
+def test_a_micro_batch_with_no_usable_sample_is_all_padding_and_counted(tmp_path):
+    """As SFT and OPSD at fixed shapes: a micro-batch whose samples were all skipped by the
+    collector or fit no row is an all-padding pack with an empty cache (loss 0, finite
+    metrics), every sample counted as dropped, not a ValueError that ends the run."""
+    from opsd_jax.training.step_batches import OfflineBatches
+
+    fits, skipped, long = sample("a"), sample("b"), sample("long", answer="x" * 300)
+    _write_cache(tmp_path, [fits, skipped, long], skip={"toy/b"})
+    reader = offline_cache.CacheReader(str(tmp_path))
+    shape = PackShape(row_length=256, patches=16, loss_entries=128)
+    args = dict(num_rows=1, max_forward_tokens=4096, shapes=[shape])
+    batch = offline_views.offline_batch([fits], reader, encode, OPTIONS, SPECIAL, **args)
+    assert batch.num_dropped == 0 and batch.pack.loss_mask.any()
+    for micro in ([skipped], [long], [skipped, long]):
+        batch = offline_views.offline_batch(micro, reader, encode, OPTIONS, SPECIAL, **args)
+        assert batch.num_dropped == len(micro) and batch.packed == ()
+        assert batch.pack.tokens.shape == (1, 256) and not (batch.pack.segment_ids > 0).any()
+        assert batch.cache["top_ids"].shape == (1, 128, 4) and not batch.pack.loss_mask.any()
+        assert batch.padding_fraction == 1.0
+    # The trainer's micro-batches count them (pack/dropped) ...
+    config = types.SimpleNamespace(
+        gradient_accumulation_steps=1, max_forward_tokens=4096, pack_length_buckets=1
+    )
+    batches = OfflineBatches(
+        config,
+        {"offline": [shape]},
+        encode,
+        OPTIONS,
+        SPECIAL,
+        None,
+        local_samples=2,
+        local_rows=1,
+        sample_offset=0,
+        cache_reader=reader,
+    )
+    sums = {}
+    (pack, cache), bucket, tokens = batches.micro(0, 0, [skipped, long], None, 0, sums)
+    assert sums["pack/dropped"] == 2 and sums["pack/offline_padding"] == 1.0
+    assert (bucket, tokens) == (0, 0)
+    # ... and the step on it is a loss of 0 with finite metrics and a zero gradient.
+    model_config = BagelConfig.tiny(llm=dict(compute_dtype="float32", remat="none"))
+    graphdef, params, rest = nnx.split(Bagel(model_config, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    settings = builders.loss_settings(
+        kd_weight=0.5, ce_weight=1.0, num_samples=2, vocab_limit=model_config.llm.vocab_size
+    )
+    grads, metrics = builders.offline_grad_step(graphdef, rest, settings)(params, pack, cache)
+    for name, value in metrics.items():
+        assert np.isfinite(np.asarray(value)).all(), name
+    assert float(metrics["loss"]) == 0.0 and float(metrics["vt_weight_mean"]) == 0.0
+    assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads))
+
+
+def test_a_damaged_cache_is_refused_when_opened_naming_the_file(tmp_path):
+    """A listed shard missing or of another size than recorded, or a JSON file cut short, is
+    a CacheError naming the file when the cache is opened (before the model loads), not a
+    pyarrow / json error at the first step that reads it; a shard damaged at its size is
+    named at the read."""
+    _write_cache(tmp_path, [sample(p) for p in "abcd"])
+    shard = tmp_path / "p0-000001.parquet"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(offline_cache.CacheError, match=rf"{shard}: {len(whole) // 2} bytes, "):
+        offline_cache.CacheReader(str(tmp_path))
+    shard.unlink()
+    with pytest.raises(offline_cache.CacheError, match=rf"{shard}: missing"):
+        offline_cache.CacheReader(str(tmp_path))
+    shard.write_bytes(whole[:-8] + bytes(8))  # the same size, the footer gone
+    reader = offline_cache.CacheReader(str(tmp_path))
+    reader.lookup("toy/a")
+    with pytest.raises(offline_cache.CacheError, match=rf"{shard} \(sample 'toy/c'\)"):
+        reader.lookup("toy/c")
+    shard.write_bytes(whole)
+    for name in ("progress-p0.json", offline_cache.MANIFEST):
+        path = tmp_path / name
+        text = path.read_text()
+        path.write_text(text[: len(text) // 2])
+        with pytest.raises(offline_cache.CacheError, match=rf"{path} is not valid JSON"):
+            offline_cache.check_manifest(str(tmp_path), BagelConfig.tiny(), _Tokenizer(), OPTIONS)
+            offline_cache.CacheReader(str(tmp_path))
+        path.write_text(text)
+    assert len(offline_cache.CacheReader(str(tmp_path))) == 4
+
+
+def test_processes_writing_one_new_manifest_at_once_all_go_on(tmp_path):
+    """Collectors started together on one new directory all find no manifest and write it:
+    each through a tmp file of its own (one shared name: the slower rename found it gone), and
+    `create_json` keeps the first (the others read it back and compare)."""
+    import threading
+
+    manifest = {"format": "x", "payload": list(range(2000))}
+    trials, writers, failures = 20, 4, []
+    barrier = threading.Barrier(writers)
+
+    def write(trial_dirs):
+        for directory in trial_dirs:
+            barrier.wait()
+            path = os.path.join(directory, offline_cache.MANIFEST)
+            try:
+                if not os.path.exists(path):
+                    offline_cache.write_json_atomic(path, manifest)
+            except OSError as e:
+                failures.append(e)
+
+    dirs = [tmp_path / str(t) for t in range(trials)]
+    for d in dirs:
+        d.mkdir()
+    threads = [threading.Thread(target=write, args=(dirs,)) for _ in range(writers)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert failures == []
+    for d in dirs:
+        assert json.loads((d / offline_cache.MANIFEST).read_text()) == manifest
+        assert os.listdir(d) == [offline_cache.MANIFEST]  # no tmp file left
+    path = str(tmp_path / "once.json")
+    assert offline_cache.create_json(path, {"a": 1}) is True
+    assert offline_cache.create_json(path, {"a": 2}) is False
+    assert json.loads(open(path).read()) == {"a": 1} and os.listdir(tmp_path).count("once.json")
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_an_unfinished_cache_is_refused_when_opened_saying_how_to_finish(
+    tmp_path, toy_data, monkeypatch
+):
+    """A collection stopped early (--max_samples, a kill) or a process of several that never
+    ran: the trainer's check names how many of the run's samples are missing and which
+    processes did not finish, before the first step needs one. A finished collection over the
+    same data is taken from its progress files without reading the rows again."""
+    from opsd_jax.training.offline import checks as offline_checks
+
+    stopped = tmp_path / "stopped"
+    _collect(stopped, toy_data, max_samples=5)
+    manifest = offline_cache.read_manifest(str(stopped))
+    with pytest.raises(offline_cache.CacheError, match="of the run's 23 training samples") as e:
+        offline_checks.check_covers(str(stopped), toy_data, manifest)
+    assert "no process finished" in str(e.value) and "collect_traces.py again" in str(e.value)
+    two = tmp_path / "two"
+    _collect(two, toy_data, process=0, count=2)
+    with pytest.raises(
+        offline_cache.CacheError, match=r"^.*: 11 of the run's 23 .*process\(es\) 1 "
+    ):
+        offline_checks.check_covers(str(two), toy_data, offline_cache.read_manifest(str(two)))
+    _collect(two, toy_data, process=1, count=2)
+    offline_checks.check_covers(str(two), toy_data, offline_cache.read_manifest(str(two)))
+    # Recorded as finished over the same data: the rows are not read (a 7B data set's images).
+    same = tmp_path / "same"
+    _collect(same, toy_data, made=dict(data=offline_checks.data_settings(toy_data)))
+    monkeypatch.setattr(offline_collect, "rows_of_process", None)  # reading them would fail
+    offline_checks.check_covers(str(same), toy_data, offline_cache.read_manifest(str(same)))
+
+
+def test_a_self_teacher_and_the_image_transform_are_recorded_and_compared(tmp_path, toy_data):
+    """The manifest records the digest of a `self` teacher's weights (model_path's, or with
+    resume_from + resume_model_only the checkpoint's params) and the image transform: the
+    collector refuses to resume into a cache of other weights or another transform (the two
+    teachers were mixed in one cache), and the trainer refuses the cache, naming the field."""
+    from configs import offline_tiny
+    from opsd_jax.training.offline import checks as offline_checks
+
+    checkpoint = tmp_path / "checkpoints"
+    for item in ("params", "ema_params"):
+        (checkpoint / item / "d").mkdir(parents=True)
+        (checkpoint / item / "d" / "data").write_bytes(item.encode() * 100)
+        (checkpoint / item / "_METADATA").write_text("{}")
+    config = offline_tiny.get_config()
+    with config.unlocked():
+        config.resume_from, config.resume_model_only = str(checkpoint), True
+    first = offline_checks.teacher_identity(config, lora=False)
+    assert first == offline_checks.checkpoint_identity(str(checkpoint), "params")
+    with config.unlocked():
+        config.finetune_from_ema = True
+    assert (
+        offline_checks.teacher_identity(config, lora=False)["digest"] != first["digest"]
+    )  # ema_params
+    (checkpoint / "params" / "d" / "data").write_bytes(b"other weights" * 100)
+    second = offline_checks.checkpoint_identity(str(checkpoint), "params")
+    assert second["digest"] != first["digest"]
+    # The collector: a cache begun with one teacher's weights is not continued with another's.
+    cache = tmp_path / "cache"
+    data = offline_checks.data_settings(toy_data)
+    _collect(cache, toy_data, max_samples=3, made=dict(teacher=first, data=data))
+    with pytest.raises(offline_cache.CacheError, match="teacher.digest: cache"):
+        _collect(cache, toy_data, made=dict(teacher=second, data=data))
+    wider = dataclasses.replace(
+        toy_data, image_transform=dataclasses.replace(toy_data.image_transform, max_size=224)
+    )
+    other_data = offline_checks.data_settings(wider)
+    with pytest.raises(offline_cache.CacheError, match="data.image_transform.max_size: cache 112"):
+        _collect(cache, toy_data, made=dict(teacher=first, data=other_data))
+    # The trainer: the same teacher and transform only, each named.
+    args = (str(cache), BagelConfig.tiny(), _Tokenizer(), OPTIONS)
+    offline_cache.check_manifest(*args, first, image_transform=data["image_transform"])
+    with pytest.raises(offline_cache.CacheError, match="teacher: cache checkpoint .*, now check"):
+        offline_cache.check_manifest(*args, second, image_transform=data["image_transform"])
+    with pytest.raises(
+        offline_cache.CacheError, match="data.image_transform.max_size: cache 112, now 224"
+    ):
+        offline_cache.check_manifest(*args, first, image_transform=other_data["image_transform"])
+    # A cache of a `self` teacher made before its weights were recorded: refused, saying so.
+    legacy = tmp_path / "legacy"
+    _collect(legacy, toy_data, max_samples=1)
+    with pytest.raises(offline_cache.CacheError, match=r"no digest recorded\), now check"):
+        offline_cache.check_manifest(str(legacy), *args[1:], first)
 
 
 # ---- the offline loss equals the online one on the same teacher and completion -----------------

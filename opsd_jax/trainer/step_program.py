@@ -25,6 +25,7 @@ from opsd_jax.io import teacher_checkpoint
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.training import step_compiler_flags, train_step
 from opsd_jax.training.offline import cache as offline_cache
+from opsd_jax.training.offline import checks as offline_checks
 from opsd_jax.training.step_batches import StepBatches, step_batches_for
 
 
@@ -41,33 +42,66 @@ class StepProgram:
 
 
 def offline_cache_reader(config, model_config, tokenizer, options, say: Callable):
-    """The offline teacher cache's reader, refused if made for another model or teacher (a
-    checkpoint teacher's cache holds its model config); None if the mode is not offline."""
+    """The offline teacher cache's reader, refused if made for another model, teacher (a
+    checkpoint teacher's cache holds its model config; a `self` one's, the digest of the
+    starting weights) or image transform (offline/checks.py; its files and its coverage of the
+    run's data: check_offline_cache_files, before the model loads); None if the mode is not
+    offline."""
     if config.mode != "offline":
         return None
     split = run_config.TrainedSplit.of_config(config)
+    data_config = run_config.data_config(config)
     teacher_path, teacher = split.cache_teacher_path, None
     if teacher_path:
         runtime = {"llm": run_config.model_runtime(config)}
         model_config = teacher_checkpoint.model_config_of(teacher_path, runtime)[0]
         teacher = teacher_checkpoint.identity(teacher_path)
+    elif not split.cache_teacher_by_source:
+        teacher = offline_checks.teacher_identity(config, split.lora)  # the starting weights'
     # A teacher per data source (the manifest then holds the student's model config): each
-    # distinct checkpoint's digest read once.
-    paths = {t for _, t in split.cache_teacher_by_source if t != "self"}
-    identities = {path: teacher_checkpoint.identity(path) for path in paths}
-    by_source = {name: identities.get(t) for name, t in split.cache_teacher_by_source}
+    # distinct checkpoint's digest read once, 'self' the starting weights'.
+    paths = {t for _, t in split.cache_teacher_by_source}
+    identities = {
+        path: offline_checks.teacher_identity(config, split.lora)
+        if path == "self"
+        else teacher_checkpoint.identity(path)
+        for path in paths
+    }
+    by_source = {name: identities[t] for name, t in split.cache_teacher_by_source}
+    transform = offline_checks.data_settings(data_config)["image_transform"]
     try:
         manifest = offline_cache.check_manifest(
-            config.offline_cache_dir, model_config, tokenizer, options, teacher, by_source
+            config.offline_cache_dir,
+            model_config,
+            tokenizer,
+            options,
+            teacher,
+            by_source,
+            image_transform=transform,
         )
+        reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
     except offline_cache.CacheError as e:
         run_config.config_error(e)
-    reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
     say(
         f"offline teacher cache {config.offline_cache_dir}: {len(reader)} samples, "
         f"top-{reader.top_k} {reader.logprob_dtype}"
     )
     return reader
+
+
+def check_offline_cache_files(config, data_config) -> None:
+    """Before the model loads (offline mode): the teacher cache's files are whole and it holds
+    every training sample of the run's data (a damaged or unfinished collection, refused in
+    one line); its model, teacher and prompt are checked once the model's config and tokenizer
+    are there (offline_cache_reader)."""
+    if config.mode != "offline":
+        return
+    try:
+        manifest = offline_cache.read_manifest(config.offline_cache_dir)
+        offline_cache.CacheReader(config.offline_cache_dir, manifest)
+        offline_checks.check_covers(config.offline_cache_dir, data_config, manifest)
+    except offline_cache.CacheError as e:
+        run_config.config_error(e)
 
 
 def compile_steps(

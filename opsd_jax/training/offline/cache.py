@@ -34,12 +34,14 @@ after the same text, so the cached term is exactly the online top-k KL of the sa
 the same completion (tests/test_offline.py checks it to 1e-6), and the VT weight measures what
 the VT images change, not a difference of texts.
 
-Cache layout (no pickles; every file is committed by writing `<name>.tmp` and renaming):
+Cache layout (no pickles; every file is committed by writing `<name>.<unique>.tmp` and renaming):
 
-    manifest.json          format, model config, tokenizer fingerprint and the settings the
-                           cache was made with; the trainer refuses a cache whose model config,
-                           tokenizer or prompt differ from its own
-    progress-p<i>.json     process i's committed shards (file, sample keys) and skipped keys
+    manifest.json          format, model config, tokenizer fingerprint, the teacher's weights
+                           (digest) and the settings the cache was made with (data and image
+                           transform included); the trainer refuses a cache whose model config,
+                           tokenizer, prompt, image transform or teacher differ from its own
+    progress-p<i>.json     process i's committed shards (file, sample keys, bytes), skipped
+                           keys, and `finished` once it went through all its rows
     p<i>-<n>.parquet       one row per sample: key, target_ids, top_ids, top_logprobs
                            (float16 / bfloat16 bit patterns as uint16, or float32), vt_weights;
                            one row group per sample, so the trainer reads a sample alone
@@ -47,10 +49,12 @@ Cache layout (no pickles; every file is committed by writing `<name>.tmp` and re
 A shard counts once `progress-p<i>.json` lists it: a crash between the shard's rename and the
 progress update leaves an unlisted file, deleted and redone on resume, so a resumed cache holds
 every sample exactly once. Processes take rows g with g % count == index (g: the row's index
-in the datasets' concatenation) and write only their own files.
+in the datasets' concatenation) and write only their own files. Opening a cache checks what
+can be checked without reading it: every listed shard present at its recorded size, every JSON
+file whole (a CacheError naming the file, not the first step's pyarrow error).
 
-One module of a little over 400 lines: the format on disk, its writer and its reader in one
-place, so the layout is defined once.
+One module of about 560 lines: the format on disk, its writer and its reader in one place, so
+the layout is defined once.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ import glob
 import hashlib
 import json
 import os
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
@@ -189,13 +194,50 @@ def differences(saved: dict, current: dict, prefix="") -> list[str]:
     return out
 
 
-def write_json_atomic(path: str, value) -> None:
-    tmp = f"{path}.tmp"
+def _write_tmp_json(path: str, value) -> str:
+    # A name of this process and call: processes starting together on one new directory each
+    # write their own tmp file (one shared name: the slower rename found it moved away).
+    tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def write_json_atomic(path: str, value) -> None:
+    os.replace(_write_tmp_json(path, value), path)
+
+
+def create_json(path: str, value) -> bool:
+    """Write `path` unless it exists, atomically: True if this call made it. Of processes
+    creating it at once one wins; the others leave it as it is (and should read it back)."""
+    tmp = _write_tmp_json(path, value)
+    try:
+        os.link(tmp, path)  # atomic, and fails where the file exists
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: the last rename wins
+        os.replace(tmp, path)
+        tmp = None
+        return True
+    finally:
+        if tmp is not None:
+            os.remove(tmp)
+
+
+def read_json(path: str):
+    """A JSON file of the cache; one cut short (a copy or rsync interrupted, a full disk) is a
+    CacheError naming it, not the decoder's message alone."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CacheError(
+            f"{path} is not valid JSON ({e}): cut short or damaged (a copy interrupted, a full "
+            "disk?); copy the cache again, or collect a new one (scripts/collect_traces.py)"
+        ) from None
 
 
 def read_manifest(directory: str) -> dict:
@@ -205,11 +247,21 @@ def read_manifest(directory: str) -> dict:
             f"offline_cache_dir={directory!r}: no {MANIFEST} (make the cache with "
             "scripts/collect_traces.py)"
         )
-    with open(path) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != CACHE_FORMAT:
-        raise CacheError(f"{path}: format {manifest.get('format')!r}, expected {CACHE_FORMAT!r}")
+    manifest = read_json(path)
+    if not isinstance(manifest, dict) or manifest.get("format") != CACHE_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CacheError(f"{path}: format {found!r}, expected {CACHE_FORMAT!r}")
     return manifest
+
+
+def describe_teacher(identity: dict | None) -> str:
+    """A teacher's identity in words (None: model_path's weights, in a cache made before the
+    weights of a `self` teacher were recorded)."""
+    if identity is None:
+        return "model_path's weights (no digest recorded)"
+    if identity.get("checkpoint"):
+        return f"checkpoint {identity['model_path']} (digest {identity['digest'][:12]})"
+    return weights_digest.describe(identity)
 
 
 def check_manifest(
@@ -219,11 +271,13 @@ def check_manifest(
     options: PromptOptions,
     teacher: dict | None = None,
     teachers_by_source: Mapping[str, dict | None] | None = None,
+    image_transform: dict | None = None,
 ) -> dict:
     """The manifest of the cache in `directory`, refused unless it was made for this model
-    config, tokenizer and prompt, and by this teacher (`teacher`: a checkpoint teacher's
-    identity; None: model_path's weights) or these teachers per data source
-    (`teachers_by_source`), in one CacheError naming every difference."""
+    config, tokenizer and prompt, by this teacher (`teacher`: the identity of its weights,
+    checks.teacher_identity for a `self` one) or these teachers per data source
+    (`teachers_by_source`), and, given, with this `image_transform` (its fields), in one
+    CacheError naming every difference."""
     manifest = read_manifest(directory)
     current = {
         "model_config": model_fingerprint(model_config),
@@ -235,8 +289,11 @@ def check_manifest(
     }
     saved = {k: manifest.get(k) for k in current}
     saved["model_config"] = _architecture(saved["model_config"])
+    if image_transform is not None:  # it shapes the views' images (their patches)
+        current["data"] = {"image_transform": dict(image_transform)}
+        saved["data"] = {"image_transform": (manifest.get("data") or {}).get("image_transform")}
     problems = differences(saved, current)
-    who = lambda t: weights_digest.describe(t) if t else "model_path's weights"  # noqa: E731
+    who = describe_teacher
     digest = lambda t: (t or {}).get("digest")  # noqa: E731
     made_by, by_source = manifest.get("teacher"), manifest.get("teachers_by_source") or {}
     if digest(made_by) != digest(teacher):
@@ -248,8 +305,8 @@ def check_manifest(
     if problems:
         raise CacheError(
             f"{os.path.join(directory, MANIFEST)} was made with another model config,"
-            " tokenizer, prompt or teacher than this run; make a new cache (scripts/"
-            "collect_traces.py) or use the matching config:\n  " + "\n  ".join(problems)
+            " tokenizer, prompt, image transform or teacher than this run; make a new cache"
+            " (scripts/collect_traces.py) or use the matching config:\n  " + "\n  ".join(problems)
         )
     return manifest
 
@@ -262,8 +319,10 @@ def _progress_path(directory: str, process: int) -> str:
 
 
 def _read_progress(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    progress = read_json(path)
+    if not isinstance(progress, dict) or not {"shards", "skipped"} <= set(progress):
+        raise CacheError(f"{path}: not a progress file of this cache format (no shards/skipped)")
+    return progress
 
 
 def _all_progress(directory: str) -> list[dict]:
@@ -340,6 +399,14 @@ class ShardWriter:
     def skip(self, key: str, reason: str) -> None:
         self._skipped[key] = reason
 
+    def finish(self, process_count: int) -> None:
+        """Commit what is buffered and record that this process went through all its rows of
+        a `process_count`-process collection (checks.check_covers reads it)."""
+        self.commit()
+        progress = dict(self.progress, finished={"process_count": int(process_count)})
+        write_json_atomic(_progress_path(self.directory, self.process), progress)
+        self.progress = progress
+
     def commit(self) -> None:
         """Write the buffered samples as the next shard and list it (with pending skips)."""
         import pyarrow as pa
@@ -378,6 +445,15 @@ def done_keys(directory: str) -> set[str]:
     return done
 
 
+def finished_processes(directory: str) -> tuple[dict[int, int], set[int]]:
+    """({process index: the process count of the collection it finished}, those counts)."""
+    finished = {}
+    for progress in _all_progress(directory):
+        if progress.get("finished"):
+            finished[int(progress["process"])] = int(progress["finished"]["process_count"])
+    return finished, set(finished.values())
+
+
 # ---- shards: reading ----------------------------------------------------------------------------
 
 
@@ -387,6 +463,19 @@ class CachedSample:
     top_ids: np.ndarray  # [n, k] int32
     top_logprobs: np.ndarray  # [n, k] float32 (decoded from the stored dtype)
     vt_weights: np.ndarray  # [n] float32
+
+
+def _shard_problems(directory: str, progress: dict, shard: dict) -> list[str]:
+    """What is wrong with a listed shard's file: missing, or another size than the progress
+    file recorded when it was committed (checked without reading it)."""
+    path = os.path.join(directory, shard["file"])
+    listed_by = f"progress-p{progress.get('process', '?')}.json"
+    if not os.path.isfile(path):
+        return [f"{path}: missing (listed by {listed_by})"]
+    size = os.path.getsize(path)
+    if "bytes" in shard and size != shard["bytes"]:
+        return [f"{path}: {size} bytes, {listed_by} recorded {shard['bytes']}"]
+    return []
 
 
 class CacheReader:
@@ -400,8 +489,10 @@ class CacheReader:
         self.logprob_dtype = self.manifest["logprob_dtype"]
         self.where: dict[str, tuple[str, int]] = {}
         self.skipped: dict[str, str] = {}
+        damaged = []
         for progress in _all_progress(directory):
             for shard in progress["shards"]:
+                damaged += _shard_problems(directory, progress, shard)
                 for row, key in enumerate(shard["keys"]):
                     if key in self.where:
                         raise CacheError(
@@ -410,6 +501,13 @@ class CacheReader:
                         )
                     self.where[key] = (shard["file"], row)
             self.skipped.update(progress["skipped"])
+        if damaged:
+            # Found here, before the model loads, not at the first step that reads the shard.
+            raise CacheError(
+                f"offline cache {directory}: {len(damaged)} listed shard(s) missing or not as "
+                "written (a copy cut short, a full disk?); copy the cache again, or collect a "
+                "new one (scripts/collect_traces.py):\n  " + "\n  ".join(damaged[:10])
+            )
         self._files: OrderedDict = OrderedDict()
         self._open_files = open_files
 
@@ -433,13 +531,22 @@ class CacheReader:
         return self._files[name]
 
     def lookup(self, key: str) -> CachedSample:
+        import pyarrow as pa
+
         if key not in self.where:
             raise CacheError(
                 f"sample {key!r} is not in the offline cache {self.directory} (was "
                 "it made over this run's data? is the collection finished?)"
             )
         name, row = self.where[key]
-        record = self._file(name).read_row_group(row).to_pylist()[0]
+        try:
+            record = self._file(name).read_row_group(row).to_pylist()[0]
+        except (pa.ArrowException, OSError) as e:
+            # Damaged after the open's size check (or inside, at the same size): named.
+            raise CacheError(
+                f"offline cache shard {os.path.join(self.directory, name)} (sample {key!r}) "
+                f"cannot be read: {e}"
+            ) from None
         ids = np.asarray(record["top_ids"], np.int32).reshape(-1, self.top_k)
         logprobs = _decode_logprobs(record["top_logprobs"], self.logprob_dtype)
         return CachedSample(

@@ -20,10 +20,10 @@ from opsd_jax.training.offline.cache import (
     TOO_LONG,
     CacheError,
     ShardWriter,
+    create_json,
     differences,
     done_keys,
     read_manifest,
-    write_json_atomic,
 )
 from opsd_jax.training.offline.views import build_offline_packs, sample_entries
 
@@ -49,8 +49,9 @@ def make_collect_step(graphdef, rest, *, top_k: int, vocab_limit: int | None):
     return collect_step
 
 
-def _rows_of_process(data_config, process_index: int, process_count: int):
-    """(global index, dataset name, raw record) of every train row this process collects."""
+def rows_of_process(data_config, process_index: int = 0, process_count: int = 1):
+    """(global index, dataset name, source, row) of every train row this process collects
+    (all of them with the defaults)."""
     from opsd_jax.data.sources import open_source
 
     offset = 0
@@ -65,6 +66,11 @@ def _rows_of_process(data_config, process_index: int, process_count: int):
             if (offset + r) % process_count == process_index:
                 yield offset + r, spec.name, source, r
         offset += len(source)
+
+
+def sample_key(dataset: str, record) -> str:
+    """A raw row's cache key, as cache_key(sample) (decode_row keeps str(pid))."""
+    return f"{dataset}/{record.get('pid')}"
 
 
 def _eta(seconds: float) -> str:
@@ -119,20 +125,21 @@ def collect(
 
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, MANIFEST)
-    if os.path.exists(path):
-        problems = differences(read_manifest(directory), manifest)
-        if problems:
-            raise CacheError(
-                f"{path}: this cache was made with other settings; use another "
-                "directory or the same settings:\n  " + "\n  ".join(problems)
-            )
-    else:
-        write_json_atomic(path, manifest)
+    # Processes starting together on a new directory: one writes the manifest, and every one
+    # (the writer too) compares what is there with its own settings.
+    if not os.path.exists(path):
+        create_json(path, manifest)
+    problems = differences(read_manifest(directory), manifest)
+    if problems:
+        raise CacheError(
+            f"{path}: this cache was made with other settings; use another "
+            "directory or the same settings:\n  " + "\n  ".join(problems)
+        )
     writer = ShardWriter(
         directory, process_index, manifest["logprob_dtype"], shard_samples, on_commit
     )
     done = done_keys(directory)
-    todo = [row for row in _rows_of_process(data_config, process_index, process_count)]
+    todo = [row for row in rows_of_process(data_config, process_index, process_count)]
     start, written, already, skipped = time.perf_counter(), 0, 0, {}
     last_log = start
     special = tokenizer.special_tokens()
@@ -192,13 +199,14 @@ def collect(
 
     teachers, default = dict(by_source or {}), (collect_step, params)
     batches: dict[int, tuple[list, tuple]] = {}  # a teacher's id -> (its batch, the teacher)
-    seen = set()
+    seen, stopped = set(), False
     for _, name, source, r in todo:
         pending = sum(len(b) for b, _ in batches.values())
         if max_samples is not None and written + pending >= max_samples:
+            stopped = True
             break
         record = source[r]
-        key = f"{name}/{record.get('pid')}"  # as cache_key(sample): decode_row keeps str(pid)
+        key = sample_key(name, record)
         if key in done:
             already += 1
             continue
@@ -226,6 +234,9 @@ def collect(
     for batch, teacher in batches.values():
         if batch:
             run(batch, teacher)
-    writer.commit()
+    if stopped:
+        writer.commit()
+    else:  # every row of this process is cached or skipped: the trainer need not read them
+        writer.finish(process_count)
     report(final=True)
     return CollectSummary(written, skipped, already, time.perf_counter() - start)

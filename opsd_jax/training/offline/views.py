@@ -198,7 +198,9 @@ def offline_batch(
     Samples the collector skipped (too long for its max_forward_tokens) are dropped; a sample
     that is neither cached nor skipped, or whose cached target differs from this run's
     (another tokenizer, prompt or data), is an error naming it. `shapes` fixes the pack's
-    sizes (see `build_offline_packs`), and with them the cache arrays' [rows, entries, k]."""
+    sizes (see `build_offline_packs`), and with them the cache arrays' [rows, entries, k]; a
+    micro-batch of which no sample is usable is then an all-padding pack at the first shape
+    with an empty cache (loss 0), every sample counted in `num_dropped`."""
     usable = [s for s in samples if cache_key(s) not in reader.skipped]
     for sample in usable:
         if cache_key(sample) not in reader:
@@ -214,11 +216,16 @@ def offline_batch(
         shapes=shapes,
     )
     if not packs.kept:
-        raise ValueError(
-            f"no sample of the micro-batch is usable (max_forward_tokens="
-            f"{max_forward_tokens}, {len(samples) - len(usable)} skipped by the "
-            "collector" + (f", fixed pack shape {shapes[-1]}" if shapes else "") + ")"
-        )
+        if shapes is None:  # sizes fitted to the content: nothing to fit them to
+            raise ValueError(
+                f"no sample of the micro-batch is usable (max_forward_tokens="
+                f"{max_forward_tokens}, {len(samples) - len(usable)} skipped by the collector)"
+            )
+        # At fixed shapes, as SFT and OPSD: every sample dropped and counted, never the run
+        # (one sample a micro-batch and one long sample): an all-padding pack, loss 0.
+        pack = shaped_pack([], shapes[0], num_rows, special, [], fixed=True)
+        cache = empty_cache(*pack.loss_mask.shape, reader.top_k)
+        return OfflineBatch(pack, cache, len(samples), 1.0, 0, ())
     pack = packs.student
     cache = empty_cache(*pack.loss_mask.shape, reader.top_k)
     for j, index in enumerate(packs.kept):
