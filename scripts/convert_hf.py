@@ -103,12 +103,35 @@ def jax_to_hf(args) -> None:
     )
 
 
+def out_problem(args) -> str | None:
+    """Why the conversion cannot write --out, or None; checked before anything loads."""
+    if args.command == "hf-to-jax":
+        params_dir = os.path.join(args.out, checkpoint.PARAMS)
+        if os.path.exists(params_dir):
+            return (
+                f"--out {args.out} already holds {checkpoint.PARAMS}/: remove it or give "
+                "another --out"
+            )
+        return None
+    if os.path.exists(args.out) and os.path.realpath(args.out) == os.path.realpath(args.source):
+        return f"--out {args.out} is the --source directory: give a new one"
+    if not os.path.exists(args.out):
+        return None
+    if args.adapters_only:  # lora_export.save_adapters writes a new directory only
+        return f"--out {args.out} exists: --adapters_only writes a new directory; remove it"
+    if not args.overwrite:
+        return f"--out {args.out} exists: pass --overwrite to replace it, or give another --out"
+    return None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     to_jax = commands.add_parser("hf-to-jax", help="HF directory -> orbax params")
     to_jax.add_argument("--hf_dir", required=True, help="BAGEL / ThinkMorph directory")
-    to_jax.add_argument("--out", required=True, help="output directory (gets params/)")
+    to_jax.add_argument(
+        "--out", required=True, help="output directory (gets params/, which must not exist)"
+    )
     to_jax.add_argument(
         "--gen_expert",
         action="store_true",
@@ -126,8 +149,15 @@ def main(argv=None) -> None:
         "--ckpt", required=True, help="hf-to-jax output, a training step dir, or its checkpoint dir"
     )
     to_hf.add_argument("--source", required=True, help="the HF directory the params came from")
-    to_hf.add_argument("--out", required=True, help="new HF directory (must not exist)")
-    to_hf.add_argument("--item", default=checkpoint.PARAMS, help="orbax item: params or ema_params")
+    to_hf.add_argument(
+        "--out", required=True, help="new HF directory (must not exist unless --overwrite)"
+    )
+    to_hf.add_argument(
+        "--item",
+        default=checkpoint.PARAMS,
+        choices=(checkpoint.PARAMS, checkpoint.EMA_PARAMS),
+        help="orbax item (default: params)",
+    )
     to_hf.add_argument("--weights", default=None, help="source weights: ema or model")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     to_hf.add_argument(
@@ -137,6 +167,9 @@ def main(argv=None) -> None:
     )
     to_hf.set_defaults(run=jax_to_hf)
     args = parser.parse_args(argv)
+    problem = out_problem(args)
+    if problem:  # before any load: the params, a whole model, can take minutes to read
+        raise SystemExit(f"error: {problem}")
     print(f"jax {jax.__version__}, {jax.device_count()} {jax.default_backend()} device(s)")
     try:
         args.run(args)

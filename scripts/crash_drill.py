@@ -17,13 +17,16 @@ with as many steps, kills and seeds as you like.
     python scripts/crash_drill.py [--kills 5] [--steps 8] [--seed 0] [--out /tmp/crash_drill]
 
 `--straight DIR` compares against an uninterrupted run already made (tests/test_train_cli.py
-runs the drill so, against its reference run).
+runs the drill so, against its reference run); it must lie outside --out. The drill deletes
+--out before it starts, so it refuses a non-empty --out that is not a previous drill's (marked
+by its `crash_drill.json`) unless `--overwrite` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import queue
 import random
@@ -40,6 +43,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The drill reads the disk itself rather than through opsd_jax/io/checkpoint.py, so that it
 # referees the code under test independently.
 COMMIT_MARKER = "commit_success.txt"  # orbax writes it last (see opsd_jax/io/checkpoint.py)
+# The drill's own output: the file that marks a folder as one (so a rerun may delete it) and the
+# folders it writes there.
+DRILL_MARKER = "crash_drill.json"
+DRILL_FOLDERS = {"straight", "killed"}
 
 
 @dataclasses.dataclass
@@ -218,6 +225,54 @@ def _command(results_dir: str, steps: int) -> list[str]:
     ]
 
 
+def is_inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies under it (symlinks resolved)."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
+def straight_problem(straight: str | None, out: str, steps: int) -> str | None:
+    """What is wrong with `--straight` as the drill's reference run, or None: an uninterrupted
+    run (its toy data and a complete checkpoint of step `steps`), apart from --out (which the
+    drill deletes, and where it writes its own run)."""
+    if straight is None:
+        return None
+    if not os.path.isdir(straight):
+        return f"--straight {straight}: no such directory"
+    if is_inside(straight, out):
+        return f"--straight {straight} lies inside --out {out}, which the drill deletes"
+    if is_inside(out, straight):
+        return f"--out {out} lies inside --straight {straight}: give an --out outside it"
+    if not os.path.isdir(os.path.join(straight, "toy")):
+        return f"--straight {straight}: no toy/ folder (not a results_dir of the drill's command)"
+    if _save_state(os.path.join(straight, "checkpoints"), steps) != "complete":
+        return (
+            f"--straight {straight}: no complete checkpoint of step {steps} "
+            f"(the drill compares with an uninterrupted run of --steps {steps})"
+        )
+    return None
+
+
+def out_problem(out: str, overwrite: bool) -> str | None:
+    """Why the drill must not delete `out`, or None: it is empty, missing, a previous drill's
+    output (its marker file, or only the drill's own folders, as drills before the marker left
+    them), or --overwrite says to replace it."""
+    if not os.path.exists(out):
+        return None
+    if not os.path.isdir(out):
+        return f"--out {out} is a file; the drill writes a folder there"
+    if overwrite:
+        return None
+    names = set(os.listdir(out))
+    if not names or DRILL_MARKER in names or names <= DRILL_FOLDERS:
+        return None
+    return (
+        f"--out {out} holds files that are not a crash drill's output "
+        f"({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''}); "
+        "the drill deletes --out first: give another --out, or --overwrite to replace it"
+    )
+
+
 def saved_arrays(checkpoint_dir: str | os.PathLike, step: int, item: str = "params") -> list:
     """One item (params, opt_state, ema_params) of a saved step as host arrays, leaf by leaf
     (restored as saved: no restore target needed)."""
@@ -241,10 +296,25 @@ def main(argv: list[str] | None = None) -> int:
         help="the results_dir of an uninterrupted run of the drill's command with --steps "
         "steps, to compare against (and take the toy data from) instead of running one",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty --out that is not a previous drill's output",
+    )
     args = parser.parse_args(argv)
     if args.kills < 1 or args.steps <= args.kills:
         parser.error("--kills must be >= 1 and --steps > --kills")
+    # Everything the delete below could destroy or the drill needs is checked before it.
+    problem = straight_problem(args.straight, args.out, args.steps) or out_problem(
+        args.out, args.overwrite
+    )
+    if problem:
+        raise SystemExit(f"error: {problem}")
     shutil.rmtree(args.out, ignore_errors=True)
+    os.makedirs(args.out)
+    with open(os.path.join(args.out, DRILL_MARKER), "w", encoding="utf-8") as f:
+        json.dump({"written_by": "scripts/crash_drill.py", "steps": args.steps}, f)
+        f.write("\n")
     straight = args.straight or os.path.join(args.out, "straight")
     killed = os.path.join(args.out, "killed")
     # One device per launch (a forced device count in the caller's XLA_FLAGS is dropped); the

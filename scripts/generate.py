@@ -22,6 +22,7 @@ import argparse
 import sys
 
 from opsd_jax import run_config
+from opsd_jax.data.data_config import image_transform_from
 from opsd_jax.evaluation import answers
 from opsd_jax.evaluation import evaluate as evaluation
 from opsd_jax.evaluation.cli import (
@@ -44,6 +45,13 @@ def main(argv=None) -> None:
     add_sampling_flags(parser)
     args = parser.parse_args(argv)
     check_sampling_flags(args)
+    # --image_size is parsed and built here, before the (possibly long) model load.
+    transform = image_transform_arg(args.image_size)
+    if transform is not None:
+        try:
+            transform = image_transform_from(transform)
+        except ValueError as e:  # e.g. "0,0": ImageTransform names the field and the value
+            raise SystemExit(f"--image_size {args.image_size!r}: {e}") from None
 
     from PIL import Image
 
@@ -61,9 +69,8 @@ def main(argv=None) -> None:
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
     config = run_config.complete(config)
-    transform = image_transform_arg(args.image_size) or (config.get("data") or {}).get(
-        "image_transform"
-    )
+    if transform is None:
+        transform = (config.get("data") or {}).get("image_transform")
     text, completions = evaluation.answer(
         model,
         tokenizer,

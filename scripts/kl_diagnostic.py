@@ -40,7 +40,8 @@ def main(argv=None) -> None:
         "--max_forward_tokens",
         type=int,
         default=None,
-        help="teacher pack length (default: the config's, else 10240)",
+        help="teacher pack length, >= 1 (default: the config's, else 10240); a sample whose "
+        "teacher context is longer is dropped",
     )
     parser.add_argument(
         "--no_noise_control", action="store_true", help="skip the noise-VT control pass"
@@ -49,6 +50,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.chunk_size < 1:
         raise SystemExit(f"--chunk_size must be >= 1, got {args.chunk_size}")
+    if args.max_forward_tokens is not None and args.max_forward_tokens < 1:
+        # (0 is no "use the config's": leaving the flag out is.)
+        raise SystemExit(f"--max_forward_tokens must be >= 1, got {args.max_forward_tokens}")
     if args.noise_vt:
         raise SystemExit(
             "--noise_vt: the noise control is always computed here (unless "
@@ -60,7 +64,10 @@ def main(argv=None) -> None:
     except (FileNotFoundError, ValueError) as e:  # bad paths / configs: the message names them
         raise SystemExit(f"error: {e}") from None
     config = run_config.complete(config)
-    max_forward_tokens = args.max_forward_tokens or config.max_forward_tokens
+    if args.max_forward_tokens is None:
+        max_forward_tokens = config.max_forward_tokens
+    else:
+        max_forward_tokens = args.max_forward_tokens
     settings = {"VT": False} if args.no_noise_control else SETTINGS
     results = {}
     for label, noise_vt in settings.items():
@@ -76,6 +83,13 @@ def main(argv=None) -> None:
             log=print,
         )
         dropped = results[label].summary["num_dropped"]
+        if not results[label].summary["overall"]["num_samples"]:
+            # Nothing measured: no K_gen, so no verdict and no files (the noise pass drops the
+            # same samples: its contexts are as long).
+            raise SystemExit(
+                f"error: no sample measured: all {dropped} samples' teacher contexts are longer "
+                f"than max_forward_tokens={max_forward_tokens}; raise --max_forward_tokens"
+            )
         if dropped:
             print(
                 f"{label}: {dropped} samples dropped (teacher context > max_forward_tokens="
@@ -106,13 +120,17 @@ def main(argv=None) -> None:
         "per_sample": os.path.join(args.out, "kl_per_sample.jsonl"),
         "histogram": os.path.join(args.out, "kl_histogram.png"),
     }
+    # A value not measured (NaN: e.g. a dataset none of whose samples fit) is written as null:
+    # JSON has no NaN, and allow_nan=False makes sure none slips through.
     with open(paths["summary"], "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
+        json.dump(kl_diagnostic.json_ready(summary), f, indent=2, allow_nan=False)
         f.write("\n")
     with open(paths["per_sample"], "w", encoding="utf-8") as f:
         for label, result in results.items():
             f.writelines(
-                json.dumps(dict(record, setting=label)) + "\n" for record in result.records
+                json.dumps(kl_diagnostic.json_ready(dict(record, setting=label)), allow_nan=False)
+                + "\n"
+                for record in result.records
             )
     kl_diagnostic.save_histogram(results, paths["histogram"])
     print()

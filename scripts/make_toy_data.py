@@ -23,13 +23,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--num_train",
         type=int,
         default=None,
-        help="train rows per task (default 320, opt-in tasks: DEFAULT_SIZES)",
+        help="train rows per task, >= 1 (default 320, opt-in tasks: DEFAULT_SIZES)",
     )
     parser.add_argument(
         "--num_test",
         type=int,
         default=None,
-        help="held-out rows per task (default 64, opt-in tasks: DEFAULT_SIZES)",
+        help="held-out rows per task, >= 1 (default 64, opt-in tasks: DEFAULT_SIZES)",
     )
     parser.add_argument(
         "--tasks",
@@ -40,7 +40,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--corpus_out", default=None, help="also write the text corpus here")
     args = parser.parse_args(argv)
 
+    # Checked before anything is written: a bad task used to stop the run after the tasks
+    # before it were written, a count below 1 wrote files of no rows.
     tasks = [t for t in args.tasks.split(",") if t]
+    unknown = [t for t in tasks if t not in ALL_TASKS]
+    if unknown or not tasks:
+        what = f"unknown task(s) {', '.join(unknown)}" if unknown else "no task named"
+        raise SystemExit(f"--tasks {args.tasks!r}: {what}; known: {', '.join(ALL_TASKS)}")
+    for flag, count in (("--num_train", args.num_train), ("--num_test", args.num_test)):
+        if count is not None and count < 1:
+            raise SystemExit(f"{flag} must be >= 1, got {count}")
     written = write_toy_data(args.out, args.seed, args.num_train, args.num_test, tasks, args.jsonl)
     for name, path in written.items():
         print(f"{name}: {path}")

@@ -22,9 +22,11 @@ Writes under --out: `sft/`, `opsd/`, `control/` (each a train.py results_dir wit
 and metrics.jsonl), `results.json` (every figure), `results.md` (the table) and `results.png`
 (accuracy and JSD against steps, both arms). Each stage runs train.py in a subprocess, exactly as
 a user would; evaluation runs here with opsd_jax.evaluation.evaluate. `--quick` runs a few steps of each
-stage on a small data set (a smoke test of the whole chain, not a measurement).
+stage on a small data set (a smoke test of the whole chain, not a measurement). --out records
+the mode and seed in `toy_experiment.json`; a run of another mode or seed there is refused, as
+it would reuse the data and checkpoints (--quick's default --out is its own, `seed<seed>_quick`).
 
-One script of about 500 lines: the experiment's sequence (stage 1, the runs per seed, the
+One script of about 550 lines: the experiment's sequence (stage 1, the runs per seed, the
 control, the table) in the order it runs.
 """
 
@@ -358,11 +360,51 @@ def plot(results: dict, path: str) -> None:
 # Main
 # ----------------------------------------------------------------------------------------------
 
+# What a run in --out was made with: every stage reuses what --out holds (the data, the
+# checkpoints: train.py resumes them), so a run of another mode or seed there would mix the two.
+RUN_RECORD = "toy_experiment.json"
+STAGE_DIRS = ("sft", *ARMS, "offline")
+
+
+def run_description(record: dict) -> str:
+    return f"a {'--quick' if record.get('quick') else 'full'} run of seed {record.get('seed')}"
+
+
+def claim_out(out: str, record: dict) -> str | None:
+    """Why this run (`record`: its mode's SETTINGS, quick and seed) must not use `out`, or None
+    after writing `record` there (its RUN_RECORD) for the runs after it."""
+    path = os.path.join(out, RUN_RECORD)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        if saved != record:
+            return (
+                f"--out {out} holds {run_description(saved)} (its {RUN_RECORD}), this is "
+                f"{run_description(record)}: pass the --quick and --seed it was made with, "
+                "or another --out"
+            )
+        return None
+    if any(os.path.isdir(os.path.join(out, name)) for name in STAGE_DIRS):
+        return (
+            f"--out {out} holds a run of unknown mode and seed (no {RUN_RECORD}: an older "
+            "version's); give another --out, or remove it"
+        )
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+        f.write("\n")
+    return None
+
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="global_seed of every stage (and data)")
-    parser.add_argument("--out", default=None, help="default: results/toy_experiment/seed<seed>")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="default: results/toy_experiment/seed<seed> (with --quick: seed<seed>_quick); "
+        "one --out holds one mode and seed",
+    )
     parser.add_argument("--quick", action="store_true", help="a few steps of each stage (CI)")
     parser.add_argument(
         "--offline",
@@ -372,11 +414,12 @@ def main(argv=None) -> dict:
     )
     args = parser.parse_args(argv)
     stage2_arms = ARMS + (("offline",) if args.offline else ())
-    out = os.path.abspath(
-        args.out or os.path.join(ROOT, "results", "toy_experiment", f"seed{args.seed}")
-    )
+    default_name = f"seed{args.seed}" + ("_quick" if args.quick else "")
+    out = os.path.abspath(args.out or os.path.join(ROOT, "results", "toy_experiment", default_name))
     mode = SETTINGS["quick" if args.quick else "full"]
-    os.makedirs(out, exist_ok=True)
+    problem = claim_out(out, dict(mode, quick=args.quick, seed=args.seed))
+    if problem:
+        raise SystemExit(f"error: {problem}")
     start = time.perf_counter()
     seed = [f"--config.global_seed={args.seed}"]
 

@@ -530,3 +530,46 @@ def test_export_from_a_training_checkpoint(loaded_bf16, toy_bf16, tmp_path, capl
     assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
     out = hf_export.save_hf(params, tmp_path / "exported", toy_bf16)
     assert (out / "ema.safetensors").read_bytes() == (toy_bf16 / "ema.safetensors").read_bytes()
+
+
+@pytest.fixture
+def no_conversion_load(monkeypatch):
+    """Every load of scripts/convert_hf.py fails: a check that must come first is reached."""
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before --out / --item was checked")
+
+    monkeypatch.setattr(hf_load, "load_hf", no_load)
+    monkeypatch.setattr(hf_export, "restore_for_export", no_load)
+    for name in ("lora_checkpoint", "restore_merged", "save_adapters"):
+        monkeypatch.setattr(convert_hf.lora_export, name, no_load)
+
+
+def test_convert_script_refuses_an_existing_out_before_any_load(tmp_path, no_conversion_load):
+    """hf-to-jax found an existing params/ only after the whole HF load (orbax's traceback);
+    jax-to-hf refused an existing --out only after restoring the params, naming the Python
+    keyword `overwrite=True` instead of the script's --overwrite."""
+    (tmp_path / "jax" / "params").mkdir(parents=True)
+    (tmp_path / "hf_out").mkdir()
+    source = str(tmp_path / "source")
+    with pytest.raises(SystemExit, match=r"^error: --out .*jax already holds params/: remove it"):
+        convert_hf.main(["hf-to-jax", "--hf_dir", source, "--out", str(tmp_path / "jax")])
+    to_hf = ["jax-to-hf", "--ckpt", str(tmp_path / "jax"), "--source", source]
+    with pytest.raises(SystemExit, match=r"^error: --out .*hf_out exists: pass --overwrite to"):
+        convert_hf.main([*to_hf, "--out", str(tmp_path / "hf_out")])
+    with pytest.raises(SystemExit, match="--adapters_only writes a new directory; remove it"):
+        convert_hf.main([*to_hf, "--out", str(tmp_path / "hf_out"), "--adapters_only"])
+    with pytest.raises(AssertionError, match="loaded before"):  # --overwrite: on to the load
+        convert_hf.main([*to_hf, "--out", str(tmp_path / "hf_out"), "--overwrite"])
+    (tmp_path / "source").mkdir()
+    with pytest.raises(SystemExit, match="--out .*source is the --source directory"):
+        convert_hf.main([*to_hf, "--out", source, "--overwrite"])
+
+
+def test_convert_script_item_is_params_or_ema_params(tmp_path, no_conversion_load, capsys):
+    """A wrong --item ended in saved_items' traceback after the LoRA check read the checkpoint."""
+    to_hf = ["jax-to-hf", "--ckpt", str(tmp_path), "--source", str(tmp_path), "--out"]
+    with pytest.raises(SystemExit) as stopped:
+        convert_hf.main([*to_hf, str(tmp_path / "hf"), "--item", "ema"])
+    assert stopped.value.code == 2
+    assert "argument --item: invalid choice: 'ema'" in capsys.readouterr().err

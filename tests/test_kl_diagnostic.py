@@ -3,6 +3,7 @@ and the chunked per-entry KL equal to numpy's KL of the full [R, C, V] logits.""
 
 import dataclasses
 import functools
+import json
 
 import builders
 import jax
@@ -198,3 +199,54 @@ def test_chunked_entry_kl_equals_full_logits(model):
     reference = np.where(packs.student.loss_mask, reference.sum(-1), 0.0)
     np.testing.assert_allclose(chunked, reference, atol=2e-5, rtol=1e-4)
     assert (chunked[packs.student.loss_mask] > 0).all()
+
+
+@pytest.mark.parametrize("max_forward_tokens", ["0", "-5"])
+def test_a_max_forward_tokens_below_one_stops_the_script_before_any_load(
+    tmp_path, monkeypatch, max_forward_tokens
+):
+    """0 used to mean the config's length silently, a negative value dropped every sample."""
+    from scripts import kl_diagnostic as kl_cli
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("loaded before --max_forward_tokens was checked")
+
+    monkeypatch.setattr(kl_cli, "setup", no_load)
+    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
+    with pytest.raises(
+        SystemExit, match=f"--max_forward_tokens must be >= 1, got {max_forward_tokens}"
+    ):
+        kl_cli.main([*argv, "--max_forward_tokens", max_forward_tokens])
+
+
+def test_every_sample_dropped_ends_without_a_verdict_or_files(tmp_path, monkeypatch, capsys):
+    """Contexts all longer than --max_forward_tokens: no K_gen was measured, so the script exits
+    non-zero naming the flag, instead of a NO-GO on NaN KL and a kl_summary.json holding NaN."""
+    from scripts import kl_diagnostic as kl_cli
+
+    options = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
+    loaded = (None, CharTokenizer(), samples(3), options, {}, None)  # no model: nothing runs
+    monkeypatch.setattr(kl_cli, "setup", lambda args: loaded)
+    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: no sample measured: all 3 samples' teacher contexts are longer than "
+        r"max_forward_tokens=8; raise --max_forward_tokens$",
+    ):
+        kl_cli.main([*argv, "--max_forward_tokens", "8"])
+    assert "verdict" not in capsys.readouterr().out
+    assert not (tmp_path / "kl").exists()
+
+
+def test_statistics_of_no_values_are_written_as_null():
+    """A summary of no measured sample holds NaN, which json.dump writes as a bare `NaN` (not
+    JSON); json_ready turns every non-finite float into null."""
+    options = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
+    result = kl_diagnostic.kl_diagnostic(
+        None, samples(2), CharTokenizer(), options=options, batch_size=2, max_forward_tokens=8
+    )
+    assert result.summary["num_dropped"] == 2 and np.isnan(result.summary["overall"]["mean"])
+    ready = kl_diagnostic.json_ready(dict(result.summary, records=[{"kl": float("inf")}]))
+    assert ready["overall"]["mean"] is None and ready["records"] == [{"kl": None}]
+    assert ready["overall"]["num_samples"] == 0 and ready["num_dropped"] == 2
+    json.dumps(ready, allow_nan=False)  # raises on NaN

@@ -135,6 +135,19 @@ def _stats(records: Sequence[Mapping[str, Any]], tokens: np.ndarray) -> dict[str
     }
 
 
+def json_ready(value: Any) -> Any:
+    """`value` (a summary, a record) with every non-finite float, a statistic of no values,
+    replaced by None: JSON has no NaN (json.dump writes a bare `NaN`, which strict JSON
+    parsers reject)."""
+    if isinstance(value, Mapping):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
 def verdict(vt_summary: Mapping[str, Any], noise_summary: Mapping[str, Any] | None = None):
     """("GO" or "NO-GO", one line saying why): the PyTorch project's gate (module docstring) on
     the VT run's answer-span KL, with the noise-VT control next to it when there is one."""
