@@ -35,7 +35,7 @@ from configs import smoke
 from models.configs import BagelConfig
 from opsd_jax import run_config
 from opsd_jax.data import opsd_packs, pack_shapes
-from opsd_jax.io import teacher_checkpoint
+from opsd_jax.io import teacher_checkpoint, weights_digest
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.programs import gpu_target, hlo_stats
 from opsd_jax.run_config import checks
@@ -349,7 +349,9 @@ def test_an_offline_cache_per_source_holds_each_sources_teacher(tmp_path, toy_di
     assert manifest["model_config"]["llm"]["num_hidden_layers"] == 3
     manifest = json.loads((tmp_path / "mixed" / "manifest.json").read_text())
     assert manifest["teachers_by_source"] == {
-        "toy_maze": None,
+        # 'self': the student's starting weights, named by their digest too, so a collection
+        # resumed from other weights is refused rather than mixed in.
+        "toy_maze": weights_digest.identity(toy_dirs["student"], "ema"),
         "toy_count": teacher_checkpoint.identity(toy_dirs["teacher"]),
     }
     readers = {
