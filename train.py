@@ -23,6 +23,7 @@ import dataclasses
 import errno
 import gc
 import os
+import signal
 import sys
 from typing import NoReturn
 
@@ -188,14 +189,16 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         own = start.saved_config if start.resumed == checkpoint_dir else None
         config.wandb_runid = wandb_run_id(config.wandb_runid, own)
 
-    def close(logger, summary, stopped_at: int | None) -> None:
-        """Wait for the last save, close the logs, say the closing lines (run_end.py)."""
+    def close(logger, summary, stopped_at: int | None, trained_data_state=None) -> None:
+        """Wait for the last save, close the logs, say the closing lines (run_end.py).
+        `trained_data_state`: the data iterator's state after the last step trained (with
+        rollout_lookahead the iterator itself has read further)."""
         run_end.close_run(
             config,
             checkpoint_dir,
             checkpointer,
             logger,
-            data,
+            trained_data_state or data.get_state(),
             summary,
             (start_step, stopped_at),
             (cache_dir, cache_counter),
@@ -235,6 +238,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         with logger.phase("eval"):
             logger.log_scalars(0, held_out.run(0, state, logger, log.summary))
     pending = None  # the step dispatched last, finished (logged) after the next dispatch
+    last_data_state = None  # the data iterator's state after the last step dispatched
     # Each step's model FLOPs as MaxText counts them, for the MFU the log prints on a GPU.
     trained, llm = step_flops.Trained.of_split(start.split), start.model_config.llm
     # Each step's samples, read rollout_lookahead steps early (step_samples.py).
@@ -272,16 +276,17 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         )
         if pending is not None:
             log.finish(pending, state)
-        pending = done
+        pending, last_data_state = done, done.data_state
         if held_out.due(step + 1):
             with logger.phase("eval"):  # logged with the step, when it is finished
                 done.eval_scalars.update(held_out.run(step + 1, state, logger, log.summary))
-        stopping = stop.requested()
+        # A signal during the last step: the run is done all the same (saved, the done line).
+        stopping = stop.requested() and step + 1 < config.total_steps
         if checkpointer.should_save(step + 1) or step + 1 == config.total_steps or stopping:
             log.save(done, state)
         if stopping:
             checkpointer.wait_until_finished()
-            log.finish(pending, state)
+            log.finish(pending, state, flush=True)  # its window, not lost to the resume
             pending = None
             say(
                 f"stopped by {stop.signal_name or 'a signal to another process'} after step "
@@ -292,7 +297,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     if pending is not None:
         log.finish(pending, state)
 
-    close(logger, log.summary, stopped_at)
+    close(logger, log.summary, stopped_at, last_data_state)
 
 
 @dataclasses.dataclass
@@ -316,6 +321,7 @@ USER_ERRORS = (
     NotADirectoryError,
     IsADirectoryError,
     PermissionError,
+    step_log.TooManyBadSteps,  # a stop the config asked for (max_consecutive_bad_steps)
 )
 
 
@@ -391,8 +397,17 @@ def tune_the_collector() -> None:
     gc.set_threshold(COLLECTOR_THRESHOLD)
 
 
+def stop_before_the_loop(signum, frame) -> NoReturn:
+    """SIGTERM before the loop (a preemption during the load or a compile): as a Ctrl-C there,
+    one line and exit 130 through sys.exit, so the run lock is released (atexit); Python's
+    default would end the process at once and leave the lock behind. The loop's StopRequest
+    takes the signal over (stop after the current step, save, exit 0)."""
+    raise KeyboardInterrupt
+
+
 def run(argv) -> None:
     tune_the_collector()
+    signal.signal(signal.SIGTERM, stop_before_the_loop)
     opened = OpenedCheckpoints()
     try:
         main(argv, opened)
@@ -401,7 +416,7 @@ def run(argv) -> None:
         if line is None:
             raise  # a bug: its traceback, to report
         exit_with_one_line(f"train.py: error: {line}", 1)
-    except KeyboardInterrupt:  # Ctrl-C before the loop (a compile), or a second one in it
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the loop, or a second Ctrl-C in it
         print(
             "train.py: interrupted; nothing more was saved (the same command resumes from the "
             "newest complete checkpoint, if there is one)",

@@ -235,6 +235,18 @@ def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
         assert restarted.latest_step() == 3
 
 
+def test_the_count_of_non_finite_steps_in_a_row_is_resumed(tmp_path):
+    """A run stopped (preempted) two bad steps into a streak resumes two into it, so it stops
+    where the uninterrupted run would (max_consecutive_bad_steps)."""
+    state = _small_state(3.0)
+    state = state.replace(bad_steps=jax.device_put(np.int32(2), state.step.sharding))
+    with ckpt_lib.Checkpointer(tmp_path / "run", save_every=1) as checkpointer:
+        checkpointer.save(3, state, data_state=None, config={})
+        checkpointer.wait_until_finished()
+        restored, _, _ = checkpointer.restore(ckpt_lib.abstract_like(_small_state(0)))
+    assert int(restored.bad_steps) == 2
+
+
 def test_a_start_before_steps_its_directory_already_holds_is_refused(tmp_path, capsys):
     """A fresh start, or a resume of an older step, over a directory with later steps: their
     saves would be skipped (a step already saved is not saved again) and the next resume would

@@ -93,4 +93,4 @@ _real_make_train_step = train_step.make_train_step
 train_step.make_train_step = _make_poisoned_train_step
 
 if __name__ == "__main__":
-    app.run(train.main, flags_parser=run_config.parse_flags)
+    app.run(train.run, flags_parser=run_config.parse_flags)

@@ -214,6 +214,8 @@ class Checkpointer:
         meta = {
             "format_version": FORMAT_VERSION,
             "step": int(to_host(state.step)),
+            # The non-finite steps in a row so far: a resumed run stops where this one would.
+            "bad_steps": 0 if state.bad_steps is None else int(to_host(state.bad_steps)),
             "rng": rng,
             "teacher_mode": teacher_mode,
             "lora_base": None if lora_base is None else dict(lora_base),
@@ -314,8 +316,10 @@ class Checkpointer:
                 else rebuild(abstract_state.teacher_params, restored[EMA_PARAMS])
             ),
             rng=rng,
-            # Not saved: a restarted run counts consecutive non-finite steps afresh.
-            bad_steps=place_like(np.zeros((), np.int32), abstract_state.bad_steps),
+            # Absent from checkpoints written before 2026-12-07: counted afresh from 0.
+            bad_steps=place_like(
+                np.asarray(meta.get("bad_steps", 0), np.int32), abstract_state.bad_steps
+            ),
         )
         data_state = _own_data_state(restored[DATA], step_dir) if has_data else None
         return state, data_state, restored[CONFIG]

@@ -65,26 +65,29 @@ def close_run(
     checkpoint_dir: str,
     checkpointer,
     logger,
-    data,
+    data_state: dict,
     summary: RunSummary,
     end_steps: tuple[int, int | None],
     cache: tuple,
     say: Callable,
 ) -> RunEnd:
     """Wait for the last save, close the checkpoints and logs, and say the closing lines.
-    `end_steps`: (the first step, the step a signal stopped the run after, or None);
-    `cache`: (the compilation cache directory or None, its CacheCounter)."""
+    `data_state`: this process's data iterator state after the last step trained (its samples
+    and skipped rows: DataIterator.get_state); `end_steps`: (the first step, the step a signal
+    stopped the run after, or None); `cache`: (the compilation cache directory or None, its
+    CacheCounter)."""
     (start_step, stopped_at), (cache_dir, cache_counter) = end_steps, cache
     checkpointer.wait_until_finished()
     checkpointer.close()
     logger.close()
-    counts = distributed.all_processes([data.num_yielded, *data.skipped.values()]).sum(axis=0)
+    skipped = data_state["skipped"]
+    counts = distributed.all_processes([data_state["num_yielded"], *skipped.values()]).sum(axis=0)
     end = RunEnd(
         first_step=start_step,
         last_step=stopped_at or config.total_steps,
         stopped=stopped_at is not None,
         samples_used=int(counts[0]),
-        skipped_rows={r: int(n) for r, n in zip(data.skipped, counts[1:]) if n},
+        skipped_rows={r: int(n) for r, n in zip(skipped, counts[1:]) if n},
     )
     if cache_dir:
         say(cache_counter.describe(cache_dir))

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from opsd_jax.data import pack_shapes
@@ -146,12 +147,12 @@ class StepLog:
             self.logger.log_note(step, line)
         unreported.update({"samples": 0, "pack/truncated": 0.0, "pack/dropped": 0.0})
 
-    def finish(self, done: DispatchedStep, state) -> None:
-        """Log a dispatched step once the next one runs. Past max_consecutive_bad_steps
-        non-finite steps in a row: save, then stop. The step after this one was dispatched
-        already, but it changed nothing (the compiled step halts past the limit, step counter
-        included), so `state` is still that of the last good step: saving it loses no good
-        training."""
+    def finish(self, done: DispatchedStep, state, flush: bool = False) -> None:
+        """Log a dispatched step once the next one runs (`flush`: write its window now, the
+        run stops there). Past max_consecutive_bad_steps non-finite steps in a row: save, then
+        stop. The step after this one was dispatched already, but it changed nothing (the
+        compiled step halts past the limit, step counter included), so `state` is still that of
+        the last good step: saving it loses no good training."""
         config = self.config
         metrics = {k: float(distributed.to_host(v)) for k, v in done.metrics.items()}
         bad_steps = int(metrics.pop("bad_steps"))
@@ -163,7 +164,9 @@ class StepLog:
                 done.pids,
             )
             if bad_steps > config.max_consecutive_bad_steps:
-                self.save(done, state)
+                # Saved with the count afresh: a resume of it (lower lr, other data) trains on
+                # rather than halting at once, as the compiled step does past the limit.
+                self.save(done, state.replace(bad_steps=jnp.zeros_like(state.bad_steps)))
                 self.checkpointer.wait_until_finished()
                 raise TooManyBadSteps(
                     bad_steps,
@@ -174,10 +177,22 @@ class StepLog:
                 )
         else:
             self.last_good_step = done.step
-        scalars = dict(done.scalars, **done.eval_scalars, **metrics)
+        scalars = dict(done.scalars, **metrics)
+        if done.eval_scalars:
+            # The evaluation belongs to its own step: in that step's record when the step is
+            # logged, else written now; never averaged into a later window's record.
+            if self.logger.logs_at(done.step, force=flush):
+                scalars.update(done.eval_scalars)
+            else:
+                self.logger.log_scalars(done.step, done.eval_scalars)
         samples = config.gradient_accumulation_steps * config.samples_per_micro_batch
         logged = self.logger.log_step(
-            done.step, scalars, samples=samples, tokens=done.tokens, model_flops=done.model_flops
+            done.step,
+            scalars,
+            samples=samples,
+            tokens=done.tokens,
+            model_flops=done.model_flops,
+            force=flush,
         )
         self.report_cut_samples(done.step, scalars, logged)
         if logged is not None:

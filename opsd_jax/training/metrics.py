@@ -379,10 +379,15 @@ class MetricsLogger:
             if isinstance(loss, (int, float, np.number)):
                 self._bar.set_postfix_str(f"loss {format_number(float(loss))}", refresh=False)
 
-        due = self.log_every > 0 and step % self.log_every == 0
-        if not (force or due or step >= self.total_steps):
+        if not self.logs_at(step, force=force):
             return None
         return self._flush_window(int(step))
+
+    def logs_at(self, step: int, *, force: bool = False) -> bool:
+        """Whether `log_step(step, force=force)` writes the window: a logging step (every
+        log_every), the last step, or forced."""
+        due = self.log_every > 0 and step % self.log_every == 0
+        return force or due or step >= self.total_steps
 
     def log_scalars(self, step: int, record: Mapping[str, float]) -> None:
         """Scalars outside a step's window (e.g. the evaluation of the starting weights at step
