@@ -100,19 +100,26 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     run_config.resolve_paths(config)
     try:
         # Values only: no device may be touched before the init (a preflight reads no file).
-        run_config.validate(config, check_files=not _COMPILE_ONLY.value)
+        run_config.validate(config, check_files=_COMPILE_ONLY.value is None)
     except run_config.ConfigError as e:
         run_config.config_error(e)
 
     # ---- or only ask the compiler: does the run fit that GPU? (nothing runs, nothing is read) --
-    if _COMPILE_ONLY.value:
+    if _COMPILE_ONLY.value is not None:  # an empty value too: refused, never a real run
         try:
             sys.exit(preflight.run(config, _COMPILE_ONLY.value))
         except (preflight.PreflightError, run_config.ConfigError) as e:
             run_config.config_error(e)
 
     # ---- distributed init (one process per host), then the checks that need the devices -------
-    one_process = distributed.initialize(config)
+    try:
+        one_process = distributed.initialize(config)
+    except ValueError as e:  # jax's: a process count, id or address missing or out of range
+        run_config.config_error(
+            f"distributed=True: {e} (from the config's num_processes / process_id / "
+            "coordinator_address, else JAX_NUM_PROCESSES / JAX_PROCESS_ID / "
+            "JAX_COORDINATOR_ADDRESS)"
+        )
     if one_process:
         say(one_process)
     # JAX's persistent compilation cache, before anything compiles.
@@ -141,22 +148,24 @@ def main(argv, opened: OpenedCheckpoints | None = None):
         toy_assets.prepare_toy_assets(config)
     # Every data file opens and has the required columns, before anything is loaded or compiled.
     data_check = run_config.data_config(config)
+    problem = None  # this process's; the processes agree below (a data copy missing on a host)
     try:
         for spec in data_check.datasets:
             sources.check_dataset(spec, require_vt=data_check.require_vt)
         # ... and each split the run reads has rows (an empty held-out split, a train split
         # smaller than the processes), before the model loads: the iterators would raise after.
         check_split_sizes(data_check, num_processes, evaluates=config.eval_every > 0)
-    except (sources.DataError, FileNotFoundError) as e:
-        run_config.config_error(e)
-    step_program.check_offline_cache_files(config, data_check)  # whole, and every sample in it
-    if run_config.TrainedSplit.of_config(
-        config
-    ).lora:  # the adapters' targets against the projections
-        try:
-            run_config.lora_target_paths(config, read_config(config.model_path))
-        except ValueError as e:
-            run_config.config_error(e)
+        step_program.check_offline_cache_files(config, data_check)  # whole, every sample in it
+        # The model's own config (a toy run's is written just above): its heads against
+        # num_tensor, and LoRA's targets against its projections.
+        model_config = read_config(run_config.model_dir(config))
+        problem = "; ".join(run_config.tensor_problems(config, model_config)) or None
+        if run_config.TrainedSplit.of_config(config).lora:
+            run_config.lora_target_paths(config, model_config)
+    except (sources.DataError, offline_cache.CacheError, OSError, ValueError) as e:
+        problem = str(e)
+    if distributed.all_processes(problem is not None).any():  # every process stops, or none
+        run_config.config_error(problem or "another process refused its data (see its output)")
 
     # ---- mesh ----------------------------------------------------------------------------------
     data_size, fsdp_size, tensor_size = run_config.mesh_shape(config, jax.device_count())

@@ -33,6 +33,7 @@ from absl import app, flags, logging
 
 from opsd_jax import run_config
 from opsd_jax.io import hf_load, init_weights, teacher_checkpoint
+from opsd_jax.parallel import distributed
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.toy import assets as toy_assets
 from opsd_jax.training.offline import cache as offline_cache
@@ -126,6 +127,14 @@ def main(argv) -> None:
     index, count = _PROCESS_INDEX.value, _PROCESS_COUNT.value
     if not 0 <= index < count:
         run_config.config_error(f"--process_index={index} must be in [0, --process_count={count})")
+    given = (["distributed=True"] if config.distributed else []) + (
+        distributed.settings_without_distributed(config)
+    )
+    if given:  # each would be ignored here: N collectors would each write process 0's shards
+        run_config.config_error(
+            f"{', '.join(given)}: the collection runs without JAX's distributed runtime; give "
+            "each host's process --process_index=I --process_count=N instead (and drop these)"
+        )
     run_config.resolve_paths(config)
     devices = jax.local_devices()  # each process collects alone, on its own devices
     try:

@@ -81,3 +81,25 @@ def test_distributed_with_one_process_is_said(tmp_path):
         "trains alone (num_processes=1)"
     ) in result.stdout.splitlines()
     assert "does not match the 1 devices" in result.stderr
+
+
+def test_the_collector_refuses_multi_host_settings_it_would_ignore(tmp_path):
+    """scripts/collect_traces.py splits the rows by --process_index / --process_count, without
+    JAX's distributed runtime: given the training launch's multi-host settings instead, N hosts
+    would each collect everything as process 0, into the same files."""
+    result = run_python(
+        "scripts/collect_traces.py",
+        "--config",
+        "configs/offline_tiny.py",
+        f"--config.results_dir={tmp_path}",
+        "--config.distributed=True",
+        "--config.num_processes=2",
+        "--config.process_id=1",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        "collect_traces.py: distributed=True: the collection runs without JAX's distributed "
+        "runtime; give each host's process --process_index=I --process_count=N instead (and "
+        "drop these)"
+    )
+    assert not (tmp_path / "toy").exists()  # refused before it wrote anything

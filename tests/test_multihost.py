@@ -197,3 +197,31 @@ def test_pad_pack_adds_inert_padding_only():
     # ViT patches (hundreds of MB a pack at the recipe's shapes) on the step's path.
     same = pad_pack(padded, *pack_sizes(padded))
     assert same.vit_patches is padded.vit_patches and same.tokens is padded.tokens
+
+
+def test_a_data_check_refused_on_one_host_stops_every_process_in_one_line(tmp_path):
+    """Process 1's data copy is missing (an empty dataset folder where the toy data goes): it
+    refuses, and process 0, whose data is fine, stops too with one line instead of going on
+    alone into a collective that never completes."""
+    port = _free_port()
+    (tmp_path / "p1" / "toy" / "data" / "toy_majority").mkdir(parents=True)
+    processes = [
+        _launch(
+            tmp_path / f"p{i}",
+            4,
+            "--config.distributed=True",
+            f"--config.coordinator_address=127.0.0.1:{port}",
+            "--config.num_processes=2",
+            f"--config.process_id={i}",
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in processes]
+    finally:
+        for p in processes:
+            p.kill()
+    assert [p.returncode for p in processes] == [2, 2], outputs
+    assert "no parquet or jsonl files under" in outputs[1], outputs[1][-3000:]
+    assert "another process refused its data (see its output)" in outputs[0], outputs[0][-3000:]
+    assert "Traceback" not in outputs[0] + outputs[1]

@@ -145,13 +145,23 @@ def test_a_measured_program_runs_alone_on_zeros_with_what_the_preflight_counts_b
         preflight.run(config, "h100:1", print, measure=99)
 
 
-def test_an_unknown_target_is_one_line_before_any_compute():
-    result = train("--config", "configs/tiny.py", "--compile_only=a100:1", timeout=120)
+@pytest.mark.parametrize("spec", ["a100:1", ""])
+def test_an_unknown_target_is_one_line_before_any_compute(spec, tmp_path):
+    # An empty one too (a script's `--compile_only=$TARGET` with TARGET unset): never a real run.
+    result = train(
+        "--config",
+        "configs/tiny.py",
+        f"--compile_only={spec}",
+        f"--config.results_dir={tmp_path}",
+        timeout=120,
+    )
     assert result.returncode == 2
+    name = spec.partition(":")[0]
     assert result.stderr.strip() == (
-        "train.py: --compile_only=a100:1: unknown GPU target 'a100'; known targets: h100, "
+        f"train.py: --compile_only={spec}: unknown GPU target {name!r}; known targets: h100, "
         "h200, h800 (as TARGET:DEVICES, e.g. h100:8)"
     )
+    assert not any(tmp_path.iterdir())  # nothing written: no lock, no toy data, no checkpoint
 
 
 @pytest.mark.parametrize(

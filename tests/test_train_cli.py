@@ -18,6 +18,7 @@ from conftest import run_python, subprocess_env
 from configs import smoke
 from models.configs import BagelConfig
 from opsd_jax import run_config
+from opsd_jax.run_config import checks
 from opsd_jax.toy.model import write_toy_model
 from scripts import crash_drill
 
@@ -626,6 +627,30 @@ def test_the_data_sections_values_are_named_before_anything_reads_them(tmp_path)
         "max_size=112 px allows 8 patches of 14 px per side, more than the model's ViT "
         "position grid of 6" in problems(small_grid)
     )
+
+
+def test_mesh_and_process_settings_that_cannot_work_are_named(tmp_path):
+    """num_tensor must divide every head count (the heads are sharded over it), stay inside a
+    host, and a process id must be below the process count."""
+    assert checks.tensor_problems(smoke.get_config(), BagelConfig.bagel_7b()) == []
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.num_tensor = 8
+    (problem,) = checks.tensor_problems(config, BagelConfig.bagel_7b())
+    assert problem.startswith(
+        "num_tensor=8 does not divide the LLM's query heads (28), the LLM's key / value heads (4)"
+    )
+    with pytest.raises(ValueError, match=r"num_tensor=8 may not span hosts"):
+        run_config.validate(config, num_devices=8, num_processes=2)
+    with config.unlocked():
+        config.num_tensor = 16  # more than the devices: named, not a ZeroDivisionError
+    with pytest.raises(ValueError, match=r"does not match the 8 devices"):
+        run_config.validate(config, num_devices=8, num_processes=2)
+    config = _valid_config(tmp_path)
+    with config.unlocked():
+        config.distributed, config.num_processes, config.process_id = True, 2, 2
+    with pytest.raises(ValueError, match=r"process_id=2 with num_processes=2: process ids run"):
+        run_config.validate(config)
 
 
 def test_dense_attention_is_refused_for_long_rows(tmp_path):

@@ -35,7 +35,7 @@ from opsd_jax.run_config.builds import (
     rollout_cache_bytes,
     train_step_for,
 )
-from opsd_jax.run_config.checks import MODES, ConfigError, validate
+from opsd_jax.run_config.checks import MODES, ConfigError, tensor_problems, validate
 from opsd_jax.run_config.command_line import (
     config_error,
     config_flag_value,
@@ -63,6 +63,7 @@ __all__ = [
     "init_train_state",
     "lora_target_paths",
     "split_for_training",
+    "tensor_problems",
     "with_adapters",
     "cache_dtype_for",
     "complete",

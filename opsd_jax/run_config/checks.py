@@ -104,6 +104,8 @@ _RANGES = (
     ("num_replicate", lambda v: v >= 1, ">= 1"),
     ("num_shard", lambda v: v == -1 or v >= 1, ">= 1, or -1 for the devices left over"),
     ("num_tensor", lambda v: v >= 1, ">= 1"),
+    ("num_processes", lambda v: isinstance(v, int) and (v == -1 or v >= 1), ">= 1, or -1"),
+    ("process_id", lambda v: isinstance(v, int) and v >= -1, ">= 0, or -1"),
     (
         "lora_rank",
         lambda v: isinstance(v, int) and v >= 0,
@@ -209,6 +211,11 @@ def validate(
             f"{', '.join(ignored)} without distributed=True: these are ignored and this "
             "process would train alone; set --config.distributed=True (or drop them)"
         )
+    if 0 < config.num_processes <= config.process_id:
+        problems.append(
+            f"process_id={config.process_id} with num_processes={config.num_processes}: "
+            "process ids run from 0 to num_processes - 1"
+        )
     if config.resume_model_only and not config.resume_from:
         problems.append("resume_model_only=True needs resume_from (a checkpoint directory)")
     if check_files and config.resume_from and not os.path.exists(config.resume_from):
@@ -281,6 +288,23 @@ def _loss_and_schedule_problems(config) -> list[str]:
     return problems
 
 
+def tensor_problems(config, model_config) -> list[str]:
+    """num_tensor against the model's heads: the training layout shards the query and key /
+    value heads of the LLM and the ViT over the tensor axis, so it must divide each count."""
+    heads = {
+        "the LLM's query heads": model_config.llm.num_attention_heads,
+        "the LLM's key / value heads": model_config.llm.num_key_value_heads,
+        "the ViT's heads": model_config.vit.num_attention_heads,
+    }
+    wrong = [f"{name} ({n})" for name, n in heads.items() if n % config.num_tensor]
+    if not wrong:
+        return []
+    return [
+        f"num_tensor={config.num_tensor} does not divide {', '.join(wrong)}: the heads are "
+        "sharded over the tensor axis; use a divisor of each"
+    ]
+
+
 def _data_problems(config, check_files: bool) -> list[str]:
     """The data section's values, as the data pipeline will check them when the run reads
     its data (DataConfig), named here before anything is loaded; with `check_files`, the image
@@ -302,7 +326,9 @@ def _data_problems(config, check_files: bool) -> list[str]:
         data = DataConfig.from_dict(dict(builds.data_fields(config), datasets=specs))
         directory = builds.model_dir(config) if check_files else None
         if directory and os.path.isfile(os.path.join(directory, hf_layout.VIT_CONFIG)):
-            data.for_model(hf_load.read_config(directory))  # the checkpoint's ViT grid
+            model_config = hf_load.read_config(directory)
+            data.for_model(model_config)  # the checkpoint's ViT grid
+            problems += tensor_problems(config, model_config)
     except (ValueError, TypeError) as e:
         problems.append(str(e))  # each names its data.* key
     return problems
@@ -419,7 +445,14 @@ def _device_problems(config, num_devices: int, num_processes: int) -> list[str]:
             f"rows_per_micro_batch={config.rows_per_micro_batch} must be a multiple of "
             f"data x fsdp = {data * fsdp} (rows are sharded over them)"
         )
-    if num_processes > 1:
+    if num_processes > 1 and fsdp >= 1:
+        if (data * fsdp) % num_processes:
+            problems.append(
+                f"data x fsdp = {data * fsdp} (num_replicate={config.num_replicate}, "
+                f"num_shard={config.num_shard}) must be a multiple of the {num_processes} "
+                f"processes: num_tensor={config.num_tensor} may not span hosts (each process "
+                "feeds its own rows)"
+            )
         # Each process packs its own share of every micro-batch (distributed.py).
         for key in ("samples_per_micro_batch", "rows_per_micro_batch"):
             if config[key] % num_processes:

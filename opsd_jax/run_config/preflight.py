@@ -159,6 +159,9 @@ def _compile_run(config, spec: str, say: Callable[[str], None], measure: int | N
     # (the Pallas training kernel; the XLA decode attention, models/attention.py).
     runtime = builds.model_runtime(config)
     model_config, source = model_config_for(config, runtime)
+    heads = checks.tensor_problems(config, model_config)  # the layout shards the heads
+    if heads:
+        raise checks.ConfigError(f"bad training config for {source}:\n  " + "\n  ".join(heads))
     data_size, fsdp_size, tensor_size = builds.mesh_shape(config, count)
     if measure is None:
         mesh = gpu_target.make_mesh(target, count, data_size, tensor_size, fsdp_size)

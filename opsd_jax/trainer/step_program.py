@@ -91,17 +91,14 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
 
 def check_offline_cache_files(config, data_config) -> None:
     """Before the model loads (offline mode): the teacher cache's files are whole and it holds
-    every training sample of the run's data (a damaged or unfinished collection, refused in
-    one line); its model, teacher and prompt are checked once the model's config and tokenizer
+    every training sample of the run's data (a damaged or unfinished collection: CacheError);
+    its model, teacher and prompt are checked once the model's config and tokenizer
     are there (offline_cache_reader)."""
     if config.mode != "offline":
         return
-    try:
-        manifest = offline_cache.read_manifest(config.offline_cache_dir)
-        offline_cache.CacheReader(config.offline_cache_dir, manifest)
-        offline_checks.check_covers(config.offline_cache_dir, data_config, manifest)
-    except offline_cache.CacheError as e:
-        run_config.config_error(e)
+    manifest = offline_cache.read_manifest(config.offline_cache_dir)  # each raises CacheError
+    offline_cache.CacheReader(config.offline_cache_dir, manifest)
+    offline_checks.check_covers(config.offline_cache_dir, data_config, manifest)
 
 
 def compile_steps(
