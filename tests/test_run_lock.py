@@ -72,13 +72,7 @@ def test_the_lock_of_a_dead_process_is_taken_over_with_a_message(tmp_path):
 
 def test_a_reused_process_id_does_not_hold_the_lock(tmp_path):
     # Our own pid, but a process start that is not ours: the lock's process is gone.
-    stale = dict(
-        host=socket.gethostname(),
-        pid=os.getpid(),
-        process_start="1",
-        started="2026-01-01T00:00:00",
-        command="train.py",
-    )
+    stale = dead_holder()
     (tmp_path / run_lock.LOCK_NAME).write_text(json.dumps(stale))
     said = []
     run_lock.acquire([tmp_path], say=said.append).release()

@@ -6,6 +6,9 @@ listing each with its key and the allowed values, so a long job never dies at st
 divisibility) are left out: train.py runs that first, because no device may be touched before
 `jax.distributed.initialize`. (Unknown keys are named earlier, on the command line:
 command_line.py.)
+
+One module of about 470 lines: every value check of a run config, so that what a key allows is
+found in the one place `validate` names it from.
 """
 
 from __future__ import annotations
