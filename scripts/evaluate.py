@@ -14,7 +14,9 @@ Context: `student` ([system?, image, question]) or `teacher` (plus the VT images
 `--noise_vt` the VT pixels are noise). `--temperature 0` (default) is greedy decoding.
 
 Writes `<out>/<name>_generations.jsonl`, `<name>_summary.json` and `<name>_table.md`, name =
-`<context>[_noise_vt]`, and prints the table. `--out` defaults to `<run>/eval/` with
+`<context>[_noise_vt]` (with `--checkpoint` of step N:
+`step<N>_<context>[_noise_vt][_ema]_evaluate`, beside the trainer's own `step<N>_<context>`
+files), and prints the table. `--out` defaults to `<run>/eval/` with
 `--checkpoint` (next to the evaluations the trainer writes there), else `results/eval/`.
 
 The paper's benchmarks (Visual-OPSD Table 2), from VLMEvalKit's TSV files in one folder:
