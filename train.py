@@ -149,13 +149,14 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     # Every data file opens and has the required columns, before anything is loaded or compiled.
     data_check = run_config.data_config(config)
     problem = None  # this process's; the processes agree below (a data copy missing on a host)
+    cache_reader = None  # offline mode's teacher cache, opened here and used by the step
     try:
         for spec in data_check.datasets:
             sources.check_dataset(spec, require_vt=data_check.require_vt)
         # ... and each split the run reads has rows (an empty held-out split, a train split
         # smaller than the processes), before the model loads: the iterators would raise after.
         check_split_sizes(data_check, num_processes, evaluates=config.eval_every > 0)
-        step_program.check_offline_cache_files(config, data_check)  # whole, every sample in it
+        cache_reader = step_program.check_offline_cache_files(config, data_check)
         # The model's own config (a toy run's is written just above): its heads against
         # num_tensor, and LoRA's targets against its projections.
         model_config = read_config(run_config.model_dir(config))
@@ -228,7 +229,7 @@ def main(argv, opened: OpenedCheckpoints | None = None):
     # ---- the train step, compiled for every length bucket (step_program.py) ----------------
     options = run_config.prompt_options(config)  # the same wording everywhere
     program = step_program.compile_steps(
-        config, mesh, start, options, cache_counter, say, num_processes
+        config, mesh, start, options, cache_counter, say, num_processes, cache_reader
     )
     logger = step_log.open_logger(config, start_step)
     say(step_log.describe_training(config, start_step))

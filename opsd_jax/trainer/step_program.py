@@ -41,12 +41,12 @@ class StepProgram:
     shapes: dict  # pack name -> its shape in each length bucket
 
 
-def offline_cache_reader(config, model_config, tokenizer, options, say: Callable):
-    """The offline teacher cache's reader, refused if made for another model, teacher (a
-    checkpoint teacher's cache holds its model config; a `self` one's, the digest of the
-    starting weights) or image transform (offline/checks.py; its files and its coverage of the
-    run's data: check_offline_cache_files, before the model loads); None if the mode is not
-    offline."""
+def offline_cache_reader(config, model_config, tokenizer, options, say: Callable, reader):
+    """`reader` (check_offline_cache_files': the cache opened, its files and its coverage of
+    the run's data checked before the model loads), refused if the cache was made for another
+    model, teacher (a checkpoint teacher's cache holds its model config; a `self` one's, the
+    digest of the starting weights) or image transform (offline/checks.py); None if the mode is
+    not offline."""
     if config.mode != "offline":
         return None
     split = run_config.TrainedSplit.of_config(config)
@@ -70,7 +70,7 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
     by_source = {name: identities[t] for name, t in split.cache_teacher_by_source}
     transform = offline_checks.data_settings(data_config)["image_transform"]
     try:
-        manifest = offline_cache.check_manifest(
+        offline_cache.check_manifest(
             config.offline_cache_dir,
             model_config,
             tokenizer,
@@ -79,7 +79,6 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
             by_source,
             image_transform=transform,
         )
-        reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
     except offline_cache.CacheError as e:
         run_config.config_error(e)
     say(
@@ -89,27 +88,38 @@ def offline_cache_reader(config, model_config, tokenizer, options, say: Callable
     return reader
 
 
-def check_offline_cache_files(config, data_config) -> None:
-    """Before the model loads (offline mode): the teacher cache's files are whole and it holds
-    every training sample of the run's data (a damaged or unfinished collection: CacheError);
-    its model, teacher and prompt are checked once the model's config and tokenizer
-    are there (offline_cache_reader)."""
+def check_offline_cache_files(config, data_config):
+    """Before the model loads (offline mode): the teacher cache opened (its reader, returned),
+    its files whole and every training sample of the run's data in it (a damaged or
+    unfinished collection: CacheError); its model, teacher and prompt are checked once the
+    model's config and tokenizer are there (offline_cache_reader). None if not offline."""
     if config.mode != "offline":
-        return
+        return None
     manifest = offline_cache.read_manifest(config.offline_cache_dir)  # each raises CacheError
-    offline_cache.CacheReader(config.offline_cache_dir, manifest)
+    reader = offline_cache.CacheReader(config.offline_cache_dir, manifest)
     offline_checks.check_covers(config.offline_cache_dir, data_config, manifest)
+    return reader
 
 
 def compile_steps(
-    config, mesh, start: Any, options, cache_counter, say: Callable, num_processes: int
+    config,
+    mesh,
+    start: Any,
+    options,
+    cache_counter,
+    say: Callable,
+    num_processes: int,
+    cache_reader=None,
 ) -> StepProgram:
     """The mode's micro-batches and the train step compiled for each length bucket (each
-    compile's line says its shapes, its time and whether the compilation cache gave it)."""
+    compile's line says its shapes, its time and whether the compilation cache gave it).
+    `cache_reader`: offline mode's, opened by check_offline_cache_files."""
     tokenizer = start.tokenizer
     special = tokenizer.special_tokens()
     settings = run_config.loss_settings(config, vocab_limit=tokenizer.vocab_length)
-    cache_reader = offline_cache_reader(config, start.model_config, tokenizer, options, say)
+    cache_reader = offline_cache_reader(
+        config, start.model_config, tokenizer, options, say, cache_reader
+    )
     teachers = start.step_teachers()
     loss_fn = train_step.make_loss(
         config.mode,
