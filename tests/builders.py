@@ -43,3 +43,35 @@ def offline_grad_step(graphdef, rest, settings):
         return grads, metrics
 
     return grad_step
+
+
+def refuse_loads(monkeypatch, check: str, *targets) -> None:
+    """Replace each (module, name) in `targets` by a function that fails the test if called:
+    a script's `check` must stop it before any of these loads."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"loaded before {check} was checked")
+
+    for module, name in targets:
+        monkeypatch.setattr(module, name, refused)
+
+
+def small_train_state(value: float):
+    """A tiny replicated TrainState (a [4, 2] param, its negation as the optimizer state, the
+    step and the rng key from `value`) for checkpoint tests that are not about the model."""
+    import jax
+    import numpy as np
+
+    from opsd_jax.parallel import mesh as mesh_lib
+    from opsd_jax.training import train_step
+
+    replicated = jax.sharding.NamedSharding(mesh_lib.make_mesh(), jax.sharding.PartitionSpec())
+    put = lambda x: jax.device_put(np.asarray(x, np.float32), replicated)  # noqa: E731
+    return train_step.TrainState(
+        step=jax.device_put(np.int32(value), replicated),
+        params={"w": put(np.full((4, 2), value))},
+        opt_state=(put(np.full((4, 2), -value)),),
+        teacher_params=None,
+        rng=jax.random.key(int(value)),
+        bad_steps=jax.device_put(np.int32(0), replicated),
+    )

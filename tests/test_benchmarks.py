@@ -6,6 +6,7 @@ import dataclasses
 import json
 import re
 
+import builders
 import numpy as np
 import pytest
 from PIL import Image
@@ -613,11 +614,9 @@ def test_a_batch_size_below_one_stops_the_script_before_any_load(tmp_path, monke
     to fail with a ZeroDivisionError after the whole decode, a negative value ran silently)."""
     from scripts import evaluate as evaluate_cli
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("loaded before --batch_size was checked")
-
-    monkeypatch.setattr(evaluate_cli, "load_config", no_load)
-    monkeypatch.setattr(evaluate_cli, "load_model", no_load)
+    builders.refuse_loads(
+        monkeypatch, "--batch_size", (evaluate_cli, "load_config"), (evaluate_cli, "load_model")
+    )
     tsv.write_tsv(tmp_path / "MMVP.tsv", [mcq(0)])
     argv = script_args(tmp_path, tmp_path, tmp_path / "out", "mmvp", "--batch_size", batch_size)
     with pytest.raises(SystemExit, match=f"--batch_size must be >= 1, got {batch_size}"):

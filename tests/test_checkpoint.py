@@ -10,6 +10,7 @@ cores.
 
 import os
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,24 +189,13 @@ def _replicated():
     return NamedSharding(mesh_lib.make_mesh(), jax.sharding.PartitionSpec())
 
 
-def _small_state(value: float) -> train_step.TrainState:
-    sharding = _replicated()
-    put = lambda x: jax.device_put(np.asarray(x, np.float32), sharding)  # noqa: E731
-    return train_step.TrainState(
-        step=jax.device_put(np.int32(value), sharding),
-        params={"w": put(np.full((4, 2), value))},
-        opt_state=(put(np.full((4, 2), -value)),),
-        teacher_params=None,
-        rng=jax.random.key(int(value)),
-        bad_steps=jax.device_put(np.int32(0), sharding),
-    )
-
-
 def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
     directory = tmp_path / "run"
     checkpointer = ckpt_lib.Checkpointer(directory, save_every=1, max_to_keep=2)
     for step in (1, 2, 3):
-        assert checkpointer.save(step, _small_state(step), data_state=None, config={"s": step})
+        assert checkpointer.save(
+            step, builders.small_train_state(step), data_state=None, config={"s": step}
+        )
     checkpointer.wait_until_finished()
     assert checkpointer.latest_step() == 3
     assert sorted(p.name for p in directory.iterdir()) == ["2", "3"]  # step 1 pruned
@@ -216,7 +206,7 @@ def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
     (directory / "5" / "params").mkdir(parents=True)
     assert (directory / "3" / ckpt_lib.COMMIT_MARKER).exists()
     assert checkpointer.latest_step() == 3
-    abstract = ckpt_lib.abstract_like(_small_state(0))
+    abstract = ckpt_lib.abstract_like(builders.small_train_state(0))
     state, data_state, config = checkpointer.restore(abstract)
     assert int(state.step) == 3 and config == {"s": 3} and data_state is None
     np.testing.assert_array_equal(state.params["w"], np.full((4, 2), 3.0))
@@ -238,12 +228,12 @@ def test_latest_step_skips_incomplete_and_old_steps_are_pruned(tmp_path):
 def test_the_count_of_non_finite_steps_in_a_row_is_resumed(tmp_path):
     """A run stopped (preempted) two bad steps into a streak resumes two into it, so it stops
     where the uninterrupted run would (max_consecutive_bad_steps)."""
-    state = _small_state(3.0)
+    state = builders.small_train_state(3.0)
     state = state.replace(bad_steps=jax.device_put(np.int32(2), state.step.sharding))
     with ckpt_lib.Checkpointer(tmp_path / "run", save_every=1) as checkpointer:
         checkpointer.save(3, state, data_state=None, config={})
         checkpointer.wait_until_finished()
-        restored, _, _ = checkpointer.restore(ckpt_lib.abstract_like(_small_state(0)))
+        restored, _, _ = checkpointer.restore(ckpt_lib.abstract_like(builders.small_train_state(0)))
     assert int(restored.bad_steps) == 2
 
 
@@ -254,9 +244,11 @@ def test_a_start_before_steps_its_directory_already_holds_is_refused(tmp_path, c
     directory = tmp_path / "run" / "checkpoints"
     with ckpt_lib.Checkpointer(directory, save_every=1, max_to_keep=5) as checkpointer:
         for step in (1, 2, 3):
-            checkpointer.save(step, _small_state(step), data_state=None, config={})
+            checkpointer.save(step, builders.small_train_state(step), data_state=None, config={})
         checkpointer.wait_until_finished()
-        assert not checkpointer.save(2, _small_state(20), data_state=None, config={}, force=True)
+        assert not checkpointer.save(
+            2, builders.small_train_state(20), data_state=None, config={}, force=True
+        )
         for resumed, later in ((None, "1, 2, 3"), (str(directory / "1"), "2, 3")):
             with pytest.raises(SystemExit) as exited:
                 start.check_no_later_steps(checkpointer, str(directory), resumed)
@@ -288,9 +280,9 @@ def test_errors_name_the_directory_and_the_steps(tmp_path, saved):
     # ... but not the other way round.
     small = tmp_path / "small"
     with ckpt_lib.Checkpointer(small, save_every=1) as checkpointer:
-        checkpointer.save(1, _small_state(1), data_state=None, config={})
+        checkpointer.save(1, builders.small_train_state(1), data_state=None, config={})
         checkpointer.wait_until_finished()
-        target = ckpt_lib.abstract_like(_small_state(0))
+        target = ckpt_lib.abstract_like(builders.small_train_state(0))
         with pytest.raises(ckpt_lib.CheckpointError, match="no 'ema_params' item"):
             checkpointer.restore(target.replace(teacher_params=target.params))
     with pytest.raises(FileNotFoundError, match=r"no 'ema_params' item; it holds"):
@@ -321,7 +313,7 @@ def test_replica_parallel_saves_split_only_arrays_worth_splitting(tmp_path):
     large = np.ones((rows, large_cols), np.float32)
 
     def compiles_in_save(step, params):
-        state = _small_state(step).replace(
+        state = builders.small_train_state(step).replace(
             params={k: jax.device_put(v, sharding) for k, v in params.items()}
         )
         before = len(compiles)

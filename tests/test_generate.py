@@ -4,6 +4,7 @@ The whole script runs in tests/test_train_cli.py; here the loaders are stand-ins
 
 from __future__ import annotations
 
+import builders
 import pytest
 
 from scripts import generate
@@ -11,11 +12,9 @@ from scripts import generate
 
 @pytest.fixture
 def no_load(monkeypatch):
-    def load(*args, **kwargs):
-        raise AssertionError("loaded before --image_size was checked")
-
-    monkeypatch.setattr(generate, "load_config", load)
-    monkeypatch.setattr(generate, "load_model", load)
+    builders.refuse_loads(
+        monkeypatch, "--image_size", (generate, "load_config"), (generate, "load_model")
+    )
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import re
 import shutil
 import stat
 
+import builders
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -536,13 +537,17 @@ def test_export_from_a_training_checkpoint(loaded_bf16, toy_bf16, tmp_path, capl
 def no_conversion_load(monkeypatch):
     """Every load of scripts/convert_hf.py fails: a check that must come first is reached."""
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("loaded before --out / --item was checked")
-
-    monkeypatch.setattr(hf_load, "load_hf", no_load)
-    monkeypatch.setattr(hf_export, "restore_for_export", no_load)
-    for name in ("lora_checkpoint", "restore_merged", "save_adapters"):
-        monkeypatch.setattr(convert_hf.lora_export, name, no_load)
+    lora = [
+        (convert_hf.lora_export, name)
+        for name in ("lora_checkpoint", "restore_merged", "save_adapters")
+    ]
+    builders.refuse_loads(
+        monkeypatch,
+        "--out / --item",
+        (hf_load, "load_hf"),
+        (hf_export, "restore_for_export"),
+        *lora,
+    )
 
 
 def test_convert_script_refuses_an_existing_out_before_any_load(tmp_path, no_conversion_load):

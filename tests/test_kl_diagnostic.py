@@ -208,10 +208,7 @@ def test_a_max_forward_tokens_below_one_stops_the_script_before_any_load(
     """0 used to mean the config's length silently, a negative value dropped every sample."""
     from scripts import kl_diagnostic as kl_cli
 
-    def no_load(*args, **kwargs):
-        raise AssertionError("loaded before --max_forward_tokens was checked")
-
-    monkeypatch.setattr(kl_cli, "setup", no_load)
+    builders.refuse_loads(monkeypatch, "--max_forward_tokens", (kl_cli, "setup"))
     argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
     with pytest.raises(
         SystemExit, match=f"--max_forward_tokens must be >= 1, got {max_forward_tokens}"

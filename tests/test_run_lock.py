@@ -10,15 +10,13 @@ import subprocess
 import sys
 import time
 
-import jax
+import builders
 import numpy as np
 import pytest
 from test_train_cli import run_train
 
 from opsd_jax.io import checkpoint as ckpt_lib
 from opsd_jax.io import run_lock
-from opsd_jax.parallel import mesh as mesh_lib
-from opsd_jax.training import train_step
 
 
 def dead_holder(**fields) -> dict:
@@ -148,19 +146,6 @@ def test_every_directory_or_none(tmp_path):
     assert sorted(tmp_path.iterdir()) == []  # the directories the lock made, left empty, go
 
 
-def small_state(value: float) -> train_step.TrainState:
-    replicated = jax.sharding.NamedSharding(mesh_lib.make_mesh(), jax.sharding.PartitionSpec())
-    put = lambda x: jax.device_put(np.asarray(x, np.float32), replicated)  # noqa: E731
-    return train_step.TrainState(
-        step=jax.device_put(np.int32(value), replicated),
-        params={"w": put(np.full((4, 2), value))},
-        opt_state=(put(np.full((4, 2), -value)),),
-        teacher_params=None,
-        rng=jax.random.key(int(value)),
-        bad_steps=jax.device_put(np.int32(0), replicated),
-    )
-
-
 def test_a_locked_checkpoint_dir_saves_prunes_and_restores(tmp_path):
     """A run holds its checkpoint_dir by a run.lock inside it (and takeover claims live there
     for a moment): neither orbax nor checkpoint_format.step_dirs may take them for a step."""
@@ -169,12 +154,14 @@ def test_a_locked_checkpoint_dir_saves_prunes_and_restores(tmp_path):
     (directory / f"{run_lock.LOCK_NAME}.takeover-1-2").write_text("{}")
     with ckpt_lib.Checkpointer(directory, save_every=1, max_to_keep=1) as checkpointer:
         for step in (1, 2):
-            assert checkpointer.save(step, small_state(step), data_state=None, config={})
+            assert checkpointer.save(
+                step, builders.small_train_state(step), data_state=None, config={}
+            )
         checkpointer.wait_until_finished()
         assert ckpt_lib.step_dirs(ckpt_lib.epath_of(directory)) == ([2], [])
     # A restarted run's manager (it removes half-written steps) keeps the lock too.
     with ckpt_lib.Checkpointer(directory, save_every=1) as checkpointer:
-        state, _, _ = checkpointer.restore(ckpt_lib.abstract_like(small_state(0)))
+        state, _, _ = checkpointer.restore(ckpt_lib.abstract_like(builders.small_train_state(0)))
     assert int(state.step) == 2 and np.array_equal(state.params["w"], np.full((4, 2), 2.0))
     names = sorted(p.name for p in directory.iterdir())
     assert names == ["2", run_lock.LOCK_NAME, f"{run_lock.LOCK_NAME}.takeover-1-2"]
