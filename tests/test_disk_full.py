@@ -14,11 +14,11 @@ import subprocess
 import sys
 import time
 
+import builders
 import pytest
 import train_with_full_disk
 from conftest import subprocess_env
 from etils import epath
-from test_checkpoint import _small_state
 from test_train_cli import ROOT, run_train, train_command
 
 import train
@@ -128,12 +128,14 @@ def test_a_save_on_a_full_disk_is_named_and_the_last_complete_step_restores(
     )
     # One step kept: orbax would prune step 1 once step 2 is committed, never before.
     checkpointer = ckpt_lib.Checkpointer(directory, save_every=1, max_to_keep=1)
-    checkpointer.save(1, _small_state(1), data_state=None, config={"s": 1})
+    checkpointer.save(1, builders.small_train_state(1), data_state=None, config={"s": 1})
     checkpointer.wait_until_finished()
-    assert checkpointer.save(2, _small_state(2), data_state=None, config={"s": 2})  # in flight
+    assert checkpointer.save(
+        2, builders.small_train_state(2), data_state=None, config={"s": 2}
+    )  # in flight
     with pytest.raises(ckpt_lib.CheckpointWriteError) as caught:
         if surfaces_at == "save":
-            checkpointer.save(3, _small_state(3), data_state=None, config={"s": 3})
+            checkpointer.save(3, builders.small_train_state(3), data_state=None, config={"s": 3})
         elif surfaces_at == "wait_until_finished":
             checkpointer.wait_until_finished()
         else:
@@ -149,7 +151,7 @@ def test_a_save_on_a_full_disk_is_named_and_the_last_complete_step_restores(
     _wait_until_still(directory)
     with ckpt_lib.Checkpointer(directory, save_every=1) as restarted:  # the next start
         assert restarted.all_steps() == [1]
-        state, _, config = restarted.restore(ckpt_lib.abstract_like(_small_state(0)))
+        state, _, config = restarted.restore(ckpt_lib.abstract_like(builders.small_train_state(0)))
     assert int(state.step) == 1 and config == {"s": 1}
 
 
