@@ -238,6 +238,8 @@ class BagelConfig:
     visual_und: bool = True
     visual_gen: bool = False
     connector_act: str = "gelu_pytorch_tanh"
+    # Only BAGEL's released setting, "extrapolate" ViT position ids (docs/bagel_layout.md §4.3),
+    # is ported: the image transform builds those ids whatever this says, so True is refused.
     interpolate_pos: bool = False
     latent_patch_size: int = 2
     max_latent_size: int = 64
@@ -245,6 +247,7 @@ class BagelConfig:
 
     def __post_init__(self):
         _check_choice("BagelConfig", "connector_act", self.connector_act, ("gelu_pytorch_tanh",))
+        _check_choice("BagelConfig", "interpolate_pos", self.interpolate_pos, (False,))
 
     @property
     def vit_max_num_patch_per_side(self) -> int:
@@ -352,11 +355,12 @@ class BagelConfig:
             intermediate_size=need(llm_json, llm_json_path, "intermediate_size"),
             num_hidden_layers=need(llm_json, llm_json_path, "num_hidden_layers"),
             num_attention_heads=need(llm_json, llm_json_path, "num_attention_heads"),
-            num_key_value_heads=llm_json.get(
-                "num_key_value_heads", need(llm_json, llm_json_path, "num_attention_heads")
-            ),
+            # No fallbacks where the defaults of BAGEL's own config classes differ from the
+            # release's values (BAGEL: 32 KV heads, theta 1e4; the 7B: 4, 1e6): a key missing
+            # from the file is an error, not a silent guess.
+            num_key_value_heads=need(llm_json, llm_json_path, "num_key_value_heads"),
             rms_norm_eps=llm_json.get("rms_norm_eps", 1e-6),
-            rope_theta=float(llm_json.get("rope_theta", 1_000_000.0)),
+            rope_theta=float(need(llm_json, llm_json_path, "rope_theta")),
             max_position_embeddings=llm_json.get("max_position_embeddings", 32768),
             # Loader overrides (docs/bagel_layout.md §1.1): set in code whatever the json says.
             qk_norm=True,
@@ -370,8 +374,8 @@ class BagelConfig:
             num_attention_heads=need(vit_json, vit_json_path, "num_attention_heads"),
             # The loaders drop the last layer (equivalent to training's vit_select_layer=-2).
             num_hidden_layers=json_vit_layers - 1,
-            patch_size=vit_json.get("patch_size", 14),
-            image_size=vit_json.get("image_size", 980),
+            patch_size=need(vit_json, vit_json_path, "patch_size"),  # (BAGEL's default: 16)
+            image_size=need(vit_json, vit_json_path, "image_size"),  # (BAGEL's default: 224)
             num_channels=vit_json.get("num_channels", 3),
             hidden_act=vit_json.get("hidden_act", "gelu_pytorch_tanh"),
             layer_norm_eps=vit_json.get("layer_norm_eps", 1e-6),

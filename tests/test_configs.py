@@ -64,6 +64,15 @@ def test_from_hf_json_errors_name_file_and_key(tmp_path):
     del llm["hidden_size"]
     with pytest.raises(KeyError, match=r"llm_config.json: missing required key 'hidden_size'"):
         BagelConfig.from_hf_json(*write_configs(tmp_path, llm=llm))
+    # Keys whose defaults in BAGEL's own config classes are not the release's values: required.
+    for name, key in [("llm", "num_key_value_heads"), ("llm", "rope_theta")] + [
+        ("vit", "patch_size"),
+        ("vit", "image_size"),
+    ]:
+        files = {"llm": dict(LLM_JSON), "vit": dict(VIT_JSON)}
+        del files[name][key]
+        with pytest.raises(KeyError, match=rf"{name}_config.json: missing required key '{key}'"):
+            BagelConfig.from_hf_json(*write_configs(tmp_path, **files))
     with pytest.raises(ValueError, match="rope_scaling"):
         BagelConfig.from_hf_json(
             *write_configs(tmp_path, llm={**LLM_JSON, "rope_scaling": {"type": "yarn"}})
@@ -85,6 +94,7 @@ def test_from_hf_json_errors_name_file_and_key(tmp_path):
         (dict(llm=dict(tie_word_embeddings=True)), "untied"),
         (dict(llm=dict(hidden_size=0)), "hidden_size must be a positive integer"),
         (dict(vit=dict(rope=True)), "rope=True is not supported"),
+        (dict(interpolate_pos=True), r"interpolate_pos=True; allowed values: False"),
         (
             dict(llm=dict(layer_module="Qwen2DecoderLayer", build_gen_expert=True)),
             "build_gen_expert",

@@ -153,12 +153,14 @@ def test_rgba_transparent_pixel_becomes_white():
     assert rgb.getpixel((1, 0)) == (10, 20, 30)
 
 
-def test_la_image_composited_on_white():
+def test_la_image_keeps_its_colours_as_bagel_converts_it():
+    """BAGEL composites only RGBA and images with a transparency entry; an LA image goes
+    through a plain convert("RGB"), its alpha dropped (a transparent black pixel stays black)."""
     la = Image.new("LA", (2, 1))
     la.putpixel((0, 0), (0, 0))
     la.putpixel((1, 0), (50, 255))
     rgb = to_rgb(la)
-    assert rgb.getpixel((0, 0)) == (255, 255, 255)
+    assert rgb.getpixel((0, 0)) == (0, 0, 0)
     assert rgb.getpixel((1, 0)) == (50, 50, 50)
 
 
@@ -251,25 +253,6 @@ def test_extrapolate_position_ids():
     np.testing.assert_array_equal(ids, [0, 1, 2, 3, 70, 71, 72, 73, 140, 141, 142, 143])
     with pytest.raises(ValueError, match="exceeds"):
         vit_position_ids(71, 1)
-
-
-def test_interpolate_position_ids_hand_worked():
-    # Buckets count boundaries j/70 (j = 1..69) that are <= x (torch.bucketize right=True).
-    # Rows k/3: 0 -> 0; 1/3 = 23.33/70 -> 23; 2/3 = 46.67/70 -> 46.
-    # Cols k/4: 0 -> 0; 0.25 = 17.5/70 -> 17; 0.5 = 35/70 exactly -> 35 (on a boundary: upper
-    # bucket; right=False would give 34); 0.75 = 52.5/70 -> 52.
-    expected = [
-        [0, 17, 35, 52],
-        [23 * 70 + 0, 23 * 70 + 17, 23 * 70 + 35, 23 * 70 + 52],
-        [46 * 70 + 0, 46 * 70 + 17, 46 * 70 + 35, 46 * 70 + 52],
-    ]
-    np.testing.assert_array_equal(vit_position_ids(3, 4, interpolate=True), np.ravel(expected))
-    # A full 70x70 grid: k/70 lands exactly on boundary k -> bucket k, same as extrapolate.
-    np.testing.assert_array_equal(
-        vit_position_ids(70, 70, interpolate=True), vit_position_ids(70, 70)
-    )
-    # Exact tie 15/25 = 42/70 -> 42 (exact arithmetic; a float32 torch.arange version gives 41).
-    assert vit_position_ids(25, 1, interpolate=True)[15] == 42 * 70
 
 
 # ---------------------------------------------------------------- full image -> packer inputs

@@ -26,9 +26,6 @@ DEFAULT_MAX_PIXELS = 1_806_336
 PATCH_SIZE = 14
 MAX_PATCHES_PER_SIDE = 70
 
-# Modes that carry an alpha channel of their own ("a" = premultiplied alpha).
-_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
-
 
 def _check_image(image: object) -> Image.Image:
     if not isinstance(image, Image.Image):
@@ -40,15 +37,14 @@ def _check_image(image: object) -> Image.Image:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Return an RGB copy of `image`; anything with transparency is composited onto white.
-
-    Covers alpha modes (RGBA, LA, PA, premultiplied) and any image with a `transparency` entry
-    (palette images, or L/RGB with a tRNS colour). Compositing onto white rather than dropping the
-    alpha channel matters: transparent pixels often hold black or garbage colour values.
+    """Return an RGB copy of `image` by BAGEL's rule (`pil_img2rgb`, docs/bagel_layout.md §4.1):
+    an RGBA image, or any image with a `transparency` entry (palette or L/RGB with a tRNS
+    colour), is composited onto white; every other mode is converted as it is, so the alpha of
+    an LA or PA image is dropped, as BAGEL drops it (the transparent pixels keep their colour).
     """
     image = _check_image(image)
-    if image.mode in _ALPHA_MODES or "transparency" in image.info:
-        # convert("RGBA") turns palette/tRNS transparency and premultiplied alpha into plain RGBA.
+    if image.mode == "RGBA" or image.info.get("transparency") is not None:
+        # convert("RGBA") turns palette/tRNS transparency into plain RGBA.
         rgba = image.convert("RGBA")
         background = Image.new("RGB", rgba.size, (255, 255, 255))
         background.paste(rgba, mask=rgba.getchannel("A"))
@@ -234,42 +230,27 @@ def unpatchify(
     )
 
 
-def _interpolated_buckets(n: int, max_patches_per_side: int) -> np.ndarray:
-    # Bucketize k/n (k = 0..n-1) against boundaries j/G (j = 1..G-1), counting boundaries <= x
-    # (torch.bucketize(right=True): boundaries[i-1] <= x < boundaries[i]; a coordinate exactly on a
-    # boundary goes to the upper bucket). In exact arithmetic: #{j >= 1 : j/G <= k/n} = floor(G*k/n),
-    # which is < G since k < n. Integer math avoids float ties landing on the wrong side.
-    k = np.arange(n, dtype=np.int64)
-    return (max_patches_per_side * k) // n
-
-
 def vit_position_ids(
     grid_h: int,
     grid_w: int,
     max_patches_per_side: int = MAX_PATCHES_PER_SIDE,
-    interpolate: bool = False,
 ) -> np.ndarray:
     """Flattened (row-major) ids into the G x G position tables (G = `max_patches_per_side`, 70
     for BAGEL-7B) for a grid_h x grid_w patch grid.
 
-    Extrapolate (the release's setting): id(r, c) = r*G + c — the top-left sub-block of the table,
-    never r*grid_w + c (docs/bagel_layout.md §10 item 4). Interpolate: id = bucket(r/grid_h)*G + bucket(c/grid_w),
-    see `_interpolated_buckets`.
+    Extrapolate, the release's setting and the only one ported: id(r, c) = r*G + c, the top-left
+    sub-block of the table, never r*grid_w + c (docs/bagel_layout.md §10 item 4).
     """
     if grid_h <= 0 or grid_w <= 0:
         raise ValueError(f"grid must be non-empty, got {grid_h}x{grid_w}")
-    if interpolate:
-        rows = _interpolated_buckets(grid_h, max_patches_per_side)
-        cols = _interpolated_buckets(grid_w, max_patches_per_side)
-    else:
-        if grid_h > max_patches_per_side or grid_w > max_patches_per_side:
-            # Beyond 70 per side the ids would alias other rows / overrun the table.
-            raise ValueError(
-                f"grid {grid_h}x{grid_w} (rows x columns) exceeds the ViT position grid of "
-                f"{max_patches_per_side} patches per side"
-            )
-        rows = np.arange(grid_h, dtype=np.int64)
-        cols = np.arange(grid_w, dtype=np.int64)
+    if grid_h > max_patches_per_side or grid_w > max_patches_per_side:
+        # Beyond 70 per side the ids would alias other rows / overrun the table.
+        raise ValueError(
+            f"grid {grid_h}x{grid_w} (rows x columns) exceeds the ViT position grid of "
+            f"{max_patches_per_side} patches per side"
+        )
+    rows = np.arange(grid_h, dtype=np.int64)
+    cols = np.arange(grid_w, dtype=np.int64)
     ids = rows[:, None] * max_patches_per_side + cols[None, :]
     return ids.reshape(-1).astype(np.int32)
 
@@ -295,7 +276,6 @@ def prepare_vit_image(
     pre_resize: ImageTransform | None = None,
     patch_size: int = PATCH_SIZE,
     max_patches_per_side: int = MAX_PATCHES_PER_SIDE,
-    interpolate: bool = False,
 ) -> VitImageInputs:
     """PIL image -> patches, position ids and grid for the ViT.
 
@@ -308,7 +288,7 @@ def prepare_vit_image(
     pixels = transform(image, img_num=img_num)
     height, width, _ = pixels.shape
     grid_h, grid_w = height // patch_size, width // patch_size
-    if not interpolate and max(grid_h, grid_w) > max_patches_per_side:
+    if max(grid_h, grid_w) > max_patches_per_side:
         # Ids past the grid would index other rows of the position tables, or past them.
         raise ValueError(
             f"a {original[0]}x{original[1]} image resized to {width}x{height} px is "
@@ -317,5 +297,5 @@ def prepare_vit_image(
             f"the transform's max_size <= {max_patches_per_side * patch_size}"
         )
     patches = patchify(pixels, patch_size)
-    ids = vit_position_ids(grid_h, grid_w, max_patches_per_side, interpolate)
+    ids = vit_position_ids(grid_h, grid_w, max_patches_per_side)
     return VitImageInputs(patches, ids, grid_h, grid_w)
