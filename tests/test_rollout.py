@@ -5,7 +5,8 @@ is tests/test_multihost.py's."""
 import numpy as np
 import pytest
 
-from opsd_jax.trainer.rollout import StaleRolloutError, check_staleness
+from opsd_jax.sampling.sampler import Completions
+from opsd_jax.trainer.rollout import StaleRolloutError, check_staleness, completion_scalars
 from opsd_jax.trainer.step_samples import SampleQueue
 
 
@@ -18,6 +19,23 @@ def test_staleness_is_measured_and_a_token_past_the_bound_is_refused():
         check_staleness(versions, step=4, lookahead=0)
     with pytest.raises(StaleRolloutError):  # a token from a later policy than the step's
         check_staleness(np.array([[5, 5]]), step=4, lookahead=1)
+
+
+def test_the_step_log_counts_empty_completions():
+    """A completion whose first token is <|im_end|> is trained as one EOS row; the step log
+    says how often that happens (the seed resamples it instead: docs/opsd_loss.md §a.5)."""
+    lengths = np.array([0, 3, 0, 5])
+    completions = Completions(
+        tokens=np.zeros((4, 6), np.int32),
+        lengths=lengths,
+        logprobs=np.zeros((4, 6), np.float32),
+        finished=np.array([True, True, True, False]),
+        rounds=np.array([1, 2, 1, 1]),
+    )
+    scalars = completion_scalars(completions)
+    assert scalars["completion_empty"] == 0.5
+    assert scalars["completion_length"] == 2.0 and scalars["completion_finished"] == 0.75
+    assert scalars["image_skip_rounds"] == 0.25
 
 
 class CountingData:

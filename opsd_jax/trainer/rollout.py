@@ -63,6 +63,20 @@ class StaleRolloutError(RuntimeError):
     """A step would train on tokens older than rollout_lookahead allows (a bug, never data)."""
 
 
+def completion_scalars(completions: Completions) -> dict:
+    """A step's completions in the step log: mean length, the share that ended on <|im_end|>,
+    the mean image skips, and the share that is empty. An empty completion (the student's first
+    token is <|im_end|>) is trained as it is, its one <|im_end|> row scored against the teacher
+    (the PyTorch seed draws another sample up to 3 times first: docs/opsd_loss.md §a.5); its
+    share says how often that happens."""
+    return {
+        "completion_length": float(completions.lengths.mean()),
+        "completion_finished": float(completions.finished.mean()),
+        "completion_empty": float((completions.lengths == 0).mean()),
+        "image_skip_rounds": float((completions.rounds - 1).mean()),
+    }
+
+
 def check_staleness(versions: np.ndarray, step: int, lookahead: int) -> tuple[float, int]:
     """(the share of completion tokens drawn with weights older than `step`'s, the most updates
     any token is behind) for step `step`'s token versions (-1: past a completion's end); a
@@ -239,9 +253,7 @@ class Rollout:
         completions = batch.out
         stale_fraction, stale_max = check_staleness(batch.versions, step, self.lookahead)
         return {
-            "completion_length": float(completions.lengths.mean()),
-            "completion_finished": float(completions.finished.mean()),
-            "image_skip_rounds": float((completions.rounds - 1).mean()),
+            **completion_scalars(completions),
             # The share of the pool's slot-steps in this step's decode that drew a token.
             "rollout/slot_occupancy": busy / max(steps * self.rows, 1),
             "rollout/stale_token_fraction": stale_fraction,
