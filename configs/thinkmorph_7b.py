@@ -1,4 +1,6 @@
-"""The Visual-OPSD paper recipe on ThinkMorph-7B (docs/opsd_loss.md §b.1).
+"""The Visual-OPSD paper recipe on ThinkMorph-7B (docs/opsd_loss.md §b.1, which lists where it
+differs from the PyTorch seed: the prompt texts are this project's own, and 5% of the rows are held
+out for evaluation; `--config.data.heldout_fraction=0` trains on all 24,990, as the seed).
 
     python train.py --config configs/thinkmorph_7b.py \
         --config.model_path=/path/to/ThinkMorph-7B --config.data_root=/path/to/ThinkMorph_data
