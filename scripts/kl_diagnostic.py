@@ -95,6 +95,19 @@ def main(argv=None) -> None:
                 f"{label}: {dropped} samples dropped (teacher context > max_forward_tokens="
                 f"{max_forward_tokens})"
             )
+        cut = results[label].summary["num_truncated"]
+        measured = results[label].summary["overall"]["num_samples"]
+        if cut == measured:
+            # Every reference lost its answer to the cut: the gate has nothing to judge.
+            raise SystemExit(
+                f"error: no answer span measured: all {cut} measured references were cut to fit "
+                f"max_forward_tokens={max_forward_tokens}; raise --max_forward_tokens"
+            )
+        if cut:
+            print(
+                f"{label}: {cut} references cut to fit max_forward_tokens={max_forward_tokens} "
+                "(their answer span is left out of the gate)"
+            )
 
     os.makedirs(args.out, exist_ok=True)
     summary = {label: result.summary for label, result in results.items()}

@@ -247,3 +247,63 @@ def test_statistics_of_no_values_are_written_as_null():
     assert ready["overall"]["mean"] is None and ready["records"] == [{"kl": None}]
     assert ready["overall"]["num_samples"] == 0 and ready["num_dropped"] == 2
     json.dumps(ready, allow_nan=False)  # raises on NaN
+
+
+def test_a_reference_cut_to_fit_leaves_its_answer_span_out_of_the_gate(model):
+    """A reference cut to fit max_forward_tokens ends in thought, not in its answer: its
+    last entries are no answer span, so it is counted as truncated and left out of the gate
+    (before, the gate averaged the cut thought's last entries as if they were the answer)."""
+    tokenizer = CharTokenizer()
+    data = samples(3)  # sample 0's reference is 3 characters longer than the others'
+    options = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
+    lengths = [
+        int((packs.teacher.segment_ids > 0).sum())
+        for packs in (
+            build_training_packs(
+                [s],
+                [tokenizer.encode(reference_completion(s))],
+                tokenizer.encode,
+                options,
+                SPECIAL,
+                num_rows=1,
+                max_forward_tokens=MAX_FORWARD,
+            )
+            for s in data
+        )
+    ]
+    assert lengths[0] == lengths[1] + 3 == lengths[2] + 3
+    result = kl_diagnostic.kl_diagnostic(
+        model, data, tokenizer, options=options, batch_size=3, max_forward_tokens=lengths[0] - 2
+    )
+    assert [r["truncated"] for r in result.records] == [True, False, False]
+    assert result.records[0]["answer_tokens"] == 0
+    assert np.isnan(result.records[0]["answer_mean_kl"])
+    assert [r["answer_tokens"] for r in result.records[1:]] == [
+        len(f"<answer>{s.answer}</answer>") + 1 for s in data[1:]
+    ]
+    assert result.summary["num_truncated"] == 1 and result.summary["num_dropped"] == 0
+    assert result.summary["overall"]["answer_span_mean"] == pytest.approx(
+        np.mean([r["answer_mean_kl"] for r in result.records[1:]])
+    )
+
+
+def test_every_reference_cut_ends_without_a_verdict_or_files(tmp_path, monkeypatch, capsys):
+    """No answer span measured (every reference cut to fit): no verdict on NaN."""
+    from scripts import kl_diagnostic as kl_cli
+
+    loaded = (None, CharTokenizer(), samples(3), builders.prompt_options(), {}, None)
+    monkeypatch.setattr(kl_cli, "setup", lambda args: loaded)
+    stats = {"num_samples": 3, "answer_span_mean": float("nan")}
+    all_cut = kl_diagnostic.KLResult(
+        [], {}, {"overall": stats, "datasets": {}, "num_dropped": 0, "num_truncated": 3}
+    )
+    monkeypatch.setattr(kl_cli.kl_diagnostic, "kl_diagnostic", lambda *a, **k: all_cut)
+    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
+    with pytest.raises(
+        SystemExit,
+        match=r"^error: no answer span measured: all 3 measured references were cut to fit "
+        r"max_forward_tokens=64; raise --max_forward_tokens$",
+    ):
+        kl_cli.main([*argv, "--max_forward_tokens", "64"])
+    assert "verdict" not in capsys.readouterr().out
+    assert not (tmp_path / "kl").exists()

@@ -104,9 +104,12 @@ def entry_kl(
 class KLResult:
     """Per-sample and per-token K_gen of one context setting.
 
-    records: per sample (input order): pid, dataset, num_tokens, mean_kl, sum_kl.
+    records: per sample (input order): pid, dataset, num_tokens, mean_kl, sum_kl,
+      answer_tokens, answer_mean_kl, truncated (the reference was cut to fit
+      max_forward_tokens: its answer span is not measured, NaN).
     token_kl: {dataset: float32 array of every completion token's KL}.
-    summary: {"overall": stats, "datasets": {name: stats}, "num_dropped": n}; stats =
+    summary: {"overall": stats, "datasets": {name: stats}, "num_dropped": n,
+      "num_truncated": n}; stats =
       num_samples, num_tokens, mean (token-weighted K_gen), std (over tokens), sample_mean,
       sample_std (over per-sample means).
     """
@@ -189,7 +192,8 @@ def kl_diagnostic(
     Samples are scored `batch_size` at a time, one per row (the last batch padded by repeating
     its final sample, padding dropped). A sample whose teacher context alone exceeds
     `max_forward_tokens` is dropped (counted in `num_dropped`); a longer reference is truncated
-    to fit, as in training. `completion_fn` maps a sample to the completion text scored.
+    to fit, as in training (counted in `num_truncated`): its last entries are then thought, not
+    the answer, so its answer span is left out of the gate. `completion_fn` maps a sample to the completion text scored.
     `mesh`: run under it, rows sharded over its batch axes when `batch_size` divides.
     """
     if batch_size < 1:
@@ -200,7 +204,7 @@ def kl_diagnostic(
     special = tokenizer.special_tokens()
     records: list[dict[str, Any]] = []
     tokens_by_dataset: dict[str, list[np.ndarray]] = collections.defaultdict(list)
-    dropped = 0
+    dropped = truncated = 0
     start = time.perf_counter()
     for first in range(0, len(samples), batch_size):
         batch = list(samples[first : first + batch_size])
@@ -246,7 +250,10 @@ def kl_diagnostic(
                 continue  # padding
             values = kl[mask & (owner == position)].astype(np.float32)
             sample = batch[index]
-            answer = values[-answer_entries[index] :] if answer_entries[index] else values[:0]
+            cut = len(packs.completions[position]) < len(completions[index])
+            truncated += cut
+            measured = answer_entries[index] and not cut
+            answer = values[-answer_entries[index] :] if measured else values[:0]
             records.append(
                 {
                     "pid": sample.pid,
@@ -256,6 +263,7 @@ def kl_diagnostic(
                     "sum_kl": float(values.sum()),
                     "answer_tokens": int(answer.size),
                     "answer_mean_kl": float(answer.mean()) if answer.size else float("nan"),
+                    "truncated": bool(cut),
                 }
             )
             tokens_by_dataset[sample.dataset].append(values)
@@ -271,7 +279,12 @@ def kl_diagnostic(
         for name, values in token_kl.items()
     }
     all_tokens = np.concatenate(list(token_kl.values())) if token_kl else np.zeros(0, np.float32)
-    summary = {"overall": _stats(records, all_tokens), "datasets": datasets, "num_dropped": dropped}
+    summary = {
+        "overall": _stats(records, all_tokens),
+        "datasets": datasets,
+        "num_dropped": dropped,
+        "num_truncated": truncated,
+    }
     return KLResult(records, token_kl, summary)
 
 
