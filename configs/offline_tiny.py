@@ -3,8 +3,8 @@
     python scripts/collect_traces.py --config configs/offline_tiny.py   # the cache (once)
     python train.py --config configs/offline_tiny.py                    # the student
 
-Same toy model and data as configs/smoke.py (made under `results_dir` if absent). The collector
-runs that model over the toy training rows and writes the cache to `offline_cache_dir`; the
+The toy model of configs/smoke.py (made under `results_dir` if absent) and 16 rows of one of its
+toy tasks, toy_count. The collector runs that model over those training rows and writes the cache to `offline_cache_dir`; the
 trainer (mode 'offline') trains the student on the text-only view with CE + kd_weight * top-k
 KL against it, without a sampler or a teacher forward.
 """
@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
         config.samples_per_micro_batch = 4
         config.rows_per_micro_batch = 2
         # Two samples per row of up to 83-entry reference targets (the text-only thought and
-        # answer of toy_count; tiny's 64 fit two 24-token on-policy completions).
+        # answer of toy_count; smoke's 64 fit two 24-token on-policy completions).
         config.pack_loss_entries = 192
         config.gradient_accumulation_steps = 1
         config.results_dir = "results/offline_tiny"

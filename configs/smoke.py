@@ -4,7 +4,7 @@
 
 What the tests train (and configs/sanity.py, sft_tiny.py, offline_tiny.py build on): every
 stage of a run (sampler, packs, the donated step, EMA, checkpoints, resume, evaluation) on two
-toy tasks, two samples per step. It learns nothing worth reading: the model starts random, so
+toy tasks, two samples per micro-batch and two micro-batches per step. It learns nothing worth reading: the model starts random, so
 its completions are byte noise. configs/tiny.py, the README's first command, is the one that
 shows the method working.
 

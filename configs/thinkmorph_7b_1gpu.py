@@ -38,7 +38,7 @@ The choices:
   changes nothing here.
 * lr 1e-4, ten times the paper's full-rank 1e-5 (min_lr ten times too): the same study finds
   LoRA's best learning rate about 10x full fine-tuning's, nearly independent of rank under the
-  alpha / rank scaling; on the toy (configs/tiny_lora.py) 10x the full-rank rate learns as
+  alpha / rank scaling; on the toy (configs/tiny_lora.py) 3.3x the full-rank rate learns as
   much as full rank does.
 """
 

@@ -4,7 +4,8 @@
         [--process_index=I --process_count=N] [--max_samples=M]
 
 Writes to `offline_cache_dir`, per training sample: the teacher's top-`offline_top_k` log-probs
-and ids at every target token of the VT (interleaved) view, and the VT-sensitivity weight
+and ids at every target token of the teacher view (its context with the VT images; the target
+is `offline_target`'s, docs/offline.md), and the VT-sensitivity weight
 KL(teacher with VT || the same model on the text-only view); then train with the same config
 (`mode='offline'`). The model, data, prompt and `max_forward_tokens` come from that config, so
 the cache matches what the trainer packs; the teacher is the student's starting weights, or with
