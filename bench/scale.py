@@ -65,20 +65,38 @@ import sys
 import time
 from typing import Any
 
-# name: (peak dense bf16 FLOP/s, HBM bytes/s, NVLink bytes/s per direction, HBM bytes)
+# name: (peak dense bf16 FLOP/s, HBM bytes/s, NVLink bytes/s per direction). The memory of
+# each is its compile target's (opsd_jax/programs/gpu_targets/), the one the preflight checks
+# against: H100 and H800 79.1 GiB, H200 141.0 GiB (Run.hbm_bytes).
 GPUS = {
-    # H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB; NVLink 4: 900 GB/s total
+    # H100 SXM5: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3; NVLink 4: 900 GB/s total
     # (450 GB/s each way). NVIDIA H100 Tensor Core GPU datasheet.
-    "h100": (989e12, 3.35e12, 450e9, 80e9),
-    # H200 SXM: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s total.
+    "h100": (989e12, 3.35e12, 450e9),
+    # H200 SXM: same compute as H100, HBM3e at 4.8 TB/s, NVLink 900 GB/s total.
     # NVIDIA H200 Tensor Core GPU datasheet.
-    "h200": (989e12, 4.8e12, 450e9, 141e9),
+    "h200": (989e12, 4.8e12, 450e9),
     # H800 SXM (the paper's GPU): H100 compute and HBM, NVLink cut to 400 GB/s total.
     # NVIDIA H800 product brief.
-    "h800": (989e12, 3.35e12, 200e9, 80e9),
+    "h800": (989e12, 3.35e12, 200e9),
 }
-HEADROOM = 0.15  # keep this share of HBM free (allocator fragmentation, NCCL buffers, ...)
 GIB = 2**30
+
+
+def gpu_memory_bytes(name: str) -> int:
+    """One `name` GPU's memory, as the preflight counts it (its compile target's)."""
+    from opsd_jax.programs import gpu_target
+
+    return gpu_target.memory_bytes(name)
+
+
+def usable_share() -> float:
+    """The share of a GPU's memory a program may use, the preflight's: 1 - its 15% headroom
+    (allocator fragmentation, NCCL buffers), or less where jax's allocator is given less."""
+    from opsd_jax.run_config import preflight
+
+    return preflight.allowed_share()
+
+
 # What a decode step costs besides its bytes, per event, stated (no compile can know them; the
 # counts come from the compiled program, opsd_jax/programs/thunk_launches.py). Added to the HBM
 # time as if nothing overlapped (an upper bound): a decode step's kernels are microseconds long,
@@ -276,7 +294,7 @@ class Run:
 
     @property
     def hbm_bytes(self) -> float:
-        return GPUS[self.gpu][3]
+        return gpu_memory_bytes(self.gpu)
 
 
 @dataclasses.dataclass
@@ -294,7 +312,8 @@ class Model:
     teacher_model: Any  # teacher_mode='checkpoint': train_step.TeacherModel; None otherwise
     num_params: int
     lm_matmul: int  # parameters of the LM's layers: the N of the matmul FLOPs
-    resident: int  # the training state between steps, gradient accumulator included
+    state_bytes: int  # the train state, live between programs (as the preflight counts it)
+    resident: int  # beside the grad step: the train state and the gradient accumulator
 
 
 @dataclasses.dataclass
@@ -529,7 +548,8 @@ def abstract_model(run: Run) -> Model:
         teacher_model=teacher_model,
         num_params=num_params,
         lm_matmul=lm_matmul,
-        resident=params_bytes + opt_bytes + teacher_bytes + params_bytes + base_bytes,
+        state_bytes=params_bytes + opt_bytes + teacher_bytes + base_bytes,
+        resident=params_bytes + opt_bytes + teacher_bytes + base_bytes + params_bytes,
     )
 
 
@@ -1054,6 +1074,7 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         launch_s = plain_launch_s = sync_s = 0.0
     token_s = bytes_s + decode.collective_s + launch_s + sync_s
     copy_bytes, cache_bytes = hbm["copy_bytes"], hbm["cache_bytes"]
+    pool_beside = cache_bytes if run.recipe.rollout_lookahead else 0  # (peak, below)
     local_rows = decode.cache.sharding.shard_shape(decode.cache.shape)[1]
     row = dict(
         token_s=token_s,
@@ -1068,18 +1089,21 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         rollout_s=token_s * run.new_tokens,
         refresh_s=refresh_moved / run.link_bw,
         prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
-        # The engine's programs (opsd_jax/run_config/preflight_sampling.py): the prefill writes
-        # the rows' cache beside its temp, an insert into a pool that holds rows (with the
-        # lookahead, in an evaluation) that cache and the pool's at once (without them the rows
-        # become the pool: this bounds it), a decode chunk the pool beside its temp; the copy
-        # and the train state throughout.
-        peak=model.resident
+        # The engine's programs, counted as the preflight counts them
+        # (opsd_jax/run_config/preflight_sampling.py): the prefill writes the rows' cache beside
+        # its temp, a decode chunk holds the pool beside its temp; the copy and the train state
+        # throughout. With the recipe's lookahead a prefill can meet a pool holding paused rows:
+        # that pool's cache is beside the prefill, and the insert holds both caches. Without it
+        # the prefilled rows become the pool (no second cache). Evaluation's pool is the
+        # preflight's to count (`train.py --compile_only`). No gradient accumulator: it lives
+        # inside train.py's one train step program.
+        peak=model.state_bytes
         + copy_bytes
         + cache_bytes
         + max(
             decode.memory.temp_size_in_bytes,
-            prefill_memory.temp_size_in_bytes,
-            cache_bytes,
+            prefill_memory.temp_size_in_bytes + pool_beside,
+            pool_beside,
         ),
     )
     print(
@@ -1213,7 +1237,7 @@ def step_time(run: Run, layouts: dict, update_s: float, grad_time: GradTime) -> 
     # The step samples on the copy in the recipe's layout.
     # The recipe's layout; 'auto': the least rollout time among those that fit (as train.py's
     # choice, from the counted programs here instead of its weights-and-cache projection).
-    budget = run.hbm_bytes * (1 - HEADROOM)
+    budget = run.hbm_bytes * usable_share()
     layout_used = recipe.sampler_layout
     if layout_used == "auto":
         fitting = [name for name, row in layouts.items() if row["peak"] <= budget] or list(layouts)
@@ -1328,13 +1352,15 @@ def memory_section(run: Run, model: Model, grad: Grad, layout_used: str, samplin
     """The peak memory per device of the grad step and of sampling against the GPU's, and
     (unless --skip-fit) the largest pack that fits each GPU."""
     args, samples, n, hbm_bytes = run.args, run.samples, run.n, run.hbm_bytes
-    budget = hbm_bytes * (1 - HEADROOM)
+    share = usable_share()
+    budget = hbm_bytes * share
     grad_peak = model.resident + grad.memory.temp_size_in_bytes + grad.memory.output_size_in_bytes
     decode_peak = sampling_peak  # training state + copy + cache + the sampler's temp
     print(
-        f"\nmemory per device on {run.gpu} ({hbm_bytes / 1e9:.0f} GB, keep {HEADROOM:.0%} free "
-        f"-> {budget / GIB:.1f} GiB): resident state {model.resident / GIB:.2f} GiB; grad step "
-        f"peak {grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}); sampling peak "
+        f"\nmemory per device on {run.gpu} ({hbm_bytes / GIB:.1f} GiB, use at most {share:.0%} "
+        f"-> {budget / GIB:.1f} GiB): train state {model.state_bytes / GIB:.2f} GiB; grad step "
+        f"peak {grad_peak / GIB:.2f} GiB ({grad_peak / hbm_bytes:.0%}, the gradient accumulator "
+        f"included); sampling peak "
         f"('{layout_used}' copy) {decode_peak / GIB:.2f} GiB "
         f"({decode_peak / hbm_bytes:.0%})"
     )
@@ -1354,7 +1380,7 @@ def memory_section(run: Run, model: Model, grad: Grad, layout_used: str, samplin
     base = grad_peak - slope * args.teacher_len
     ratio = args.student_len / args.teacher_len
     for name in sorted(GPUS):
-        room = GPUS[name][3] * (1 - HEADROOM)
+        room = gpu_memory_bytes(name) * share
         fit = int((room - base) / slope) if slope > 0 else 0
         print(
             f"  largest pack on {name}: teacher rows of {fit:,} tokens with student rows "
