@@ -216,23 +216,33 @@ def test_a_max_forward_tokens_below_one_stops_the_script_before_any_load(
         kl_cli.main([*argv, "--max_forward_tokens", max_forward_tokens])
 
 
+def script_ends_without_a_verdict(tmp_path, monkeypatch, capsys, options, max_forward, message):
+    """scripts/kl_diagnostic.py on three samples without a model (nothing runs) exits with
+    `message`, and prints no verdict and writes no file."""
+    from scripts import kl_diagnostic as kl_cli
+
+    loaded = (None, CharTokenizer(), samples(3), options, {}, None)
+    monkeypatch.setattr(kl_cli, "setup", lambda args: loaded)
+    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
+    with pytest.raises(SystemExit, match=message):
+        kl_cli.main([*argv, "--max_forward_tokens", str(max_forward)])
+    assert "verdict" not in capsys.readouterr().out
+    assert not (tmp_path / "kl").exists()
+
+
 def test_every_sample_dropped_ends_without_a_verdict_or_files(tmp_path, monkeypatch, capsys):
     """Contexts all longer than --max_forward_tokens: no K_gen was measured, so the script exits
     non-zero naming the flag, instead of a NO-GO on NaN KL and a kl_summary.json holding NaN."""
-    from scripts import kl_diagnostic as kl_cli
-
     options = builders.prompt_options(use_reference_intro=False, use_transition_prompt=False)
-    loaded = (None, CharTokenizer(), samples(3), options, {}, None)  # no model: nothing runs
-    monkeypatch.setattr(kl_cli, "setup", lambda args: loaded)
-    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: no sample measured: all 3 samples' teacher contexts are longer than "
+    script_ends_without_a_verdict(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        options,
+        8,
+        r"^error: no sample measured: all 3 samples' teacher contexts are longer than "
         r"max_forward_tokens=8; raise --max_forward_tokens$",
-    ):
-        kl_cli.main([*argv, "--max_forward_tokens", "8"])
-    assert "verdict" not in capsys.readouterr().out
-    assert not (tmp_path / "kl").exists()
+    )
 
 
 def test_statistics_of_no_values_are_written_as_null():
@@ -289,21 +299,17 @@ def test_a_reference_cut_to_fit_leaves_its_answer_span_out_of_the_gate(model):
 
 def test_every_reference_cut_ends_without_a_verdict_or_files(tmp_path, monkeypatch, capsys):
     """No answer span measured (every reference cut to fit): no verdict on NaN."""
-    from scripts import kl_diagnostic as kl_cli
-
-    loaded = (None, CharTokenizer(), samples(3), builders.prompt_options(), {}, None)
-    monkeypatch.setattr(kl_cli, "setup", lambda args: loaded)
     stats = {"num_samples": 3, "answer_span_mean": float("nan")}
     all_cut = kl_diagnostic.KLResult(
         [], {}, {"overall": stats, "datasets": {}, "num_dropped": 0, "num_truncated": 3}
     )
-    monkeypatch.setattr(kl_cli.kl_diagnostic, "kl_diagnostic", lambda *a, **k: all_cut)
-    argv = ["--model_dir", str(tmp_path), "--out", str(tmp_path / "kl")]
-    with pytest.raises(
-        SystemExit,
-        match=r"^error: no answer span measured: all 3 measured references were cut to fit "
+    monkeypatch.setattr(kl_diagnostic, "kl_diagnostic", lambda *a, **k: all_cut)
+    script_ends_without_a_verdict(
+        tmp_path,
+        monkeypatch,
+        capsys,
+        builders.prompt_options(),
+        64,
+        r"^error: no answer span measured: all 3 measured references were cut to fit "
         r"max_forward_tokens=64; raise --max_forward_tokens$",
-    ):
-        kl_cli.main([*argv, "--max_forward_tokens", "64"])
-    assert "verdict" not in capsys.readouterr().out
-    assert not (tmp_path / "kl").exists()
+    )
