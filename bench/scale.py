@@ -313,7 +313,11 @@ class Model:
     num_params: int
     lm_matmul: int  # parameters of the LM's layers: the N of the matmul FLOPs
     state_bytes: int  # the train state, live between programs (as the preflight counts it)
-    resident: int  # beside the grad step: the train state and the gradient accumulator
+
+    @property
+    def resident(self) -> int:
+        """Beside the grad step: the train state and the gradient accumulator (params' size)."""
+        return self.state_bytes + self.params_bytes
 
 
 @dataclasses.dataclass
@@ -549,7 +553,6 @@ def abstract_model(run: Run) -> Model:
         num_params=num_params,
         lm_matmul=lm_matmul,
         state_bytes=params_bytes + opt_bytes + teacher_bytes + base_bytes,
-        resident=params_bytes + opt_bytes + teacher_bytes + base_bytes + params_bytes,
     )
 
 

@@ -193,7 +193,8 @@ def kl_diagnostic(
     its final sample, padding dropped). A sample whose teacher context alone exceeds
     `max_forward_tokens` is dropped (counted in `num_dropped`); a longer reference is truncated
     to fit, as in training (counted in `num_truncated`): its last entries are then thought, not
-    the answer, so its answer span is left out of the gate. `completion_fn` maps a sample to the completion text scored.
+    the answer, so its answer span is left out of the gate. `completion_fn` maps a sample to the
+    completion text scored.
     `mesh`: run under it, rows sharded over its batch axes when `batch_size` divides.
     """
     if batch_size < 1:
