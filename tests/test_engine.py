@@ -262,6 +262,47 @@ def test_every_program_the_engine_runs_is_one_the_preflight_counts(monkeypatch):
     assert not unaccounted, f"the preflight does not count {unaccounted}"
 
 
+class ScriptedModelWithIdleWeights(ScriptedModel):
+    """ScriptedModel with a weight no program reads, as the decode round never reads the ViT."""
+
+    def __init__(self, scripts):
+        super().__init__(scripts)
+        self.idle = nnx.Param(jnp.ones((64, 64), jnp.float32))
+
+
+def test_programs_given_the_weights_keep_all_of_them_as_arguments(monkeypatch):
+    """jit drops an argument its program does not read, and the program's peak then leaves out
+    weights that are on the device all the same (the 7B prefill does not read the copy's
+    lm_head, the decode chunk not the ViT): the preflight's figure would be short by them. Each
+    engine program that takes the weights is compiled here with the arguments of its call and
+    must count every weight byte among its arguments (the prefill reads no weight at all here)."""
+    eos = SPECIAL.im_end
+    model = ScriptedModelWithIdleWeights([[7, SKIP_ID, eos, 11, eos], [7, 8, eos]])
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    calls = []
+    for module in (pool_programs, sampler):
+        for name, program in list(vars(module).items()):
+            if callable(program) and hasattr(program, "lower"):
+
+                def spy(*args, _program=program, _name=name):
+                    calls.append((_name, _program, args))
+                    return _program(*args)
+
+                monkeypatch.setattr(module, name, spy)
+    pack = scripted_pack(2)
+    settings = scripted_settings(max_new_tokens=6, max_image_skips=1)
+    engine = engine_lib.Engine(model, pool_size=2, prompt_length=pack.row_length, **settings)
+    assert engine.run(pack, jax.random.key(0)).rounds[0] == 2  # the skip happened
+    given_weights = {}
+    for name, program, args in calls:
+        if len(args) > 1 and args[1] is engine.params:
+            kept = program.lower(*args).compile().memory_analysis().argument_size_in_bytes
+            given_weights[name] = kept
+    assert {"prefill_rows", "decode_chunk", "next_round"} <= set(given_weights), calls
+    short = {name: kept for name, kept in given_weights.items() if kept < weights}
+    assert not short, f"arguments of fewer bytes than the {weights} bytes of weights: {short}"
+
+
 def test_rows_are_written_into_the_pools_cache_as_jaxs_scatter_writes_them():
     """pool_programs.write_rows against `cache.at[:, slots].set(rows, mode="drop")`: padding
     rows (slot == pool size) are dropped, whatever slot 0 holds."""

@@ -5,7 +5,8 @@ image-skip round, decode a chunk, grow the cache).
 The host side that decides which prompt goes into which slot and when a row leaves is
 engine.py; the programs here know nothing of batches or prompts, only of slots. Each program
 keeps the pool's rows sharded over the batch axes (`pinned`) and donates the pool it is given,
-so the pool's cache exists once on the device.
+so the pool's cache exists once on the device. Those given the weights keep all of them as
+arguments, read or not (keep_unused, as sampler.py's programs: the compiled peak counts them).
 
 A token of a sample is drawn with
 `fold_in(fold_in(fold_in(rng, round), sample id), step within the round)` (`decode_chunk`), as
@@ -194,6 +195,7 @@ def write_rows(cache: jax.Array, rows_cache: jax.Array, slots: jax.Array) -> jax
     jax.jit,
     static_argnums=(0, 4, 5),
     donate_argnums=(2,),
+    keep_unused=True,
     compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
 def next_round(graphdef, params, pool: PoolState, rows, settings: RoundSettings, rules=()):
@@ -218,6 +220,7 @@ def next_round(graphdef, params, pool: PoolState, rows, settings: RoundSettings,
     jax.jit,
     static_argnums=(0, 3, 4, 5, 7),
     donate_argnums=(2,),
+    keep_unused=True,
     compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
 def decode_chunk(

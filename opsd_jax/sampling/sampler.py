@@ -290,8 +290,15 @@ SAMPLER_COMPILER_OPTIONS = {
 # Every jitted function takes the active logical-axis rules as a static argument: jax caches a
 # trace per function and mesh, not per rules, and the same mesh may be used with the training
 # rules and the decode rules.
+# Those given the weights keep every weight as an argument (keep_unused): jit would otherwise
+# drop the ones a program does not read (the prefill reads no lm_head, a decode step no ViT),
+# and the program's compiled peak, which the preflight reports, would leave out weights that
+# are on the device all the same (tests/test_engine.py).
 @functools.partial(
-    jax.jit, static_argnums=(0, 3, 4, 5, 6), compiler_options=SAMPLER_COMPILER_OPTIONS
+    jax.jit,
+    static_argnums=(0, 3, 4, 5, 6),
+    keep_unused=True,
+    compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
 def prefill_rows(
     graphdef, params, pack: Pack, max_new_tokens: int, cache_slots: int, cache_dtype, rules=()
@@ -330,7 +337,11 @@ def feed_tokens(model, state: DecodeState, tokens: jax.Array, write: jax.Array):
 
 
 @functools.partial(
-    jax.jit, static_argnums=(0, 5), donate_argnums=(2,), compiler_options=SAMPLER_COMPILER_OPTIONS
+    jax.jit,
+    static_argnums=(0, 5),
+    donate_argnums=(2,),
+    keep_unused=True,
+    compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
 def _append_token(
     graphdef, params, state: DecodeState, token: jax.Array, rows: jax.Array, rules=()
@@ -346,6 +357,7 @@ def _append_token(
     jax.jit,
     static_argnums=(0, 5, 6),
     donate_argnums=(2,),
+    keep_unused=True,
     compiler_options=SAMPLER_COMPILER_OPTIONS,
 )
 def decode_round(
