@@ -112,10 +112,12 @@ def device_peaks(args):
     return DENSE_BF16_PEAK[name], HBM_BYTES_S[name]
 
 
-def predicted_peak(lower_for, args, decode: bool = False) -> int:
+def predicted_peak(lower_for, args, decode: bool = False) -> int | None:
     """Peak bytes of a program compiled for the target GPU without one: `lower_for(mesh)` lowers
     it with its arguments laid out on `mesh` (one compile-only device), under the training rules
-    or, for the sampler, the decode rules."""
+    or, for the sampler, the decode rules. A dry run lowers it and stops there (None): the
+    compile would take a CPU minute for the peak of tiny shapes, and tests/test_preflight.py
+    and test_gpu_compile.py compile these programs for an H100."""
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.parallel.device_memory import program_peak
     from opsd_jax.programs import gpu_target
@@ -123,4 +125,17 @@ def predicted_peak(lower_for, args, decode: bool = False) -> int:
     mesh = gpu_target.make_mesh(target_name(args), 1)
     rules = mesh_lib.DECODE_RULES if decode else mesh_lib.LOGICAL_RULES
     with mesh_lib.use_mesh(mesh, rules):
-        return program_peak(gpu_target.compile(lower_for(mesh), mesh))
+        lowered = lower_for(mesh)
+        return None if args.dry_run else program_peak(gpu_target.compile(lowered, mesh))
+
+
+def memory_row_value(measured: int | None, predicted: int | None, target: str) -> str:
+    """A memory row's figures: the allocator's peak over the prediction, or what there is."""
+    if predicted is None:
+        return f"lowered for {target}, not compiled (dry run)"
+    if measured:
+        return (
+            f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
+            f"{measured / predicted:.2f}"
+        )
+    return f"predicted {predicted / GIB:.3f} GiB (no allocator statistics here)"

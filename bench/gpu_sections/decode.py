@@ -20,9 +20,11 @@ from gpu_sections.common import (
     device_peaks,
     emit,
     judged,
+    memory_row_value,
     peak_bytes,
     predicted_peak,
     setup_jax,
+    target_name,
     timed,
 )
 
@@ -52,7 +54,6 @@ def run(args):
     from models.configs import BagelConfig
     from models.sharding import logical_spec
     from opsd_jax.parallel import mesh as mesh_lib
-    from opsd_jax.parallel.device_memory import program_peak
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
 
     config = (BagelConfig.tiny if args.dry_run else BagelConfig.bagel_7b)(
@@ -198,19 +199,12 @@ def run(args):
         ok=judge["ok"],
         kind=judge["kind"],
     )
-    if predicted is None:
+    if tensor > 1:
         return
-    measured = peak_bytes()
     emit(
         section="memory",
         case=f"decode B={batch}",
-        value=(
-            f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
-            f"{measured / predicted:.2f}"
-            if measured
-            else f"predicted {predicted / GIB:.3f} GiB; compiled here "
-            f"{program_peak(compiled) / GIB:.3f} GiB"
-        ),
+        value=memory_row_value(peak_bytes(), predicted, target_name(args)),
         unit="allocator peak / deviceless compile for the target",
         ok=True,
     )

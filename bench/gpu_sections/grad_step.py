@@ -15,13 +15,14 @@ count's allocator peak is shown next to its deviceless prediction.
 from __future__ import annotations
 
 from gpu_sections.common import (
-    GIB,
     device_peaks,
     emit,
     judged,
+    memory_row_value,
     peak_bytes,
     predicted_peak,
     setup_jax,
+    target_name,
     timed,
 )
 
@@ -138,8 +139,8 @@ def build_step(
     return compiled, arguments, (config, student, teacher, settings)
 
 
-def predicted_step_peak(args, layers: int) -> int:
-    """The grad step's peak bytes compiled for the target GPU without one."""
+def predicted_step_peak(args, layers: int) -> int | None:
+    """The grad step's peak bytes compiled for the target GPU without one (None in a dry run)."""
     import jax
     from flax import nnx
 
@@ -270,12 +271,7 @@ def run(args):
     emit(
         section="memory",
         case=f"grad_step, {sweep[-1]} layer(s)",
-        value=(
-            f"measured {measured / GIB:.2f} GiB / predicted {predicted / GIB:.2f} GiB = "
-            f"{measured / predicted:.2f}"
-            if measured
-            else f"predicted {predicted / GIB:.3f} GiB (no allocator statistics here)"
-        ),
+        value=memory_row_value(measured, predicted, target_name(args)),
         unit="allocator peak / deviceless compile for the target",
         ok=True,
     )
