@@ -119,6 +119,10 @@ def base_config() -> ml_collections.ConfigDict:
     # and teacher are recomputed at training time): only the sampling distribution is stale.
     # The paused rows' KV cache stays on the devices through the train step.
     c.rollout_lookahead = 0
+    # Prompts the rollout prefills at once at most (0: all of a step's). Fewer lower the
+    # prefill's activations, the largest sampling program of a one-GPU run; each later group is
+    # prefilled beside the pool's cache and inserted into it (the preflight counts both).
+    c.rollout_prefill_rows = 0
     # The sampler decodes on a compute-dtype copy of the student made after every update, laid
     # out for decoding: 'replicated' (every device holds the whole copy), 'tensor' (heads, MLP
     # and vocab split over as many of one host's devices as split every head count, rows over

@@ -83,6 +83,31 @@ def test_completions_equal_the_sampler_for_any_pool_and_arrival_order(model, do_
                 assert got.rounds[row] == want.rounds[sample], where
 
 
+def test_prompts_prefilled_in_groups_sample_what_one_prefill_samples(model, monkeypatch):
+    """rollout_prefill_rows: 6 prompts into 8 slots, prefilled 2 at a time, are the sampler's
+    completions; every group after the first is inserted into the pool, no prefill holds more
+    than 2 rows, and all of them are in the pool before the first decode chunk."""
+    samples = prompts(0) + prompts(1)
+    pack = prompt_pack(samples)
+    settings = dict(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=NEW_TOKENS)
+    want = sampler.sample(model, pack, jax.random.key(3), cache_dtype="float32", **settings)
+    programs = record_programs(monkeypatch)
+    engine, got = run_engine(model, pack, pool_size=8, prefill_rows=2)
+    for row in range(6):
+        assert got.row(row) == want.row(row), row
+        np.testing.assert_allclose(
+            got.logprobs[row, : got.lengths[row]],
+            want.logprobs[row, : want.lengths[row]],
+            atol=1e-5,
+        )
+    assert {rows for rows, _, _ in engine.shapes} == {2}, engine.shapes
+    first_chunk = programs.index("decode_chunk")
+    assert programs[:first_chunk].count("prefill_rows") == 3, programs
+    assert programs[:first_chunk].count("insert_rows") == 3 and "pool_of_rows" not in programs
+    with pytest.raises(ValueError, match="prefill_rows must be >= 1"):
+        run_engine(model, pack, pool_size=8, prefill_rows=0)
+
+
 def test_each_row_is_dealt_to_the_share_that_holds_its_slot():
     """placed_rows with the pool's 4 slots in 2 shares (slots 0-1, 2-3) and a prefill of R
     rows in 2 shares (rows 0 .. R/2 - 1, then the rest): every row's slot lies in its row's

@@ -32,8 +32,9 @@ def train(*args, timeout=600):
 
 @pytest.mark.slow
 def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path, program_memory):
-    """The tiny run with the lookahead and taught by a deeper model of the stage-1 tokenizer
-    (teacher_mode='checkpoint'; its directory needs its configs only: nothing else is read)."""
+    """The tiny run with the lookahead, its rollout prefilled 3 prompts at a time, and taught by
+    a deeper model of the stage-1 tokenizer (teacher_mode='checkpoint'; its directory needs its
+    configs only: nothing else is read)."""
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny_config.STAGE1_MODEL, teacher)
     llm = json.loads((teacher / "llm_config.json").read_text())
@@ -47,6 +48,7 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path, program_memory):
         "configs/tiny.py",
         f"--config.results_dir={run_dir}",
         "--config.rollout_lookahead=1",
+        "--config.rollout_prefill_rows=3",  # a group of 4 rows: a power of two, as placed
         "--config.teacher_mode=checkpoint",
         f"--config.teacher_path={teacher}",
         "--compile_only=h100:1",
@@ -67,18 +69,18 @@ def test_the_tiny_run_compiles_for_an_h100_and_fits(tmp_path, program_memory):
         *["rollout"] * 3,
         *["evaluation"] * 3,
     ], out
+    assert names[2][0].startswith("rollout, 16 rows (prefilled 3 at a time) of "), names
     engine_programs = [n.split(": ", 1)[1] for n, _ in names[2:]]
     # With the lookahead a rollout's prefill can meet paused rows' pool; an evaluation's always
     # can (its prompts outnumber its slots): each is counted beside the pool.
-    assert (
-        engine_programs
-        == [
-            "prefill (beside a pool holding rows)",
-            "insert into the pool",
-            "decode chunk",
-        ]
-        * 2
-    ), engine_programs
+    assert engine_programs == [
+        "prefill of 4 rows (beside a pool holding rows)",
+        "insert into the pool",
+        "decode chunk",
+        "prefill (beside a pool holding rows)",
+        "insert into the pool",
+        "decode chunk",
+    ], engine_programs
     assert all(0 < peak < 67.2 for _, peak in names), names
     # 'auto' attention compiled as the GPU runs it (not as this CPU would): the Pallas range
     # kernel in the train step and the prefills, XLA's attention in the decode chunks

@@ -243,7 +243,9 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
     """configs/smoke.py's two toy sources with LoRA adapters, toy_maze scored by the EMA (of
     the adapters) and toy_count by the three-layer checkpoint: each step logs both sources'
     losses, the checkpoints name the teacher and keep the adapters' EMA, the resumed run's
-    params equal the straight run's, and another teacher is refused in one line."""
+    params equal the straight run's, and another teacher is refused in one line. The rollout
+    prefills its 4 prompts 2 at a time (rollout_prefill_rows), as a one-GPU run with two
+    frozen models may need to."""
     mapping = f"toy_maze=ema,toy_count={toy_dirs['teacher']}"
 
     def train(results_dir, *overrides):
@@ -253,6 +255,7 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
             *LORA_RUN,
             f"--config.model_path={toy_dirs['student']}",
             f"--config.results_dir={results_dir}",
+            "--config.rollout_prefill_rows=2",
             *overrides,
         )
 
@@ -261,6 +264,7 @@ def test_a_run_with_a_teacher_per_source_logs_each_and_resumes_bit_identically(t
     )
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     assert "teachers by data source: toy_maze: an EMA of what trains; toy_count:" in straight.stdout
+    assert "4 prompt rows in an engine of 4 slots, prefilled 2 at a time" in straight.stdout
     assert re.search(r"\| jsd by source toy_count \S+ toy_maze \S+ \|", straight.stdout)
     rows = [json.loads(line) for line in open(tmp_path / "straight" / "metrics.jsonl")]
     logged = [r for r in rows if "source/toy_maze/tokens" in r]

@@ -554,6 +554,7 @@ def _valid_config(tmp_path):
         ("sample_prompt_buckets", (512, 256), "sample_prompt_buckets=(512, 256): must be"),
         ("sample_prompt_buckets", (), "sample_prompt_buckets=(): must be"),
         ("rollout_lookahead", 5, "rollout_lookahead=5: must be an integer in 0..4"),
+        ("rollout_prefill_rows", -2, "rollout_prefill_rows=-2: must be an integer >= 0"),
         ("mode", "sft", "rollout_lookahead=1 with mode='sft': only an OPSD run samples"),
         ("jsd_weight", -1.0, "jsd_weight=-1.0: must be >= 0"),
         ("ce_weight", -0.5, "ce_weight=-0.5: must be >= 0"),

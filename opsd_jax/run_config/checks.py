@@ -72,6 +72,11 @@ _RANGES = (
         lambda v: isinstance(v, int) and 0 <= v <= 4,
         "an integer in 0..4 (0 = exactly on-policy)",
     ),
+    (
+        "rollout_prefill_rows",
+        lambda v: isinstance(v, int) and v >= 0,
+        "an integer >= 0 (0 = every prompt of a step at once)",
+    ),
     ("max_forward_tokens", lambda v: v >= 16, ">= 16"),
     ("attention_block", lambda v: v >= 8, ">= 8"),
     ("max_reference_rounds", lambda v: v >= 1, ">= 1"),

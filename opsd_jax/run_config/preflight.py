@@ -294,22 +294,28 @@ def _compile_run(config, spec: str, say: Callable[[str], None], measure: int | N
         )
 
     # ---- the sampler (OPSD rollouts) and the evaluation ---------------------------------------
-    # (name, rows, max new tokens, prompt patches, whether a prefill can meet a pool holding
-    # rows, what else stays on the device): a training rollout's prefill meets one only with
-    # the lookahead's paused rows; an evaluation's prompts outnumber its slots, and it runs
-    # beside the paused rows' pool.
+    # (name, rows, rows prefilled at once, max new tokens, prompt patches, whether a prefill
+    # can meet a pool holding rows, what else stays on the device): a training rollout's
+    # prefill meets one only with the lookahead's paused rows or in groups
+    # (rollout_prefill_rows); an evaluation's prompts outnumber its slots, and it runs beside
+    # the paused rows' pool.
     rollouts = []
     image = pack_shapes.image_patches(config.data.image_transform)
     largest = max(config.sample_prompt_buckets)
     if config.mode == "opsd":
         rows = config.samples_per_micro_batch * config.gradient_accumulation_steps
-        lookahead = bool(config.rollout_lookahead)
-        rollouts.append(("rollout", rows, config.sample_max_new_tokens, image, lookahead, 0))
+        prefill = min(config.rollout_prefill_rows or rows, rows)
+        # A later prefill group meets the pool the first made, as the lookahead's paused rows.
+        beside_pool = bool(config.rollout_lookahead) or prefill < rows
+        rollouts.append(
+            ("rollout", rows, prefill, config.sample_max_new_tokens, image, beside_pool, 0)
+        )
     if config.eval_every:
         contexts = [c for c in config.eval_contexts.split(",") if c]
         images = image * (1 + config.max_reference_rounds) if "teacher" in contexts else image
         new_tokens = config.eval_max_new_tokens or config.sample_max_new_tokens
-        rollouts.append(("evaluation", config.eval_batch_size, new_tokens, images, True, paused))
+        rows = config.eval_batch_size
+        rollouts.append(("evaluation", rows, rows, new_tokens, images, True, paused))
     if rollouts:
         layout = _decode_layout(
             config, model_config, abstract_params, mesh, shapes, capacity - resident
@@ -335,17 +341,19 @@ def _compile_run(config, spec: str, say: Callable[[str], None], measure: int | N
             resident - device_memory.bytes_per_device((state.params, state.base)) + paused,
         )
         cache_dtype = jnp.dtype(builds.cache_dtype_for(config.compute_dtype))
-        for name, rows, new_tokens, patches, pool_in_prefill, beside in rollouts:
+        for name, rows, prefill, new_tokens, patches, pool_in_prefill, beside in rollouts:
             prompt_patches = bucket_in(min(patches, largest), config.sample_prompt_buckets)
+            groups = f" (prefilled {prefill} at a time)" if prefill < rows else ""
             preflight_sampling.compile_engine_programs(
                 compile_and_report,
-                f"{name}, {rows} rows of {largest} tokens / {prompt_patches} patches, "
+                f"{name}, {rows} rows{groups} of {largest} tokens / {prompt_patches} patches, "
                 f"{new_tokens} new tokens",
                 model_config,
                 view,
                 copy_graphdef,
                 copy,
                 rows,
+                prefill,
                 largest,
                 prompt_patches,
                 new_tokens,

@@ -20,6 +20,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import engine, pool_programs, sampler
+from opsd_jax.sampling.row_placement import placed_rows
 
 # The sampling engine's jitted programs (opsd_jax/sampling/engine.py) and how the preflight
 # counts each: compiled as the engine runs it, or held within one that is. tests/test_engine.py
@@ -46,6 +47,7 @@ def compile_engine_programs(
     copy_graphdef,
     copy,
     rows,
+    prefill_rows,
     prompt_length,
     patches,
     new_tokens,
@@ -58,9 +60,10 @@ def compile_engine_programs(
     at `prompt_length`, under the decode mesh and rules, each with what else is on the device
     while it runs (`resident`: the train state, and what else the caller counts):
 
-    - the prefill of `rows` prompts (the first insert fills the whole pool); where a prefill
-      can meet a pool that holds rows (`pool_in_prefill`: a lookahead's paused rows, an
-      evaluation's prompts waiting for slots) the pool's cache is beside it;
+    - the prefill of `prefill_rows` prompts (`rows`, the whole pool, unless the engine
+      prefills in smaller groups); where a prefill can meet a pool that holds rows
+      (`pool_in_prefill`: a lookahead's paused rows, an evaluation's prompts waiting for
+      slots, a later group) the pool's cache is beside it;
     - where a prefill can meet a pool holding rows, the insert of the prefilled rows into the
       pool: both caches at once, beside the copy; elsewhere (a rollout without lookahead,
       whose prompts fill the empty pool in order) the pool made of the prefilled rows;
@@ -77,36 +80,44 @@ def compile_engine_programs(
     def on_view(shape, dtype, names):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding_for(shape, names))
 
-    def per_row(dtype, *tail):
-        return on_view((rows,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+    def per_row(dtype, *tail, count=rows):
+        return on_view((count,) + tail, dtype, ("act_batch",) + (None,) * len(tail))
+
+    # A prefill group's rows as the engine places them: padded per device share to a power of
+    # two (row_placement.placed_rows), here for the first group, into the empty pool.
+    shares = rows // sharding_for((rows,), ("act_batch",)).shard_shape((rows,))[0]
+    group = len(placed_rows(range(rows), min(prefill_rows, rows), shares, rows))
 
     def replicated(dtype, *shape):
         return on_view(shape, dtype, (None,) * len(shape))
 
+    def in_group(dtype, *tail):
+        return per_row(dtype, *tail, count=group)
+
     prompt = Pack(
-        tokens=per_row(jnp.int32, prompt_length),
-        positions=per_row(jnp.int32, prompt_length),
-        segment_ids=per_row(jnp.int32, prompt_length),
-        k_start=per_row(jnp.int32, prompt_length),
-        k_end=per_row(jnp.int32, prompt_length),
-        vit_patches=per_row(jnp.float32, patches, model_config.vit.patch_dim),
-        vit_pos_ids=per_row(jnp.int32, patches),
-        vit_slots=per_row(jnp.int32, patches),
-        vit_image_ids=per_row(jnp.int32, patches),
+        tokens=in_group(jnp.int32, prompt_length),
+        positions=in_group(jnp.int32, prompt_length),
+        segment_ids=in_group(jnp.int32, prompt_length),
+        k_start=in_group(jnp.int32, prompt_length),
+        k_end=in_group(jnp.int32, prompt_length),
+        vit_patches=in_group(jnp.float32, patches, model_config.vit.patch_dim),
+        vit_pos_ids=in_group(jnp.int32, patches),
+        vit_slots=in_group(jnp.int32, patches),
+        vit_image_ids=in_group(jnp.int32, patches),
     )
     slots = sampler.cache_slots_for(prompt_length, new_tokens, image_skips)
     llm = model_config.llm
-    prefilled = sampler.abstract_decode_state(
-        sampler.cache_shape_for(
-            llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
-        ),
-        new_tokens,
-        sharding_for,
-        cache_dtype,
-    )
+
+    def decode_state(count):  # the state of `count` rows
+        shape = sampler.cache_shape_for(
+            llm.num_hidden_layers, count, slots, llm.num_key_value_heads, llm.head_dim
+        )
+        return sampler.abstract_decode_state(shape, new_tokens, sharding_for, cache_dtype)
+
+    prefilled = decode_state(group)
     key = jax.random.key(0)  # the engine's slots draw from the run's key's data and impl
     key_data = jax.random.key_data(key)
-    pool = pool_programs.abstract_pool(prefilled, sharding_for, key_data.shape)
+    pool = pool_programs.abstract_pool(decode_state(rows), sharding_for, key_data.shape)
     pool_bytes = device_memory.bytes_per_device(pool)
     copy_bytes = device_memory.bytes_per_device(copy)
 
@@ -119,7 +130,7 @@ def compile_engine_programs(
 
     beside = " (beside a pool holding rows)" if pool_in_prefill else ""
     compile_and_report(
-        f"{name}: prefill{beside}",
+        f"{name}: prefill{f' of {group} rows' if group < rows else ''}{beside}",
         on_view_mesh(
             lambda: sampler.prefill_rows.lower(
                 copy_graphdef, copy, prompt, new_tokens, slots, cache_dtype, rules
@@ -133,16 +144,16 @@ def compile_engine_programs(
             lambda: pool_programs.insert_rows.lower(
                 pool,
                 prefilled,
-                replicated(jnp.int32, rows),  # the slots
-                replicated(jnp.int32, rows),  # the rows' sample ids
+                replicated(jnp.int32, group),  # the slots
+                replicated(jnp.int32, group),  # the rows' sample ids
                 replicated(key_data.dtype, *key_data.shape),
                 SHAPE_SPECIAL.im_start,
                 rules,
-                per_row(jnp.int32),  # a row's slot among its devices' (row_placement)
+                in_group(jnp.int32),  # a row's slot among its devices' (row_placement)
             )
         )
         compile_and_report(f"{name}: insert into the pool", insert, view, resident + copy_bytes)
-    else:
+    else:  # every row in one group (a power of two or the whole pool: `rows` here)
         fill = on_view_mesh(
             lambda: pool_programs.pool_of_rows.lower(
                 prefilled,

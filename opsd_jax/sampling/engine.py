@@ -134,16 +134,23 @@ class Engine:
         cache_dtype: str = "bfloat16",
         chunk_steps: int = CHUNK_STEPS,
         prompt_buckets: Sequence[int] | None = None,
+        prefill_rows: int | None = None,
     ):
         """model: a `DecodeCopy` (run under its mesh and rules) or an nnx model (run as it is).
         prompt_length: the longest prompt row the pool takes (its cache has
         `sampler.cache_slots_for(prompt_length, max_new_tokens, max_image_skips)` slots a row);
         None: the cache grows to the longest (bucketed) prompt inserted so far.
         chunk_steps: decode steps per chunk at most (the host looks at the pool between chunks).
-        prompt_buckets: row lengths a prefill group is cut to (default: powers of two)."""
+        prompt_buckets: row lengths a prefill group is cut to (default: powers of two).
+        prefill_rows: prompts prefilled at once at most (None: as many as there are free
+        slots); the groups after the first are inserted into the pool, whose cache is beside
+        their prefill, so a smaller group lowers the largest prefill's activations."""
         sampler.check_settings(max_new_tokens, temperature, do_sample, max_image_skips, decode_text)
         if pool_size < 1 or chunk_steps < 1:
             raise ValueError(f"pool_size and chunk_steps must be >= 1: {pool_size}, {chunk_steps}")
+        if prefill_rows is not None and prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be >= 1 (or None): {prefill_rows}")
+        self.prefill_rows = prefill_rows
         self.swap(model)
         self.pool_size, self.special, self.chunk_steps = pool_size, special, chunk_steps
         self.max_new_tokens, self.max_image_skips = max_new_tokens, max_image_skips
@@ -235,8 +242,11 @@ class Engine:
             self._continue_paused(version)
             while not batch.done:
                 free = [s for s, row in enumerate(self._slots) if row is None]
-                if self._waiting and free:
+                while self._waiting and free:
                     self._insert(free, version, rules)
+                    if self.prefill_rows is None:
+                        break  # one group a chunk: it took every free slot of its batch
+                    free = [s for s, row in enumerate(self._slots) if row is None]
                 self._pool, steps, busy = pool_programs.decode_chunk(
                     self.graphdef,
                     self.params,
@@ -286,7 +296,8 @@ class Engine:
         the first and are dropped), cut to the group's bucket."""
         batch = self._waiting[0][0]
         group = []
-        while self._waiting and self._waiting[0][0] is batch and len(group) < len(free):
+        most = min(len(free), self.prefill_rows or len(free))
+        while self._waiting and self._waiting[0][0] is batch and len(group) < most:
             group.append(self._waiting.popleft()[1])
         shares = self._row_shares(self.pool_size)
         placed = placed_rows(free, len(group), shares, self.pool_size)

@@ -138,8 +138,13 @@ class Rollout:
         return (
             f"sampler: '{self.layout}' decode copy ({config.compute_dtype}, KV cache "
             f"{self.cache_dtype}) on {dict(self.decode_mesh.shape)}; {self.rows} prompt rows "
-            f"in an engine of {self.rows} slots, lengths bucketed to "
-            f"{list(config.sample_prompt_buckets)}: at most "
+            f"in an engine of {self.rows} slots"
+            + (
+                f", prefilled {config.rollout_prefill_rows} at a time"
+                if 0 < config.rollout_prefill_rows < self.rows
+                else ""
+            )
+            + f", lengths bucketed to {list(config.sample_prompt_buckets)}: at most "
             f"{prompt_shape_bound(config.sample_prompt_buckets)} compiled prompt shapes; "
             + (
                 f"lookahead {self.lookahead}: the next {self.lookahead} step(s)' prompts take "
@@ -238,6 +243,7 @@ class Rollout:
             student,
             pool_size=self.rows,
             prompt_buckets=config.sample_prompt_buckets,
+            prefill_rows=config.rollout_prefill_rows or None,
             **engine_lib.settings_for(
                 self.start.tokenizer,
                 config.sample_max_new_tokens,
