@@ -36,6 +36,10 @@ The choices:
   the prediction (the 1.33x the first H200 showed above a prediction was the check holding a
   second output: docs/gpus.md). The ViT is frozen and runs no backward, so `vit_remat`
   changes nothing here.
+* the rollout prefills all 16 prompts at once, the largest program (52.60 GiB for an H100,
+  2026-12-07); `--config.rollout_prefill_rows=8` prefills them 8 at a time for the same
+  completions (48.74 GiB), the remedy where a GPU holds less than the preflight counts or a
+  second frozen model shares it (a checkpoint teacher per source: docs/runs.md).
 * lr 1e-4, ten times the paper's full-rank 1e-5 (min_lr ten times too): the same study finds
   LoRA's best learning rate about 10x full fine-tuning's, nearly independent of rank under the
   alpha / rank scaling; on the toy (configs/tiny_lora.py) 3.3x the full-rank rate learns as
