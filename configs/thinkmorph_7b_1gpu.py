@@ -37,8 +37,8 @@ The choices:
   second output: docs/gpus.md). The ViT is frozen and runs no backward, so `vit_remat`
   changes nothing here.
 * the rollout prefills all 16 prompts at once, the largest program (52.60 GiB for an H100,
-  2026-12-07); `--config.rollout_prefill_rows=8` prefills them 8 at a time for the same
-  completions (48.74 GiB), the remedy where a GPU holds less than the preflight counts or a
+  2026-12-07); `--config.rollout_prefill_rows=8` prefills them 8 at a time, each sample
+  drawing as before (48.74 GiB), the remedy where a GPU holds less than the preflight counts or a
   second frozen model shares it (a checkpoint teacher per source: docs/runs.md).
 * lr 1e-4, ten times the paper's full-rank 1e-5 (min_lr ten times too): the same study finds
   LoRA's best learning rate about 10x full fine-tuning's, nearly independent of rank under the

@@ -33,7 +33,8 @@ groups (powers of two up to B, and B) and the prompt buckets.
 
 This module is the host's bookkeeping (which prompt goes into which slot, when a row leaves or
 starts its next round, which batch a chunk waits for); the device programs it calls are
-pool_programs.py.
+pool_programs.py. One module of about 460 lines: the slots, the queue and the batches that
+share them change together at every insert and retire.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ weights whole or tensor-split a decode step moves no weight. The state is donate
 jitted call so the cache is updated in place. With several processes the prompt Pack is the
 global one (opsd_jax/parallel/distributed.py `put_rows`) and every process gets every row's completion.
 
-One module of a little over 400 lines: prefill, the decode round and the image-skip rounds share
+One module of about 550 lines: prefill, the decode round and the image-skip rounds share
 the cache layout and the per-row state, and are read together.
 """
 
