@@ -166,6 +166,12 @@ def parse_args():
         "fine-tuning; default: the recipe's lora_rank",
     )
     parser.add_argument(
+        "--rollout-prefill-rows",
+        type=int,
+        default=None,
+        help="prompts the rollout prefills at once (0: all); default: the recipe's",
+    )
+    parser.add_argument(
         "--samples",
         type=int,
         default=None,
@@ -401,6 +407,9 @@ def set_up(args, target: str) -> Run:
     if args.lora_rank is not None:
         with recipe.unlocked():
             recipe.lora_rank, recipe.lora_alpha = args.lora_rank, float(max(args.lora_rank, 1))
+    if args.rollout_prefill_rows is not None:
+        with recipe.unlocked():
+            recipe.rollout_prefill_rows = args.rollout_prefill_rows
     if args.teacher is not None:
         with recipe.unlocked():
             recipe.teacher_mode = args.teacher
@@ -875,15 +884,21 @@ def refresh_section(run: Run, model: Model, sampling: Sampling, view, layout: st
 
 
 def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphdef, copy):
-    """Compiles the sampler's prefill on the copy; prints its report and returns (its memory
-    analysis, its matmul FLOPs per device)."""
+    """Compiles the sampler's prefill on the copy, of the rollout's first group of prompts
+    (all of them unless the recipe's rollout_prefill_rows is smaller); prints its report and
+    returns (its memory analysis, its matmul FLOPs per device, its rows)."""
     import jax.numpy as jnp
 
+    from models.sharding import per_device
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import sampler
+    from opsd_jax.sampling.row_placement import first_group_rows
 
     args, rows = run.args, sampling.rows
-    prompt = pack(rows, args.prompt_len, args.prompt_slots, 0, view)
+    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        shares = rows // per_device((rows,), ("act_batch",))[0]
+    group = first_group_rows(rows, run.recipe.rollout_prefill_rows or rows, shares)
+    prompt = pack(group, args.prompt_len, args.prompt_slots, 0, view)
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.prefill_rows.lower(
             copy_graphdef,
@@ -895,15 +910,16 @@ def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphd
             mesh_lib.DECODE_RULES,
         )
         prefill_compiled, prefill_text, seconds = compile_program(lowered, view)
+    groups = f" at a time, {-(-rows // group)} groups" if group < rows else ""
     prefill_memory, _, prefill_flops, _ = report(
-        f"prefill on the '{layout}' copy ({rows} prompts of {args.prompt_len} tokens, "
+        f"prefill on the '{layout}' copy ({group} prompts{groups} of {args.prompt_len} tokens, "
         f"{args.prompt_patches} patches in {args.prompt_slots} slots; cache of "
         f"{sampling.slots} slots)",
         prefill_compiled,
         prefill_text,
         seconds,
     )
-    return prefill_memory, prefill_flops
+    return prefill_memory, prefill_flops, group
 
 
 def decode_round_section(
@@ -1061,7 +1077,7 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
     times (per token step, per rollout, prefill, refresh) and its sampling peak memory."""
     view = decode_view(run, layout)
     copy_graphdef, copy, refresh_moved = refresh_section(run, model, sampling, view, layout)
-    prefill_memory, prefill_flops = prefill_section(
+    prefill_memory, prefill_flops, group = prefill_section(
         run, sampling, view, layout, copy_graphdef, copy
     )
     decode = decode_round_section(run, sampling, view, layout, copy_graphdef, copy)
@@ -1077,7 +1093,10 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         launch_s = plain_launch_s = sync_s = 0.0
     token_s = bytes_s + decode.collective_s + launch_s + sync_s
     copy_bytes, cache_bytes = hbm["copy_bytes"], hbm["cache_bytes"]
-    pool_beside = cache_bytes if run.recipe.rollout_lookahead else 0  # (peak, below)
+    # (peak, below) A prefill meets the pool with the lookahead's paused rows, or as a later
+    # group of prompts; its own output is its group's share of the cache.
+    pool_beside = cache_bytes if run.recipe.rollout_lookahead or group < sampling.rows else 0
+    prefilled = cache_bytes * group // sampling.rows
     local_rows = decode.cache.sharding.shard_shape(decode.cache.shape)[1]
     row = dict(
         token_s=token_s,
@@ -1091,22 +1110,22 @@ def sampler_layout(run: Run, model: Model, sampling: Sampling, layout: str) -> d
         cache_s_per_row=cache_bytes / local_rows / 2 / run.hbm_bw,
         rollout_s=token_s * run.new_tokens,
         refresh_s=refresh_moved / run.link_bw,
-        prefill_s=prefill_flops / (run.peak_flops * run.args.mfu),
+        prefill_s=prefill_flops * -(-sampling.rows // group) / (run.peak_flops * run.args.mfu),
         # The engine's programs, counted as the preflight counts them
         # (opsd_jax/run_config/preflight_sampling.py): the prefill writes the rows' cache beside
         # its temp, a decode chunk holds the pool beside its temp; the copy and the train state
-        # throughout. With the recipe's lookahead a prefill can meet a pool holding paused rows:
-        # that pool's cache is beside the prefill, and the insert holds both caches. Without it
-        # the prefilled rows become the pool (no second cache). Evaluation's pool is the
-        # preflight's to count (`train.py --compile_only`). No gradient accumulator: it lives
-        # inside train.py's one train step program.
+        # throughout. With the recipe's lookahead a prefill can meet a pool holding paused rows,
+        # and with rollout_prefill_rows a later group the pool the first made: that pool's cache
+        # is beside the prefill, and the insert holds both caches. Otherwise the prefilled rows
+        # become the pool (no second cache). Evaluation's pool is the preflight's to count
+        # (`train.py --compile_only`). No gradient accumulator: it lives inside train.py's one
+        # train step program.
         peak=model.state_bytes
         + copy_bytes
-        + cache_bytes
         + max(
-            decode.memory.temp_size_in_bytes,
-            prefill_memory.temp_size_in_bytes + pool_beside,
-            pool_beside,
+            cache_bytes + decode.memory.temp_size_in_bytes,  # a decode chunk over the pool
+            prefilled + prefill_memory.temp_size_in_bytes + pool_beside,  # a prefill
+            prefilled + pool_beside,  # the insert
         ),
     )
     print(

@@ -20,7 +20,7 @@ from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel import device_memory
 from opsd_jax.parallel import mesh as mesh_lib
 from opsd_jax.sampling import engine, pool_programs, sampler
-from opsd_jax.sampling.row_placement import placed_rows
+from opsd_jax.sampling.row_placement import first_group_rows
 
 # The sampling engine's jitted programs (opsd_jax/sampling/engine.py) and how the preflight
 # counts each: compiled as the engine runs it, or held within one that is. tests/test_engine.py
@@ -86,7 +86,7 @@ def compile_engine_programs(
     # A prefill group's rows as the engine places them: padded per device share to a power of
     # two (row_placement.placed_rows), here for the first group, into the empty pool.
     shares = rows // sharding_for((rows,), ("act_batch",)).shard_shape((rows,))[0]
-    group = len(placed_rows(range(rows), min(prefill_rows, rows), shares, rows))
+    group = first_group_rows(rows, prefill_rows, shares)
 
     def replicated(dtype, *shape):
         return on_view(shape, dtype, (None,) * len(shape))

@@ -52,3 +52,10 @@ def own_slots(placed: list[tuple[int | None, int]], shares: int, pool_size: int)
     s % (pool_size / shares) there; a padding row's is past the share (dropped)."""
     share = pool_size // shares
     return [slot % share if slot < pool_size else share for _, slot in placed]
+
+
+def first_group_rows(pool_size: int, prefill_rows: int, shares: int) -> int:
+    """The rows of the first prefill into an empty pool of `pool_size` slots in `shares`
+    shares when the engine prefills at most `prefill_rows` prompts at once: padded as
+    `placed_rows` pads them (what the preflight and bench/scale.py compile)."""
+    return len(placed_rows(range(pool_size), min(prefill_rows, pool_size), shares, pool_size))
