@@ -194,8 +194,14 @@ def test_the_verdict_names_every_program_over_85_percent():
     assert code == 1
     assert lines == [
         f"does not fit: rollout: prefill needs {over.peak / GIB:.2f} GiB per device, more than "
-        f"{limit / GIB:.1f} GiB (85% of a H100's 79.1 GiB)"
+        f"{limit / GIB:.1f} GiB (85% of a H100's 79.1 GiB)",
+        "the rollout's prefill: --config.rollout_prefill_rows=N prefills at most N prompts at a "
+        "time (each later group beside the pool; docs/configuration.md)",
     ]
+    # Only a rollout's prefill gets that setting named.
+    step = preflight.ProgramMemory("train step", int(limit) + 1, 0, 1.0)
+    code, lines = preflight.verdict([step], "h100", capacity)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("does not fit: train step")
 
 
 def test_the_usable_share_follows_jax_allocator_fraction(monkeypatch):

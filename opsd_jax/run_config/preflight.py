@@ -376,16 +376,23 @@ def _compile_run(config, spec: str, say: Callable[[str], None], measure: int | N
 
 def verdict(reports: list[ProgramMemory], target: str, capacity: int) -> tuple[int, list[str]]:
     """(0, a line naming the largest program) when every program's peak leaves
-    PREFLIGHT_HEADROOM of `capacity` free; else (1, a line per program that does not)."""
+    PREFLIGHT_HEADROOM of `capacity` free; else (1, a line per program that does not, and the
+    setting that lowers a rollout's prefill where one of them is)."""
     limit = int(capacity * allowed_share())
     share = f"{allowed_share():.0%} of a {target.upper()}'s {capacity / GIB:.1f} GiB"
     over = [r for r in reports if r.peak > limit]
     if over:
-        return 1, [
+        lines = [
             f"does not fit: {r.name} needs {r.peak / GIB:.2f} GiB per device, more than "
             f"{limit / GIB:.1f} GiB ({share})"
             for r in over
         ]
+        if any(r.name.startswith("rollout") and ": prefill" in r.name for r in over):
+            lines.append(
+                "the rollout's prefill: --config.rollout_prefill_rows=N prefills at most N "
+                "prompts at a time (each later group beside the pool; docs/configuration.md)"
+            )
+        return 1, lines
     worst = max(reports, key=lambda r: r.peak)
     return 0, [
         f"fits: every program leaves {1 - allowed_share():.0%} of a {target.upper()} free "
