@@ -889,15 +889,13 @@ def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphd
     returns (its memory analysis, its matmul FLOPs per device, its rows)."""
     import jax.numpy as jnp
 
-    from models.sharding import per_device
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import sampler
     from opsd_jax.sampling.row_placement import first_group_rows
 
     args, rows = run.args, sampling.rows
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        shares = rows // per_device((rows,), ("act_batch",))[0]
-    group = first_group_rows(rows, run.recipe.rollout_prefill_rows or rows, shares)
+        group = first_group_rows(rows, run.recipe.rollout_prefill_rows or rows)
     prompt = pack(group, args.prompt_len, args.prompt_slots, 0, view)
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.prefill_rows.lower(

@@ -215,9 +215,10 @@ def test_lazy_prompts_grow_the_pool_under_a_decoding_row(monkeypatch):
     assert engine.pool_shapes == {128, 256}
 
 
-def record_programs(monkeypatch) -> list[str]:
+def record_programs(monkeypatch, arguments: list | None = None) -> list[str]:
     """The names of the jitted programs of the engine's modules, in the order they are called
-    from now on (each wrapped, under monkeypatch, to append its name)."""
+    from now on (each wrapped, under monkeypatch, to append its name); with `arguments`, each
+    call's (name, program, positional arguments) are appended there too."""
     calls = []
     for module in (pool_programs, sampler):
         for name, program in list(vars(module).items()):
@@ -225,6 +226,8 @@ def record_programs(monkeypatch) -> list[str]:
 
                 def spy(*args, _program=program, _name=name, **kwargs):
                     calls.append(_name)
+                    if arguments is not None:
+                        arguments.append((_name, _program, args))
                     return _program(*args, **kwargs)
 
                 monkeypatch.setattr(module, name, spy)
@@ -305,15 +308,7 @@ def test_programs_given_the_weights_keep_all_of_them_as_arguments(monkeypatch):
     model = ScriptedModelWithIdleWeights([[7, SKIP_ID, eos, 11, eos], [7, 8, eos]])
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     calls = []
-    for module in (pool_programs, sampler):
-        for name, program in list(vars(module).items()):
-            if callable(program) and hasattr(program, "lower"):
-
-                def spy(*args, _program=program, _name=name):
-                    calls.append((_name, _program, args))
-                    return _program(*args)
-
-                monkeypatch.setattr(module, name, spy)
+    record_programs(monkeypatch, calls)
     pack = scripted_pack(2)
     settings = scripted_settings(max_new_tokens=6, max_image_skips=1)
     engine = engine_lib.Engine(model, pool_size=2, prompt_length=pack.row_length, **settings)

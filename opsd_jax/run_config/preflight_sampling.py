@@ -85,8 +85,8 @@ def compile_engine_programs(
 
     # A prefill group's rows as the engine places them: padded per device share to a power of
     # two (row_placement.placed_rows), here for the first group, into the empty pool.
-    shares = rows // sharding_for((rows,), ("act_batch",)).shard_shape((rows,))[0]
-    group = first_group_rows(rows, prefill_rows, shares)
+    with mesh_lib.use_mesh(view, rules):
+        group = first_group_rows(rows, prefill_rows)
 
     def replicated(dtype, *shape):
         return on_view(shape, dtype, (None,) * len(shape))

@@ -50,13 +50,12 @@ from flax import nnx
 from flax.core import spmd
 
 from models.pack import Pack
-from models.sharding import per_device
 from opsd_jax.data.opsd_packs import bucket, bucket_in
 from opsd_jax.data.packing import SpecialTokens
 from opsd_jax.parallel.distributed import to_host
 from opsd_jax.sampling import pool_programs, sampler
 from opsd_jax.sampling.decode_copy import DecodeCopy
-from opsd_jax.sampling.row_placement import own_slots, placed_rows
+from opsd_jax.sampling.row_placement import own_slots, placed_rows, row_shares
 from opsd_jax.sampling.sampler import Completions
 
 
@@ -300,10 +299,10 @@ class Engine:
         most = min(len(free), self.prefill_rows or len(free))
         while self._waiting and self._waiting[0][0] is batch and len(group) < most:
             group.append(self._waiting.popleft()[1])
-        shares = self._row_shares(self.pool_size)
+        shares = row_shares(self.pool_size)
         placed = placed_rows(free, len(group), shares, self.pool_size)
         local = None  # rows not on their slots' devices: the scatter, which XLA partitions
-        if self._row_shares(len(placed)) == shares:  # the prefilled rows split as the pool's
+        if row_shares(len(placed)) == shares:  # the prefilled rows split as the pool's
             local = np.array(own_slots(placed, shares, self.pool_size), np.int32)
         else:
             placed = placed_rows(free, len(group), 1, self.pool_size)
@@ -358,12 +357,6 @@ class Engine:
         for place, slot in placed:
             if place is not None:
                 self._slots[slot] = _Row(batch, group[place], versions=[(version, 0)])
-
-    @staticmethod
-    def _row_shares(rows: int) -> int:
-        """Into how many devices' shares `rows` rows are split under the active layout (1:
-        each device holds every row)."""
-        return rows // per_device((rows,), ("act_batch",))[0]
 
     def _retire(self, rules) -> None:
         """Rows that stopped in the last chunk: the next image-skip round in their slot, or

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from models.sharding import per_device
+
 
 def placed_rows(
     free: Sequence[int], count: int, shares: int, pool_size: int
@@ -54,8 +56,15 @@ def own_slots(placed: list[tuple[int | None, int]], shares: int, pool_size: int)
     return [slot % share if slot < pool_size else share for _, slot in placed]
 
 
-def first_group_rows(pool_size: int, prefill_rows: int, shares: int) -> int:
-    """The rows of the first prefill into an empty pool of `pool_size` slots in `shares`
-    shares when the engine prefills at most `prefill_rows` prompts at once: padded as
+def row_shares(rows: int) -> int:
+    """Into how many devices' shares `rows` rows are split under the active mesh and rules (1:
+    each device holds every row)."""
+    return rows // per_device((rows,), ("act_batch",))[0]
+
+
+def first_group_rows(pool_size: int, prefill_rows: int) -> int:
+    """The rows of the first prefill into an empty pool of `pool_size` slots, under the active
+    mesh and rules, when the engine prefills at most `prefill_rows` prompts at once: padded as
     `placed_rows` pads them (what the preflight and bench/scale.py compile)."""
-    return len(placed_rows(range(pool_size), min(prefill_rows, pool_size), shares, pool_size))
+    count = min(prefill_rows, pool_size)
+    return len(placed_rows(range(pool_size), count, row_shares(pool_size), pool_size))
