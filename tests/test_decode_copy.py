@@ -56,9 +56,7 @@ def round_collectives(graphdef, state, pack, do_sample=False):
     decode_state = sampler.prefill_rows(
         graphdef, state, pack, NEW_TOKENS, slots, jnp.bfloat16, rules
     )
-    settings = sampler.RoundSettings(
-        1.0, do_sample, SPECIAL.im_start, SPECIAL.im_end, VOCAB_LIMIT, NEW_TOKENS + 1
-    )
+    settings = sampler.round_settings(SPECIAL, VOCAB_LIMIT, NEW_TOKENS, 1.0, do_sample)
     lowered = sampler.decode_round.lower(
         graphdef,
         state,
@@ -172,18 +170,31 @@ def test_tensor_decode_round_all_reduces_only_layer_outputs(bf16_setup):
 
 
 @pytest.mark.slow
-def test_same_completions_as_sampling_on_the_training_params(bf16_setup):
+def test_same_completions_as_sampling_on_the_training_params(bf16_setup, monkeypatch):
     """bf16, one row per device: the copy decodes bit for bit what the sharded params decode
-    (greedy and sampled: tokens and log-probs), and a seed reproduces its batch."""
+    (greedy and sampled: tokens and log-probs), and a seed reproduces its batch. The prompts
+    are on the training mesh, as a caller holds them: every array the copy's decode round takes
+    is on the copy's mesh all the same (jax 0.11, the GPU image's, refuses an op whose inputs
+    are on two meshes: the row ids on the prompts' mesh failed there)."""
     mesh, model, graphdef, params, rest, pack = bf16_setup
     copy = decode_copy.make_decode_copy(
         graphdef, params, rest, layout="replicated", mesh=mesh, dtype=jnp.bfloat16
     )
+    meshes = set()
+
+    def decode_round(*args, _program=sampler.decode_round, **kwargs):
+        shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves((args, kwargs))]
+        meshes.update(s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding))
+        return _program(*args, **kwargs)
+
     for kwargs in (dict(do_sample=False), dict(temperature=0.7)):
         kwargs.update(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=NEW_TOKENS)
         with mesh_lib.use_mesh(mesh):
             today = sampler.sample(model, pack, jax.random.key(3), **kwargs)
-        out = sampler.sample(copy, pack, jax.random.key(3), **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(sampler, "decode_round", decode_round)
+            out = sampler.sample(copy, pack, jax.random.key(3), **kwargs)
+        assert meshes == {copy.mesh}, meshes
         np.testing.assert_array_equal(out.tokens, today.tokens)
         np.testing.assert_array_equal(out.logprobs, today.logprobs)
     again = sampler.sample(copy, pack, jax.random.key(3), **kwargs)

@@ -506,9 +506,10 @@ def _sample(
         graphdef, params, prompt_pack, max_new_tokens, cache_slots, jnp.dtype(cache_dtype), rules
     )
     settings = round_settings(special, vocab_limit, max_new_tokens, temperature, do_sample)
-    # Host-side per-row values go in as arrays sharded like the prompt rows (with several
-    # processes, every jit input must be a global array).
-    row_ids = rows_array(row_ids.astype(np.int32), like=prompt_pack.tokens)
+    # Host-side per-row values go in as arrays sharded like the decode state's rows (with
+    # several processes, every jit input must be a global array). The state's, not the prompt's:
+    # a DecodeCopy decodes on its own mesh, and jax 0.11 refuses to mix two meshes in one op.
+    row_ids = rows_array(row_ids.astype(np.int32), like=state.tokens)
     rounds = np.ones(batch, np.int32)
     round_start = np.zeros(batch, np.int64)
     for round_index in range(max_image_skips + 1):
