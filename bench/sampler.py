@@ -101,14 +101,7 @@ def bench_config(name, batch_sizes, new_tokens, repeats, layout):
     lm_params = sum(x.size for x in jax.tree.leaves(nnx.state(model.language_model, nnx.Param)))
     vocab = config.llm.vocab_size
     special = SpecialTokens(*range(vocab - 4, vocab))
-    settings = sampler.RoundSettings(
-        temperature=1.0,
-        do_sample=True,
-        bos_id=special.im_start,
-        eos_id=special.im_end,
-        vocab_limit=vocab - 4,
-        max_steps=new_tokens + 1,
-    )
+    settings = sampler.round_settings(special, vocab - 4, new_tokens, 1.0, True)
     print(
         f"\nconfig {name}: {lm_params / 1e6:.1f}M LM parameters, {config.llm.compute_dtype} "
         f"compute, bf16 cache, prompt = 256 patches + 20 text tokens, {new_tokens} new tokens; "

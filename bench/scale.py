@@ -813,6 +813,7 @@ def sampling_for(run: Run, model: Model) -> Sampling:
     """The rollout's rows, KV-cache shape and settings, and the state the copy is made from."""
     from flax import nnx
 
+    from opsd_jax.run_config.preflight_sampling import SHAPE_SPECIAL
     from opsd_jax.sampling import sampler
     from opsd_jax.training import train_step
 
@@ -825,14 +826,7 @@ def sampling_for(run: Run, model: Model) -> Sampling:
         cache_shape=sampler.cache_shape_for(
             llm.num_hidden_layers, rows, slots, llm.num_key_value_heads, llm.head_dim
         ),
-        settings=sampler.RoundSettings(
-            temperature=1.0,
-            do_sample=True,
-            bos_id=1,
-            eos_id=2,
-            vocab_limit=llm.vocab_size,
-            max_steps=run.new_tokens + 1,
-        ),
+        settings=sampler.round_settings(SHAPE_SPECIAL, llm.vocab_size, run.new_tokens, 1.0, True),
         model_state=nnx.merge_state(
             train_step.model_params(model.state.params, model.state.base), model.abstract_rest
         ),

@@ -293,9 +293,7 @@ def h100_sampler() -> SamplerPrograms:
     decode_state = abstract_state(view, llm, rows, slots, new_tokens)
     cache = decode_state.cache
     key = sampler.abstract_key(view)
-    settings = sampler.RoundSettings(
-        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
-    )
+    settings = sampler.round_settings(SPECIAL, llm.vocab_size, new_tokens, 1.0, True)
     with mesh_lib.use_mesh(view, rules):
         lowered = sampler.decode_round.lower(
             copy_graphdef, copy, decode_state, key, rows_of(jnp.int32), settings, rules
@@ -496,9 +494,7 @@ def tensor_decode_round(model_config, devices, tensor, rows, slots, new_tokens):
     )
     state = abstract_state(view, llm, rows, slots, new_tokens)
     key = sampler.abstract_key(view)
-    settings = sampler.RoundSettings(
-        1.0, True, SPECIAL.im_start, SPECIAL.im_end, llm.vocab_size, new_tokens + 1
-    )
+    settings = sampler.round_settings(SPECIAL, llm.vocab_size, new_tokens, 1.0, True)
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
         lowered = sampler.decode_round.lower(
             graphdef, copy, state, key, tokens, settings, mesh_lib.DECODE_RULES

@@ -53,6 +53,7 @@ def run(args):
     from models.bagel import Bagel
     from models.configs import BagelConfig
     from models.sharding import logical_spec
+    from opsd_jax.data.packing import SpecialTokens
     from opsd_jax.parallel import mesh as mesh_lib
     from opsd_jax.sampling import decode_copy, layout_choice, sampler
 
@@ -69,9 +70,8 @@ def run(args):
     cache_shape = sampler.cache_shape_for(
         lm.num_hidden_layers, batch, slots, lm.num_key_value_heads, lm.head_dim
     )
-    settings = sampler.RoundSettings(
-        1.0, True, lm.vocab_size - 4, lm.vocab_size - 3, lm.vocab_size, new_tokens + 1
-    )
+    special = SpecialTokens(*range(lm.vocab_size - 4, lm.vocab_size))
+    settings = sampler.round_settings(special, lm.vocab_size, new_tokens, 1.0, True)
     rules = mesh_lib.DECODE_RULES
     make = lambda: Bagel(config, rngs=nnx.Rngs(0))  # noqa: E731
 

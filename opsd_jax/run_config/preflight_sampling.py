@@ -164,14 +164,7 @@ def compile_engine_programs(
             )
         )
         compile_and_report(f"{name}: the pool from the rows", fill, view, resident + copy_bytes)
-    settings = sampler.RoundSettings(
-        temperature=1.0,
-        do_sample=True,
-        bos_id=SHAPE_SPECIAL.im_start,
-        eos_id=SHAPE_SPECIAL.im_end,
-        vocab_limit=llm.vocab_size,
-        max_steps=new_tokens + 1,
-    )
+    settings = sampler.round_settings(SHAPE_SPECIAL, llm.vocab_size, new_tokens, 1.0, True)
     chunk = on_view_mesh(
         lambda: pool_programs.decode_chunk.lower(
             copy_graphdef,
