@@ -180,21 +180,14 @@ def test_same_completions_as_sampling_on_the_training_params(bf16_setup, monkeyp
     copy = decode_copy.make_decode_copy(
         graphdef, params, rest, layout="replicated", mesh=mesh, dtype=jnp.bfloat16
     )
-    meshes = set()
-
-    def decode_round(*args, _program=sampler.decode_round, **kwargs):
-        shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves((args, kwargs))]
-        meshes.update(s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding))
-        return _program(*args, **kwargs)
-
     for kwargs in (dict(do_sample=False), dict(temperature=0.7)):
         kwargs.update(special=SPECIAL, vocab_limit=VOCAB_LIMIT, max_new_tokens=NEW_TOKENS)
         with mesh_lib.use_mesh(mesh):
             today = sampler.sample(model, pack, jax.random.key(3), **kwargs)
         with monkeypatch.context() as patch:
-            patch.setattr(sampler, "decode_round", decode_round)
+            meshes = record_meshes(patch, "decode_round")
             out = sampler.sample(copy, pack, jax.random.key(3), **kwargs)
-        assert meshes == {copy.mesh}, meshes
+        assert meshes == {"decode_round": {copy.mesh}}, meshes
         np.testing.assert_array_equal(out.tokens, today.tokens)
         np.testing.assert_array_equal(out.logprobs, today.logprobs)
     again = sampler.sample(copy, pack, jax.random.key(3), **kwargs)
@@ -228,18 +221,25 @@ def test_tensor_layout_decodes_what_one_device_decodes():
     np.testing.assert_allclose(out.logprobs, ref.logprobs, atol=1e-5)
 
 
-def test_image_skip_rounds_and_budgets_on_a_copy():
-    """The scripted model of test_sampler, sampled through a (replicated) decode copy."""
+def test_image_skip_rounds_and_budgets_on_a_copy(monkeypatch):
+    """The scripted model of test_sampler, sampled through a (replicated) decode copy from
+    prompts on the training mesh: the rounds' programs take arrays on the copy's mesh only."""
     eos = SPECIAL.im_end
-    scripts = [[7, 50, eos, 11, 12, eos], [7, 8, eos], [50, eos] + [13] * 6, [9] * 12]
+    scripts = [[7, 50, eos, 11, 12, eos], [7, 8, eos], [50, eos] + [13] * 6, [9] * 12] * 2
     model = ScriptedModel(scripts)
     graphdef, state = nnx.split(model)
+    mesh = mesh_lib.make_mesh()  # data 1 x fsdp 8; the copy's: data 8
     copy = decode_copy.make_decode_copy(
-        graphdef, state, layout="replicated", mesh=mesh_lib.make_mesh(), dtype=jnp.float32
+        graphdef, state, layout="replicated", mesh=mesh, dtype=jnp.float32
     )
+    pack = jax.tree.map(
+        lambda x: jax.device_put(x, mesh_lib.batch_sharding(mesh, x.ndim)),
+        scripted_pack(len(scripts)),
+    )
+    meshes = record_meshes(monkeypatch, "decode_round", "_append_token")
     out = sampler.sample(
         copy,
-        scripted_pack(len(scripts)),
+        pack,
         jax.random.key(0),
         special=SPECIAL,
         vocab_limit=VOCAB_LIMIT,
@@ -249,7 +249,28 @@ def test_image_skip_rounds_and_budgets_on_a_copy():
         decode_text=decode_text,
         cache_dtype="float32",
     )
-    assert out.row(0) == [7, 50, 11, 12] and out.finished[0] and out.rounds[0] == 2
-    assert out.row(1) == [7, 8] and out.finished[1] and out.rounds[1] == 1
-    assert out.row(2) == [50, 13, 13, 13, 13] and not out.finished[2] and out.rounds[2] == 2
-    assert out.row(3) == [9] * 6 and not out.finished[3] and out.rounds[3] == 1
+    assert meshes == {"decode_round": {copy.mesh}, "_append_token": {copy.mesh}}, meshes
+    for first in (0, 4):
+        row = lambda r: out.row(first + r)  # noqa: E731
+        rounds, finished = out.rounds[first:], out.finished[first:]
+        assert row(0) == [7, 50, 11, 12] and finished[0] and rounds[0] == 2
+        assert row(1) == [7, 8] and finished[1] and rounds[1] == 1
+        assert row(2) == [50, 13, 13, 13, 13] and not finished[2] and rounds[2] == 2
+        assert row(3) == [9] * 6 and not finished[3] and rounds[3] == 1
+
+
+def record_meshes(patch, *names) -> dict[str, set]:
+    """For each of the sampler's programs `names`, wrapped under `patch`: the meshes of the
+    arrays each call takes (jax 0.11, the GPU image's, refuses an op over two meshes)."""
+    meshes = {}
+    for name in names:
+
+        def spy(*args, _program=getattr(sampler, name), _name=name, **kwargs):
+            shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves((args, kwargs))]
+            meshes.setdefault(_name, set()).update(
+                s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)
+            )
+            return _program(*args, **kwargs)
+
+        patch.setattr(sampler, name, spy)
+    return meshes

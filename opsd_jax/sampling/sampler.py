@@ -531,7 +531,7 @@ def _sample(
         )
         if not skip.any():
             break
-        skip_rows = rows_array(skip, like=prompt_pack.tokens)
+        skip_rows = rows_array(skip, like=state.tokens)
         state = _append_token(graphdef, params, state, np.int32(special.im_end), skip_rows, rules)
         rounds += skip
         round_start = np.where(skip, length, round_start)
