@@ -37,8 +37,9 @@ slow or loaded the CPU is.
 
 `--dry-run` runs all of it on the CPU with tiny shapes (the Pallas kernels in their interpreter,
 programs compiled for the target without running them on it, except the memory rows', which
-are lowered for it only, the 'tensor' decode case on four forced CPU devices), so the script is known to start and to reach its table; no timing it prints
-means anything, so no timing threshold is applied (the row says so), but every comparison runs.
+are lowered for it only, the 'tensor' decode case on four forced CPU devices), so the script is
+known to start and to reach its table; no timing it prints means anything, so no timing
+threshold is applied (the row says so), but every comparison runs.
 The last line counts the checks passed, not run and not applied, and names what failed.
 """
 

@@ -889,9 +889,8 @@ def prefill_section(run: Run, sampling: Sampling, view, layout: str, copy_graphd
 
     args, rows = run.args, sampling.rows
     with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
-        group = first_group_rows(rows, run.recipe.rollout_prefill_rows or rows)
-    prompt = pack(group, args.prompt_len, args.prompt_slots, 0, view)
-    with mesh_lib.use_mesh(view, mesh_lib.DECODE_RULES):
+        group = first_group_rows(rows, run.recipe.rollout_prefill_rows)
+        prompt = pack(group, args.prompt_len, args.prompt_slots, 0, view)
         lowered = sampler.prefill_rows.lower(
             copy_graphdef,
             copy,

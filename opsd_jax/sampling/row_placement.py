@@ -64,7 +64,8 @@ def row_shares(rows: int) -> int:
 
 def first_group_rows(pool_size: int, prefill_rows: int) -> int:
     """The rows of the first prefill into an empty pool of `pool_size` slots, under the active
-    mesh and rules, when the engine prefills at most `prefill_rows` prompts at once: padded as
-    `placed_rows` pads them (what the preflight and bench/scale.py compile)."""
-    count = min(prefill_rows, pool_size)
+    mesh and rules, when the engine prefills at most `prefill_rows` prompts at once (0: all,
+    as the config's rollout_prefill_rows): padded as `placed_rows` pads them (what the
+    preflight and bench/scale.py compile)."""
+    count = min(prefill_rows or pool_size, pool_size)
     return len(placed_rows(range(pool_size), count, row_shares(pool_size), pool_size))
